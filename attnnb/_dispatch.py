@@ -1,0 +1,177 @@
+"""Backend registry and selection.
+
+Implementations are registered by *import path* (``"module:function"``) so
+that ``import attnnb`` imports neither Numba nor numba-cuda; a backend's
+module is imported the first time one of its operations is called.
+
+Selection order for ``backend=None``: the innermost :func:`use_backend`
+context, then the ``ATTNNB_BACKEND`` environment variable, then ``"auto"``
+(``"cuda"`` when any input is a CUDA device array, otherwise ``"cpu"``).
+A backend that cannot run raises :class:`RuntimeError` saying why; nothing
+ever falls back silently to another backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+BACKENDS = ("reference", "cpu", "cuda")
+
+# (operation, backend) -> "module:function"
+_REGISTRY: dict[tuple[str, str], str] = {}
+_LOADED: dict[tuple[str, str], Callable] = {}
+_LOCK = threading.Lock()
+_CONTEXT = threading.local()
+
+
+def register(operation: str, backend: str, target: str) -> None:
+    """Register ``target`` (``"package.module:function"``) for ``(operation, backend)``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    _REGISTRY[(operation, backend)] = target
+
+
+def _availability(backend: str) -> tuple[bool, str]:
+    if backend == "reference":
+        return True, "NumPy, float64"
+    if backend == "cpu":
+        try:
+            import numba
+        except Exception as exc:  # pragma: no cover - numba is a dependency
+            return False, f"numba cannot be imported: {exc}"
+        return True, f"numba {numba.__version__}"
+    if backend == "cuda":
+        return _cuda_availability()
+    return False, f"unknown backend {backend!r}"
+
+
+_CUDA_STATUS: tuple[bool, str] | None = None
+
+
+def _cuda_availability() -> tuple[bool, str]:
+    global _CUDA_STATUS
+    if _CUDA_STATUS is None:
+        _CUDA_STATUS = _probe_cuda()
+    return _CUDA_STATUS
+
+
+def _probe_cuda() -> tuple[bool, str]:
+    try:
+        from numba import cuda
+    except Exception as exc:
+        return False, f"numba.cuda cannot be imported ({exc}); pip install 'attnnb[cuda]'"
+    simulated = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+    try:
+        if not cuda.is_available():
+            return False, "no CUDA driver or no CUDA device found (numba.cuda.is_available() is False)"
+        if simulated:
+            return True, "Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1)"
+        dev = cuda.get_current_device()
+        name = dev.name.decode() if isinstance(dev.name, bytes) else dev.name
+        return True, f"{name}, compute capability {dev.compute_capability}"
+    except Exception as exc:
+        return False, f"CUDA is not usable: {exc}"
+
+
+def backends() -> dict[str, tuple[bool, str]]:
+    """Which backends run here, and why (not).
+
+    Returns
+    -------
+    dict
+        ``{name: (available, reason)}`` for ``"reference"``, ``"cpu"`` and
+        ``"cuda"``.
+    """
+    return {name: _availability(name) for name in BACKENDS}
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[str]:
+    """Context manager: calls with ``backend=None`` inside use ``name``.
+
+    The setting is per thread.  ``name`` may be ``"auto"``.
+    """
+    if name not in BACKENDS + ("auto",):
+        raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}; got {name!r}")
+    stack = getattr(_CONTEXT, "stack", None)
+    if stack is None:
+        stack = _CONTEXT.stack = []
+    stack.append(name)
+    try:
+        yield name
+    finally:
+        stack.pop()
+
+
+def choose_backend(backend: str | None, on_device: bool) -> str:
+    """Resolve ``backend`` (None, "auto" or a name) to a backend that can run."""
+    if backend is None:
+        stack = getattr(_CONTEXT, "stack", None)
+        backend = stack[-1] if stack else os.environ.get("ATTNNB_BACKEND", "auto") or "auto"
+        source = "ATTNNB_BACKEND" if not stack else "use_backend()"
+    else:
+        source = "backend"
+    if backend == "auto":
+        backend = "cuda" if on_device else "cpu"
+    if backend not in BACKENDS:
+        raise ValueError(f"{source} must be one of {BACKENDS + ('auto',)}; got {backend!r}")
+    if on_device and backend != "cuda":
+        raise TypeError(
+            f"inputs are CUDA device arrays but backend {backend!r} runs on the host; "
+            "use backend='cuda' or copy the arrays to the host first"
+        )
+    ok, why = _availability(backend)
+    if not ok:
+        raise RuntimeError(f"backend {backend!r} is not available: {why}")
+    return backend
+
+
+def implementation(operation: str, backend: str) -> Callable:
+    """The callable registered for ``(operation, backend)``, importing it on first use."""
+    key = (operation, backend)
+    fn = _LOADED.get(key)
+    if fn is not None:
+        return fn
+    target = _REGISTRY.get(key)
+    if target is None:
+        raise RuntimeError(f"operation {operation!r} is not implemented on backend {backend!r}")
+    module, _, name = target.partition(":")
+    with _LOCK:
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except (ModuleNotFoundError, AttributeError) as exc:
+            if module not in str(exc) and name not in str(exc):
+                raise
+            raise RuntimeError(
+                f"operation {operation!r} is not implemented on backend {backend!r}"
+            ) from exc
+        _LOADED[key] = fn
+    return fn
+
+
+def call(operation: str, backend: str | None, on_device: bool, *args, **kwargs):
+    """Resolve the backend and run ``operation`` on it."""
+    chosen = choose_backend(backend, on_device)
+    return implementation(operation, chosen)(*args, **kwargs)
+
+
+# Every operation, and where each backend implements it: the function
+# ``attnnb.<backend>.<module>:<function>``, called with the canonical problem
+# (and operation-specific arguments) built by the public function.
+OPERATIONS = {
+    "attention": ("attention", "attention"),
+    "sparse_attention": ("sparse", "sparse_attention"),
+    "topk_attention": ("topk", "topk_attention"),
+    "diff_attention": ("diff", "diff_attention"),
+    "tome_match": ("tome", "match"),
+    "tome_merge": ("tome", "merge"),
+    "tome_unmerge": ("tome", "unmerge"),
+}
+
+for _op, (_module, _function) in OPERATIONS.items():
+    for _backend in BACKENDS:
+        register(_op, _backend, f"attnnb.{_backend}.{_module}:{_function}")

@@ -1,0 +1,357 @@
+"""Argument checking and canonicalisation shared by every public function.
+
+Public functions call these helpers to turn user input into a canonical
+problem (4-D ``(B, H, L, D)`` arrays in the compute dtype, broadcast views
+for masks and biases) before any numerical work starts.  Every error names
+the argument, what was received and what was expected.
+
+Nothing here computes attention and nothing here writes to its inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+NORMALIZERS = ("softmax", "softmax1", "relu_expm1")
+
+
+def is_device_array(x: Any) -> bool:
+    """True when ``x`` is a CUDA device array (CuPy, PyTorch CUDA, Numba, simulator).
+
+    Imports ``numba.cuda`` only when ``x`` looks like a device array, so that
+    host-only use never pays for (or fails on) the CUDA import.
+    """
+    if isinstance(x, np.ndarray) or x is None:
+        return False
+    if not (hasattr(x, "__cuda_array_interface__") or hasattr(x, "__cuda_ndarray__")):
+        return False
+    try:
+        from numba import cuda
+    except Exception:  # pragma: no cover - numba-cuda missing
+        return False
+    return bool(cuda.is_cuda_array(x))
+
+
+def float_dtype_of(name: str, dtype: np.dtype) -> np.dtype:
+    """Check that ``dtype`` is a real floating dtype; return it."""
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f":
+        raise TypeError(
+            f"{name} must have a floating dtype (float16, float32 or float64); got {dtype}"
+        )
+    return dtype
+
+
+def host_float_array(name: str, x: Any) -> np.ndarray:
+    """``np.asarray(x)``, rejecting integer, bool, complex and object data."""
+    if x is None:
+        raise TypeError(f"{name} must be an array, got None")
+    try:
+        arr = np.asarray(x)
+    except Exception as exc:  # e.g. ragged lists
+        raise TypeError(f"{name} could not be read as a NumPy array: {exc}") from exc
+    float_dtype_of(name, arr.dtype)
+    return arr
+
+
+def compute_dtypes(*dtypes: np.dtype) -> tuple[np.dtype, np.dtype]:
+    """Return ``(compute_dtype, output_dtype)`` for the given input dtypes.
+
+    The output dtype follows ``np.result_type``; float16 (and anything
+    narrower than float32) is computed in float32.
+    """
+    out = np.result_type(*dtypes)
+    comp = np.dtype(np.float64) if out == np.float64 else np.dtype(np.float32)
+    if out.itemsize > 8:  # longdouble: computed and returned as float64
+        out = comp = np.dtype(np.float64)
+    return comp, out
+
+
+def lse_dtype(out_dtype: np.dtype) -> np.dtype:
+    """LSE is float32 for float16 inputs, else the output dtype."""
+    return np.dtype(np.float32) if out_dtype == np.float16 else out_dtype
+
+
+def check_normalizer(normalizer: str) -> str:
+    if normalizer not in NORMALIZERS:
+        raise ValueError(f"normalizer must be one of {NORMALIZERS}; got {normalizer!r}")
+    return normalizer
+
+
+def check_scale(scale: Any, head_dim: int) -> float:
+    """Return the logit scale; ``None`` means ``1 / sqrt(head_dim)``."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not np.isscalar(scale):
+        raise TypeError(f"scale must be a real number or None; got {type(scale).__name__}")
+    try:
+        value = float(scale)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"scale must be a real number or None; got {scale!r}") from exc
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite; got {value}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False; got {value!r}")
+    return bool(value)
+
+
+@dataclass
+class Problem:
+    """A canonical attention problem handed to a backend.
+
+    Attributes
+    ----------
+    q, k, v : arrays ``(B, Hq, Lq, D)``, ``(B, Hk, Lk, D)``, ``(B, Hk, Lk, Dv)``
+        In the compute dtype, C-contiguous (host) or device arrays (cuda).
+    mask : bool array broadcast to ``(B, Hq, Lq, Lk)`` or None
+        True = may attend.  A broadcast view: it costs no memory.
+    bias : array broadcast to ``(B, Hq, Lq, Lk)`` or None
+    log_key_size : array broadcast to ``(B, Lk)`` or None
+        ``log(key_size)``; the kernels add it to the logits.
+    causal : bool
+        Bottom-right aligned: key ``j`` allowed for query ``i`` when
+        ``j <= i + Lk - Lq``.
+    scale : float
+    normalizer : str
+    batch_shape : tuple
+        The user's leading batch dimensions (``()`` for 3-D input).
+    squeeze_head : bool
+        The user passed 2-D ``(L, D)`` arrays: drop the head axis on output.
+    out_dtype : numpy dtype
+        The dtype the public function returns.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    mask: Any = None
+    bias: Any = None
+    log_key_size: Any = None
+    causal: bool = False
+    scale: float = 1.0
+    normalizer: str = "softmax"
+    batch_shape: tuple = ()
+    squeeze_head: bool = False
+    out_dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float32))
+    on_device: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int, int]:
+        """``(B, Hq, Hk, Lq, Lk, D, Dv)``."""
+        B, Hq, Lq, D = self.q.shape
+        Hk, Lk, Dv = self.k.shape[1], self.k.shape[2], self.v.shape[3]
+        return B, Hq, Hk, Lq, Lk, D, Dv
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        return np.dtype(self.q.dtype)
+
+    def restore(self, out: Any, lse: Any = None):
+        """Reshape canonical results back to the user's layout and dtype."""
+        B, Hq, _, Lq, _, _, Dv = self.shape
+        shape = self.batch_shape + ((Lq,) if self.squeeze_head else (Hq, Lq))
+        out = out.reshape(shape + (Dv,))
+        if lse is not None:
+            lse = lse.reshape(shape)
+        if not self.on_device:
+            out = out.astype(self.out_dtype, copy=False)
+            if lse is not None:
+                lse = lse.astype(lse_dtype(self.out_dtype), copy=False)
+        return out, lse
+
+
+def _split_qkv_shapes(q_shape, k_shape, v_shape, *, q_name="q", k_name="k", v_name="v"):
+    """Check the SDPA shape rules; return ``(batch_shape, squeeze_head)``."""
+    nd = len(q_shape)
+    if nd < 2:
+        raise ValueError(
+            f"{q_name} must have at least 2 dimensions (L, D); got shape {tuple(q_shape)}"
+        )
+    for name, shp in ((k_name, k_shape), (v_name, v_shape)):
+        if len(shp) != nd:
+            raise ValueError(
+                f"{name} must have the same number of dimensions as {q_name} ({nd}); "
+                f"got shape {tuple(shp)} against {q_name} {tuple(q_shape)}"
+            )
+    if nd == 2:
+        return (), True
+    batch = tuple(q_shape[:-3])
+    for name, shp in ((k_name, k_shape), (v_name, v_shape)):
+        if tuple(shp[:-3]) != batch:
+            raise ValueError(
+                f"{name}'s batch dimensions {tuple(shp[:-3])} must equal {q_name}'s {batch}"
+            )
+    return batch, False
+
+
+def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=False):
+    """Check shapes and dtypes of q, k, v; return canonical 4-D arrays and facts.
+
+    Returns
+    -------
+    q4, k4, v4 : arrays ``(B, Hq, Lq, D)``, ``(B, Hk, Lk, D)``, ``(B, Hk, Lk, Dv)``
+        Host inputs become C-contiguous arrays in the compute dtype (a copy
+        only where needed); device inputs stay on the device.
+    batch_shape, squeeze_head, out_dtype, on_device
+    """
+    on_dev = [is_device_array(x) for x in (q, k, v)]
+    if any(on_dev) and not all(on_dev):
+        names = [n for n, d in zip((q_name, k_name, v_name), on_dev) if not d]
+        raise TypeError(
+            f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} on the host while the "
+            "other inputs are CUDA device arrays; pass all of q, k, v on the same side"
+        )
+    if all(on_dev):
+        from numba import cuda
+
+        # Numba device arrays (also the simulator's) are used as they are; other
+        # objects exposing __cuda_array_interface__ are wrapped without a copy.
+        arrs = [x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x) for x in (q, k, v)]
+        for name, a in zip((q_name, k_name, v_name), arrs):
+            float_dtype_of(name, a.dtype)
+    else:
+        arrs = [host_float_array(n, x) for n, x in zip((q_name, k_name, v_name), (q, k, v))]
+    qa, ka, va = arrs
+    batch, squeeze = _split_qkv_shapes(qa.shape, ka.shape, va.shape,
+                                       q_name=q_name, k_name=k_name, v_name=v_name)
+    D = qa.shape[-1]
+    if ka.shape[-1] != D:
+        raise ValueError(
+            f"{k_name}'s last axis ({ka.shape[-1]}) must equal {q_name}'s head dimension "
+            f"({D}); got {k_name} {tuple(ka.shape)}, {q_name} {tuple(qa.shape)}"
+        )
+    if va.shape[-2] != ka.shape[-2]:
+        raise ValueError(
+            f"{v_name} must have as many keys as {k_name}: {v_name} {tuple(va.shape)} has "
+            f"{va.shape[-2]}, {k_name} {tuple(ka.shape)} has {ka.shape[-2]}"
+        )
+    if not squeeze and va.shape[-3] != ka.shape[-3]:
+        raise ValueError(
+            f"{v_name} must have as many heads as {k_name}: got {va.shape[-3]} and {ka.shape[-3]}"
+        )
+    if D == 0:
+        raise ValueError(f"{q_name}'s head dimension (last axis) must be > 0; got shape "
+                         f"{tuple(qa.shape)}")
+    if not squeeze:
+        Hq, Hk = qa.shape[-3], ka.shape[-3]
+        if head_pairs:
+            for name, H in ((q_name, Hq), (k_name, Hk)):
+                if H % 2:
+                    raise ValueError(
+                        f"{name} must have an even number of heads (pairs 2h, 2h+1); got {H}"
+                    )
+            Hq, Hk = Hq // 2, Hk // 2
+        if Hk == 0 or Hq % Hk:
+            raise ValueError(
+                f"{q_name}'s heads ({qa.shape[-3]}) must be a multiple of {k_name}'s heads "
+                f"({ka.shape[-3]}) for grouped-query attention"
+            )
+    comp, out_dtype = compute_dtypes(qa.dtype, ka.dtype, va.dtype)
+
+    def to4(a):
+        if squeeze:
+            return a.reshape((1, 1) + tuple(a.shape))
+        B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+        return a.reshape((B,) + tuple(a.shape[-3:]))
+
+    if all(on_dev):
+        out = [to4(a) for a in arrs]
+    else:
+        out = [np.ascontiguousarray(to4(a), dtype=comp) for a in arrs]
+    return out[0], out[1], out[2], batch, squeeze, out_dtype, all(on_dev)
+
+
+def _user_full_shape(batch_shape, squeeze, Hq, Lq, Lk):
+    return batch_shape + ((Lq, Lk) if squeeze else (Hq, Lq, Lk))
+
+
+def broadcast_pairwise(name, x, batch_shape, squeeze, B, Hq, Lq, Lk, dtype):
+    """Broadcast a mask or bias to the canonical ``(B, Hq, Lq, Lk)`` as a view.
+
+    The cast to ``dtype`` happens on the user's (unbroadcast) shape, so a
+    ``(Lk,)`` key-padding mask never grows to ``Lq * Lk``.
+    """
+    if x is None:
+        return None
+    arr = np.asarray(x)
+    if dtype == np.bool_:
+        if arr.dtype != np.bool_:
+            raise TypeError(f"{name} must be a boolean array (True = may attend); "
+                            f"got dtype {arr.dtype}")
+    else:
+        if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
+            raise TypeError(f"{name} must be a real numeric array; got dtype {arr.dtype}")
+        arr = arr.astype(dtype, copy=False)
+    full = _user_full_shape(batch_shape, squeeze, Hq, Lq, Lk)
+    try:
+        view = np.broadcast_to(arr, full)
+    except ValueError:
+        raise ValueError(
+            f"{name} of shape {arr.shape} cannot be broadcast to {full} "
+            "(batch..., heads, queries, keys)"
+        ) from None
+    return view.reshape(B, Hq, Lq, Lk) if view.size else np.zeros((B, Hq, Lq, Lk), arr.dtype)
+
+
+def log_key_sizes(key_size, batch_shape, squeeze, B, Lk, dtype):
+    """Check ``key_size`` (positive, broadcastable to ``(*batch, Lk)``); return its log.
+
+    The result is a ``(B, Lk)`` array in the compute dtype.
+    """
+    if key_size is None:
+        return None
+    arr = np.asarray(key_size)
+    if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
+        raise TypeError(f"key_size must be a real numeric array; got dtype {arr.dtype}")
+    if arr.ndim >= 1 and arr.shape[-1] == 1 and arr.ndim == len(batch_shape) + 2:
+        arr = arr[..., 0]  # accept ToMe's (B, N, 1) size layout
+    full = batch_shape + (Lk,)
+    try:
+        view = np.broadcast_to(arr, full)
+    except ValueError:
+        raise ValueError(
+            f"key_size of shape {arr.shape} cannot be broadcast to {full} (batch..., keys)"
+        ) from None
+    with np.errstate(invalid="ignore"):
+        bad = ~(arr > 0)
+    if np.any(bad):
+        raise ValueError("key_size must be positive (and not NaN) everywhere; "
+                         f"got minimum {np.nanmin(arr) if arr.size else None}")
+    logs = np.log(view.astype(np.float64)).astype(dtype)
+    return np.ascontiguousarray(logs.reshape(B, Lk))
+
+
+def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=False,
+                      scale=None, normalizer="softmax", head_pairs=False) -> Problem:
+    """Validate the arguments of :func:`attnnb.attention` into a :class:`Problem`."""
+    check_normalizer(normalizer)
+    causal = check_bool("causal", causal)
+    q4, k4, v4, batch, squeeze, out_dtype, on_dev = canonical_qkv(q, k, v, head_pairs=head_pairs)
+    B, Hq, Lq, D = q4.shape
+    Lk = k4.shape[2]
+    if head_pairs:
+        Hq //= 2
+    comp = np.dtype(q4.dtype) if not on_dev else compute_dtypes(q4.dtype, k4.dtype, v4.dtype)[0]
+    scl = check_scale(scale, D)
+    prob = Problem(q4, k4, v4, causal=causal, scale=scl, normalizer=normalizer,
+                   batch_shape=batch, squeeze_head=squeeze, out_dtype=out_dtype,
+                   on_device=on_dev)
+    for name, x in (("mask", mask), ("bias", bias), ("key_size", key_size)):
+        if x is not None and is_device_array(x) != on_dev:
+            side = "device" if on_dev else "host"
+            raise TypeError(f"{name} must be on the {side} like q, k, v")
+    if on_dev:
+        prob.mask, prob.bias, prob.log_key_size = mask, bias, key_size  # cuda backend checks
+        return prob
+    prob.mask = broadcast_pairwise("mask", mask, batch, squeeze, B, Hq, Lq, Lk, np.bool_)
+    prob.bias = broadcast_pairwise("bias", bias, batch, squeeze, B, Hq, Lq, Lk, comp)
+    prob.log_key_size = log_key_sizes(key_size, batch, squeeze, B, Lk, comp)
+    return prob

@@ -1,0 +1,61 @@
+"""Dense attention: :func:`attention`."""
+
+from __future__ import annotations
+
+from . import _dispatch
+from ._validate import attention_problem, check_bool
+
+
+def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
+              normalizer="softmax", return_lse=False, backend=None):
+    """Scaled dot-product attention with masks, bias, key sizes and other normalizers.
+
+    Parameters
+    ----------
+    q : array ``(*batch, Hq, Lq, D)`` or ``(Lq, D)``
+    k : array ``(*batch, Hk, Lk, D)`` or ``(Lk, D)``
+        ``Hq`` must be a multiple of ``Hk`` (grouped-query attention: query
+        head ``h`` uses key head ``h // (Hq // Hk)``).
+    v : array ``(*batch, Hk, Lk, Dv)`` or ``(Lk, Dv)``
+    mask : bool array broadcastable to ``(*batch, Hq, Lq, Lk)``, optional
+        True where query ``i`` may attend key ``j``.
+    bias : array broadcastable to ``(*batch, Hq, Lq, Lk)``, optional
+        Added to the scaled logits.
+    key_size : positive array broadcastable to ``(*batch, Lk)``, optional
+        Proportional attention (Token Merging): key ``j`` counts as
+        ``key_size[j]`` identical keys.  ToMe's ``(B, N, 1)`` size arrays are
+        accepted as they are.
+    causal : bool
+        Key ``j`` is allowed for query ``i`` only when ``j <= i + Lk - Lq``
+        (bottom-right aligned, as FlashAttention).
+    scale : float, optional
+        Logit scale, default ``1 / sqrt(D)``.
+    normalizer : {"softmax", "softmax1", "relu_expm1"}
+        ``softmax1`` adds 1 to the denominator (a head may attend to
+        nothing); ``relu_expm1`` uses ``max(0, exp(s) - 1)`` as the kernel.
+    return_lse : bool
+        Also return ``lse = log sum_j key_size[j] * phi(s[i, j])`` over the
+        allowed set (without softmax1's ``+1``).
+    backend : {None, "auto", "reference", "cpu", "cuda"}
+        None reads :func:`attnnb.use_backend`, then ``ATTNNB_BACKEND``,
+        then "auto" (cuda for device arrays, else cpu).
+
+    Returns
+    -------
+    out : array ``(*batch, Hq, Lq, Dv)`` (``(Lq, Dv)`` for 2-D input)
+        In the result dtype of q, k, v (float16 is computed in float32).
+        Rows with no allowed key, or whose weights sum to zero, are zero.
+    lse : array ``(*batch, Hq, Lq)``, only with ``return_lse=True``
+        Float32 for float16 inputs; ``-inf`` on empty rows.
+
+    Notes
+    -----
+    Choices where the contract is silent: a zero head dimension ``D`` is a
+    ``ValueError``; a longdouble input is computed and returned as float64.
+    """
+    return_lse = check_bool("return_lse", return_lse)
+    problem = attention_problem(q, k, v, mask=mask, bias=bias, key_size=key_size,
+                                causal=causal, scale=scale, normalizer=normalizer)
+    out, lse = _dispatch.call("attention", backend, problem.on_device, problem)
+    out, lse = problem.restore(out, lse)
+    return (out, lse) if return_lse else out

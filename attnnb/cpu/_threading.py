@@ -1,0 +1,61 @@
+"""Choose a Numba threading layer that survives both threads and ``fork``.
+
+Numba's default here is GNU OpenMP, which kills a process forked after a
+parallel call when the child runs a parallel region; ``workqueue`` aborts
+on concurrent calls from Python threads.  Intel TBB handles both, so when
+the ``tbb`` wheel is installed we load its shared library before Numba's
+first parallel call (``pip install tbb`` puts ``libtbb.so.12`` in the
+environment's ``lib/``, where Numba does not look), and Numba's default
+priority (tbb, omp, workqueue) then picks it.
+
+If TBB cannot be loaded, kernels called in a process forked after a
+parallel call run their serial twins instead (:func:`in_forked_child`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+
+_forked = False
+
+
+def _load_tbb() -> bool:
+    names = ["libtbb.so.12", "libtbb.so", "libtbb.12.dylib", "tbb12.dll"]
+    dirs = [os.path.join(sys.prefix, "lib"), os.path.join(sys.prefix, "Library", "bin")]
+    for d in dirs:
+        for name in names:
+            for path in glob.glob(os.path.join(d, name)):
+                try:
+                    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                    return True
+                except OSError:
+                    continue
+    return False
+
+
+TBB_PRELOADED = _load_tbb()
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def in_forked_child() -> bool:
+    """True in a forked child whose threading layer may not survive the fork."""
+    if not _forked:
+        return False
+    import numba
+
+    layer = getattr(numba, "threading_layer", None)
+    try:
+        return layer() != "tbb" if layer else True
+    except ValueError:  # no parallel region has run in this process yet
+        return False

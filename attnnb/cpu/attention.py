@@ -1,0 +1,98 @@
+"""Dense attention on the CPU: the tiled core swept over every key tile."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from ._jit import kernel, launch
+from ._tiles import (
+    NORMALIZER_CODES,
+    TILE_K,
+    TILE_Q,
+    finish_rows,
+    modify_logits,
+    online_update,
+    scaled_rows,
+    tile_logits,
+    value_tiles_finite,
+)
+
+
+@kernel
+def attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
+                     normalizer, v_ok, out, lse):
+    """One task per (batch, query head, query tile); see :mod:`attnnb.cpu._tiles`.
+
+    With ``causal`` the sweep stops at the last key tile the tile's last
+    query may see, and only tiles that cross the diagonal are masked
+    element by element.
+    """
+    B, Hq, Lq, D = q.shape
+    Hk, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    group = Hq // Hk
+    n_qt = (Lq + TILE_Q - 1) // TILE_Q
+    n_kt = (Lk + TILE_K - 1) // TILE_K
+    diag = Lk - Lq if causal else Lk  # j > i + diag is masked; Lk disables it
+    for task in prange(B * Hq * n_qt):
+        b = task // (Hq * n_qt)
+        h = (task // n_qt) % Hq
+        i0 = (task % n_qt) * TILE_Q
+        nq = min(TILE_Q, Lq - i0)
+        g = h // group
+        kh, vh = k[b, g], v[b, g]
+        q_flat = np.empty(TILE_Q * D, q.dtype)
+        S_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+        P_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+        F_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+        T_flat = np.empty(TILE_Q * Dv, q.dtype)
+        m = np.full(nq, -np.inf, q.dtype)
+        l = np.zeros(nq, q.dtype)
+        acc = np.zeros((nq, Dv), q.dtype)
+        qs = scaled_rows(q[b, h], i0, nq, scale, q_flat)
+        last = n_kt
+        if causal:
+            last = min(n_kt, max(0, (i0 + nq - 1 + diag) // TILE_K + 1))
+        for t in range(last):
+            j0 = t * TILE_K
+            nk = min(TILE_K, Lk - j0)
+            S = tile_logits(qs, kh, j0, nk, S_flat)
+            F = S_flat[: nq * nk].reshape((nq, nk)) if normalizer != 2 else \
+                F_flat[: nq * nk].reshape((nq, nk))
+            modify_logits(S, F, i0, j0, diag, bias[b, h], has_bias, mask[b, h], has_mask,
+                          logks[b], has_ks, normalizer)
+            online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_ok[b, g, t], normalizer)
+        finish_rows(acc, m, l, normalizer, out[b, h, i0 : i0 + nq], lse[b, h, i0 : i0 + nq])
+
+
+def _dummy_pairwise(dtype):
+    return np.broadcast_to(np.zeros((), dtype), (1, 1, 1, 1))
+
+
+def kernel_arguments(problem):
+    """Host-side arrays for the kernel: always-present placeholders keep one signature."""
+    dt = problem.q.dtype
+    B, Hq, _, Lq, Lk, _, _ = problem.shape
+    bias = problem.bias if problem.bias is not None else _dummy_pairwise(dt)
+    mask = problem.mask if problem.mask is not None else _dummy_pairwise(np.bool_)
+    if problem.log_key_size is not None:
+        logks = problem.log_key_size
+    else:
+        logks = np.zeros((1, 1), dt)
+    return bias, mask, logks
+
+
+def attention(problem):
+    """Run dense attention of a canonical problem; returns ``(out, lse)``."""
+    q, k, v = problem.q, problem.k, problem.v
+    B, Hq, _, Lq, Lk, _, Dv = problem.shape
+    out = np.empty((B, Hq, Lq, Dv), q.dtype)
+    lse = np.empty((B, Hq, Lq), q.dtype)
+    if out.size == 0 and lse.size == 0:
+        return out, lse
+    bias, mask, logks = kernel_arguments(problem)
+    launch(attention_kernel, q, k, v, q.dtype.type(problem.scale), bias,
+           problem.bias is not None, mask, problem.mask is not None, logks,
+           problem.log_key_size is not None, problem.causal,
+           NORMALIZER_CODES[problem.normalizer], value_tiles_finite(v), out, lse)
+    return out, lse
