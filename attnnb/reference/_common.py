@@ -58,7 +58,7 @@ def normalize(s, allowed, log_key_size=None, normalizer="softmax"):
     else:
         counted = allowed
     t = np.where(counted, t, -np.inf)
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         m = np.max(t, axis=-1, keepdims=True) if t.shape[-1] else np.full(
             t.shape[:-1] + (1,), -np.inf)
         m_safe = np.where(np.isneginf(m), 0.0, m)
