@@ -34,8 +34,9 @@ def _version(dist: str) -> str | None:
 
 def _threading_facts() -> tuple[str, int]:
     """Numba's threading layer (after a tiny parallel call) and thread count."""
-    import attnnb.cpu  # noqa: F401  (selects the threading layer before the first call)
     import numba
+
+    import attnnb.cpu  # noqa: F401  (selects the threading layer before the first call)
 
     @numba.njit(parallel=True, cache=False)
     def _tiny(n):
@@ -104,7 +105,7 @@ def compare(actual, expected) -> tuple[float, float]:
     if len(actual) != len(expected):
         return float("inf"), 0.0
     worst, tol = 0.0, float("inf")
-    for a, e in zip(actual, expected):
+    for a, e in zip(actual, expected, strict=True):
         a, e = np.asarray(a), np.asarray(e)
         tol = min(tol, TOLERANCE.get(e.dtype, 1e-10))
         if a.shape != e.shape or a.dtype != e.dtype:
