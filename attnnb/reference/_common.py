@@ -88,9 +88,10 @@ def apply_weights(w, v, allowed):
         return np.matmul(w, v)
     B, H, Lq, _ = w.shape
     out = np.zeros((B, H, Lq, v.shape[-1]))
-    for b in range(B):
-        for h in range(H):
-            for i in range(Lq):
-                sel = allowed[b, h, i]
-                out[b, h, i] = w[b, h, i, sel] @ v[b, h, sel]
+    with np.errstate(invalid="ignore"):  # 0 * inf = NaN is the propagation we want
+        for b in range(B):
+            for h in range(H):
+                for i in range(Lq):
+                    sel = allowed[b, h, i]
+                    out[b, h, i] = w[b, h, i, sel] @ v[b, h, sel]
     return out
