@@ -142,7 +142,7 @@ def cmd_check(args) -> int:
                 print(f"error: backend {name!r} is not available: {avail[name][1]}",
                       file=sys.stderr)
                 return 2
-        targets = [n for n in args.backend if n != "reference"]
+        targets = list(dict.fromkeys(args.backend))  # reference vs itself is allowed
     else:
         targets = [n for n, (ok, _) in avail.items() if ok and n != "reference"]
         for name, (ok, why) in avail.items():
