@@ -67,8 +67,7 @@ def _probe_cuda() -> tuple[bool, str]:
     simulated = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
     try:
         if not cuda.is_available():
-            return False, ("no CUDA driver or no CUDA device found "
-                           "(numba.cuda.is_available() is False)")
+            return False, "no CUDA driver or no CUDA device found (numba.cuda.is_available() is False)"
         if simulated:
             return True, "Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1)"
         dev = cuda.get_current_device()

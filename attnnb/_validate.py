@@ -210,7 +210,7 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
     """
     on_dev = [is_device_array(x) for x in (q, k, v)]
     if any(on_dev) and not all(on_dev):
-        names = [n for n, d in zip((q_name, k_name, v_name), on_dev, strict=True) if not d]
+        names = [n for n, d in zip((q_name, k_name, v_name), on_dev) if not d]
         raise TypeError(
             f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} on the host while the "
             "other inputs are CUDA device arrays; pass all of q, k, v on the same side"
@@ -221,11 +221,10 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
         # Numba device arrays (also the simulator's) are used as they are; other
         # objects exposing __cuda_array_interface__ are wrapped without a copy.
         arrs = [x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x) for x in (q, k, v)]
-        for name, a in zip((q_name, k_name, v_name), arrs, strict=True):
+        for name, a in zip((q_name, k_name, v_name), arrs):
             float_dtype_of(name, a.dtype)
     else:
-        arrs = [host_float_array(n, x)
-                for n, x in zip((q_name, k_name, v_name), (q, k, v), strict=True)]
+        arrs = [host_float_array(n, x) for n, x in zip((q_name, k_name, v_name), (q, k, v))]
     qa, ka, va = arrs
     batch, squeeze = _split_qkv_shapes(qa.shape, ka.shape, va.shape,
                                        q_name=q_name, k_name=k_name, v_name=v_name)

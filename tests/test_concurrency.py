@@ -49,6 +49,20 @@ def test_threads_give_identical_results():
         np.testing.assert_array_equal(lse, want[1])
 
 
+def test_thread_count_changes_nothing():
+    import numba
+
+    want = work(4)
+    n = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        got = work(4)
+    finally:
+        numba.set_num_threads(n)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 def test_fork_after_calls_process_pool():
     want = [work(s) for s in range(3)]  # the parent has run parallel regions
     with cf.ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as pool:
