@@ -69,7 +69,12 @@ def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads
             j0 = t * TILE_K
             nk = min(TILE_K, Lk - j0)
             S = tile_logits(qs, kh, j0, nk, S_flat)
-            if not tile_full[p]:
+            if tile_full[p]:
+                # every row holds exactly the tile's nk keys: step over them, so that
+                # the next partial tile finds its first key without a scan
+                for r in range(nq):
+                    cursor[r] += nk
+            else:
                 csr_tile_mask(S, indptr, indices, row0, j0, cursor)
             F = F_flat[: nq * nk].reshape((nq, nk)) if normalizer == RELU_EXPM1 else S
             modify_logits(S, F, i0, j0, Lk, bias[0, 0], False, mask[0, 0], False, logks[b],
