@@ -92,8 +92,8 @@ def row_threshold(row, n, top_k, buf):
     ``row[j] == thr and j <= cut``, or ``row[j]`` is NaN -- exactly ``top_k``
     keys when more than ``top_k`` are allowed, ties to the lower index.
     With at most ``top_k`` allowed keys every one is kept (``thr = -inf``,
-    ``cut = -1``); a row holding a NaN keeps everything (``cut = n``) so
-    that the NaN propagates.  ``buf`` is ``O(n)`` scratch.
+    ``cut = -1``); ``top_k = 0`` keeps nothing; a row holding a NaN keeps
+    everything (``cut = n``) so that the NaN propagates.  ``buf`` is ``O(n)`` scratch.
     """
     ninf = -np.inf
     cnt = 0
@@ -106,6 +106,8 @@ def row_threshold(row, n, top_k, buf):
             cnt += 1
     if cnt <= top_k:
         return ninf, -1
+    if top_k == 0:
+        return np.inf, -1
     thr = kth_smallest(buf, cnt, cnt - top_k)
     need = top_k
     for j in range(n):
