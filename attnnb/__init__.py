@@ -8,9 +8,12 @@ backend and a numba.cuda ``cuda`` backend behind one dispatcher.
 ``import attnnb`` imports NumPy only; Numba loads on the first cpu call.
 """
 
+from . import patterns
 from ._dispatch import backends, use_backend
 from .attention import attention
+from .sparse import sparse_attention, topk_attention
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "backends", "use_backend", "__version__"]
+__all__ += ["patterns", "sparse_attention", "topk_attention"]
