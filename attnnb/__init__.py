@@ -8,9 +8,11 @@ backend and a numba.cuda ``cuda`` backend behind one dispatcher.
 ``import attnnb`` imports NumPy only; Numba loads on the first cpu call.
 """
 
+from . import diff as diff  # attnnb.diff: lambda_init, reparam_lambda, subln
 from ._dispatch import backends, use_backend
 from .attention import attention
+from .diff import diff_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "backends", "use_backend", "__version__"]
+__all__ = ["attention", "diff_attention", "backends", "use_backend", "__version__"]
