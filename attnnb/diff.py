@@ -186,7 +186,8 @@ def reparam_lambda(lq1, lk1, lq2, lk2, lambda_init):
         raise ValueError("lq1, lk1, lq2 and lk2 must have the same last axis (d); got "
                          f"shapes {[a.shape for a in vecs]}")
     init = _real("lambda_init", lambda_init)
-    dtype = np.result_type(np.float32, *vecs, init)
+    # a scalar lambda_init does not widen float32 vectors (as a Python float would not)
+    dtype = np.result_type(np.float32, *vecs, *([init] if init.ndim else []))
     a1, b1, a2, b2 = (a.astype(dtype, copy=False) for a in vecs)
     try:
         lam = np.exp(np.sum(a1 * b1, axis=-1)) - np.exp(np.sum(a2 * b2, axis=-1)) + init
