@@ -239,9 +239,11 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
             f"{v_name} must have as many keys as {k_name}: {v_name} {tuple(va.shape)} has "
             f"{va.shape[-2]}, {k_name} {tuple(ka.shape)} has {ka.shape[-2]}"
         )
-    if not squeeze and va.shape[-3] != ka.shape[-3]:
+    # with head pairs, v has one head per key pair (2g, 2g+1)
+    if not squeeze and va.shape[-3] * (2 if head_pairs else 1) != ka.shape[-3]:
         raise ValueError(
-            f"{v_name} must have as many heads as {k_name}: got {va.shape[-3]} and {ka.shape[-3]}"
+            f"{v_name} must have {'half as many' if head_pairs else 'as many'} heads as "
+            f"{k_name}: got {va.shape[-3]} and {ka.shape[-3]}"
         )
     if D == 0:
         raise ValueError(f"{q_name}'s head dimension (last axis) must be > 0; got shape "
