@@ -23,7 +23,9 @@ import pytest
 
 import attnnb
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(attnnb.__file__)))
+# subprocesses import this module (as tests.test_concurrency) and the same attnnb
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHONPATH = os.pathsep.join([ROOT, os.path.dirname(os.path.dirname(attnnb.__file__))])
 TIMEOUT = 180  # seconds: a hang (e.g. a Pool after fork under OpenMP) fails, never blocks
 
 
@@ -108,7 +110,7 @@ print(json.dumps({"layer": layer, "tbb_preloaded": TBB_PRELOADED,
 
 def run_script(script, env_extra, timeout=TIMEOUT):
     env = dict(os.environ, **env_extra)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = PYTHONPATH + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
@@ -154,7 +156,7 @@ np.save(sys.argv[1], work(3)[0])
 
 def start_cached_run(out_file, env_extra):
     env = dict(os.environ, NUMBA_DEBUG_CACHE="1", **env_extra)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = PYTHONPATH + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.Popen([sys.executable, "-c", CACHE_SCRIPT, str(out_file)], cwd=ROOT,
                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
