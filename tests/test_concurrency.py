@@ -191,3 +191,40 @@ def test_concurrent_cold_cache_writers(tmp_path):
     assert any("data loaded from" in x for x in log), log
     for name in ("w0", "w1", "load"):
         np.testing.assert_array_equal(np.load(tmp_path / f"{name}.npy"), want, err_msg=name)
+
+
+def test_cache_stamp_covers_the_whole_package():
+    """Every cached dispatcher of attnnb.cpu carries one stamp of all its modules."""
+    from attnnb.cpu import _cache, _tiles
+    from attnnb.cpu.attention import attention_kernel
+
+    work(0)
+    stamp = _cache.package_stamp()
+    assert {name for name, _, _ in stamp} >= {"attention.py", "_tiles.py", "_exp.py"}
+    for fn in (attention_kernel, _tiles.finish_rows):
+        assert fn._cache._cache_file._source_stamp == stamp
+
+
+@pytest.mark.slow
+def test_editing_a_shared_module_invalidates_the_kernel_cache(tmp_path):
+    """Numba alone would load a stale kernel after an edit to _tiles.py (the kernel
+    lives in attention.py): the package-wide stamp makes the next process recompile."""
+    import shutil
+
+    want, _ = work(3)  # the package's own cache is now warm for this signature
+    shutil.copytree(os.path.dirname(attnnb.__file__), tmp_path / "attnnb")  # mtimes kept
+    env = {"PYTHONPATH": str(tmp_path) + os.pathsep + ROOT}
+
+    def start(name):
+        e = dict(os.environ, NUMBA_DEBUG_CACHE="1", **env)
+        return subprocess.Popen([sys.executable, "-c", CACHE_SCRIPT, str(tmp_path / name)],
+                                cwd=str(tmp_path), env=e, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    kernel_cache_log(start("before.npy"))  # warm (or fill) the copy's cache
+    with open(tmp_path / "attnnb" / "cpu" / "_tiles.py", "a") as f:
+        f.write("\n# an edit to a shared module\n")
+    log = kernel_cache_log(start("after.npy"))
+    assert not any("data loaded from" in x for x in log), log
+    assert any("data saved to" in x for x in log), log
+    np.testing.assert_array_equal(np.load(tmp_path / "after.npy"), want)
