@@ -258,7 +258,8 @@ class Pattern:
         """Draw the allowed set of one head; returns the matplotlib ``Figure``.
 
         Grids larger than ``max_pixels`` are shown as the allowed fraction of
-        each cell of a coarser grid.  Needs matplotlib (``pip install
+        each cell of a coarser grid, on a power-law colour scale (gamma 0.4)
+        so that sparse cells stay visible.  Needs matplotlib (``pip install
         'attnnb[plot]'``), imported only here.  Save with
         ``pattern.plot().savefig("pattern.png")``.
         """
@@ -274,7 +275,10 @@ class Pattern:
         else:
             fig = ax.figure
         Lq, Lk = p.shape
-        ax.imshow(image, cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest",
+        from matplotlib.colors import PowerNorm
+
+        ax.imshow(image, cmap="Blues", norm=PowerNorm(0.4, vmin=0.0, vmax=1.0),
+                  interpolation="nearest",
                   extent=(-0.5, Lk - 0.5, Lq - 0.5, -0.5), aspect="auto")
         ax.set_xlabel("key j")
         ax.set_ylabel("query i")

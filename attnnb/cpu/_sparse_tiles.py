@@ -23,13 +23,16 @@ from ._jit import inner
 
 
 @inner
-def csr_tile_mask(S, indptr, indices, row0, j0, cursor):
+def csr_tile_mask(S, indptr, indices, row0, j0, cursor, keep):
     """Set ``S[r, c] = -inf`` unless key ``j0 + c`` is in CSR row ``row0 + r``.
 
     ``S`` is the ``(nq, nk)`` tile of keys ``j0 .. j0 + nk - 1``.  ``cursor[r]``
     is a position in row ``row0 + r`` no later than its first key ``>= j0``;
     it is advanced past the tile, so visiting a row's tiles in increasing
     order reads each stored key once (cost O(tile + allowed keys)).
+    ``keep`` is scratch of at least ``nk`` values: each row's allowed logits
+    are set aside, the row is filled with ``-inf`` (a vectorised store) and
+    they are put back.
     """
     nq, nk = S.shape
     j1 = j0 + nk
@@ -39,15 +42,14 @@ def csr_tile_mask(S, indptr, indices, row0, j0, cursor):
         end = indptr[row0 + r + 1]
         while p < end and indices[p] < j0:
             p += 1
-        c_next = 0  # first column not yet decided
+        start = p
         while p < end and indices[p] < j1:
-            c = indices[p] - j0
-            for x in range(c_next, c):
-                S[r, x] = ninf
-            c_next = c + 1
+            keep[p - start] = S[r, indices[p] - j0]
             p += 1
-        for x in range(c_next, nk):
-            S[r, x] = ninf
+        row = S[r]
+        row[:] = ninf
+        for x in range(start, p):
+            row[indices[x] - j0] = keep[x - start]
         cursor[r] = p
 
 
