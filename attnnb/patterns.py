@@ -109,6 +109,8 @@ class Pattern:
                              f"n_heads {n_heads}")
         indptr = np.ascontiguousarray(indptr, dtype=np.int64)
         indices = np.ascontiguousarray(indices)
+        if indices.size == 0:
+            indices = indices.astype(np.int32)
         if indices.dtype.kind not in "iu":
             raise TypeError(f"indices must be integers; got dtype {indices.dtype}")
         indices = indices.astype(np.int32, copy=False)
@@ -211,11 +213,10 @@ class Pattern:
     def _expanded(self, n_heads: int) -> Pattern:
         if self.n_heads == n_heads:
             return self
-        Lq = self.shape[0]
         lengths = np.tile(np.diff(self.indptr), n_heads)
-        indptr = np.concatenate([[0], np.cumsum(lengths)])
-        return Pattern(indptr, np.tile(self.indices, n_heads), self.shape, n_heads) \
-            if Lq else Pattern(np.zeros(1, np.int64), [], self.shape, n_heads)
+        indptr = np.zeros(lengths.size + 1, np.int64)
+        np.cumsum(lengths, out=indptr[1:])
+        return Pattern(indptr, np.tile(self.indices, n_heads), self.shape, n_heads)
 
     # -- algebra ---------------------------------------------------------------------
     def _combine(self, other: Any, op: str) -> Pattern:
