@@ -21,6 +21,7 @@ import numpy as np
 
 SIZES = {
     # name: (B, H pairs, Hk pairs, L, d)
+    "B=8 H=8 d=64 L=256": (8, 8, 8, 256, 64),
     "H=8 d=64 L=1024": (1, 8, 8, 1024, 64),
     "H=8 d=64 L=2048 GQA Hk=2": (1, 8, 2, 2048, 64),
 }
@@ -38,7 +39,11 @@ def data(B, H, Hk, L, d, seed=0, dtype=np.float32):
 
 
 def work(B, H, L, d, dv, causal=False):
-    """Flops of both maps: ``Q K^T`` and ``P V`` for each (halved when causal)."""
+    """Flops of both maps: ``Q K^T`` and ``P V`` for each (halved when causal).
+
+    The rectified mode is given the same nominal work (it recomputes ``Q K^T``
+    in its second pass and does one ``P V`` instead of two).
+    """
     flops = 2.0 * B * H * L * L * (2 * d + 2 * dv)
     return flops / 2 if causal else flops
 
