@@ -8,6 +8,7 @@ backend and a numba.cuda ``cuda`` backend behind one dispatcher.
 ``import attnnb`` imports NumPy only; Numba loads on the first cpu call.
 """
 
+from . import tome as tome
 from ._dispatch import backends, use_backend
 from .attention import attention
 
