@@ -18,62 +18,111 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
+from ._blas import single_threaded_blas
 from ._jit import inner, kernel, launch
 
 TILE_A = 64  # A rows per task
-TILE_B = 256  # B tokens per similarity tile
+TILE_B = 512  # B tokens per similarity tile
 TILE_OUT = 32  # output tokens per merge task
 MODE_CODES = {"mean": 0, "sum": 1, "amax": 2}
 
 
 @inner
 def _unit_row(src, dst):
-    """``dst = src / ||src||`` with the norm accumulated in float64 (0 / 0 = NaN as the reference)."""
+    """``dst = src / ||src||``, norm accumulated in float64; True when ``dst`` holds a NaN.
+
+    A zero row gives NaN (``0 / 0``), as ``metric / metric.norm()`` does.  A
+    row without NaN has entries in ``[-1, 1]``, so a similarity is NaN
+    exactly when one of its two rows holds a NaN.
+    """
     acc = 0.0
     for c in range(src.shape[0]):
         v = np.float64(src[c])
         acc += v * v
     norm = np.sqrt(acc)
+    nan = False
     for c in range(src.shape[0]):
         dst[c] = src[c] / norm
+        nan |= dst[c] != dst[c]
+    return nan
 
 
 @inner
-def _row_best(S, na, nb, i0, j0, skip_row0, skip_col0, node_max, node_idx):
+def _row_max(row, start, stop, init):
+    """``max(init, row[start:stop])`` ignoring NaN, in 8 independent lanes.
+
+    ``s > t ? s : t`` without ``nnan`` does not vectorise as one chain;
+    eight chains do (about 14x faster here).
+    """
+    t0 = t1 = t2 = t3 = t4 = t5 = t6 = t7 = init
+    j = start
+    while j + 8 <= stop:
+        s0, s1, s2, s3 = row[j], row[j + 1], row[j + 2], row[j + 3]
+        s4, s5, s6, s7 = row[j + 4], row[j + 5], row[j + 6], row[j + 7]
+        t0 = s0 if s0 > t0 else t0
+        t1 = s1 if s1 > t1 else t1
+        t2 = s2 if s2 > t2 else t2
+        t3 = s3 if s3 > t3 else t3
+        t4 = s4 if s4 > t4 else t4
+        t5 = s5 if s5 > t5 else t5
+        t6 = s6 if s6 > t6 else t6
+        t7 = s7 if s7 > t7 else t7
+        j += 8
+    while j < stop:
+        t0 = row[j] if row[j] > t0 else t0
+        j += 1
+    t0 = t1 if t1 > t0 else t0
+    t2 = t3 if t3 > t2 else t2
+    t4 = t5 if t5 > t4 else t4
+    t6 = t7 if t7 > t6 else t6
+    t0 = t2 if t2 > t0 else t0
+    t4 = t6 if t6 > t4 else t4
+    return t4 if t4 > t0 else t0
+
+
+@inner
+def _fold_tile(S, na, nb, i0, j0, skip_row0, skip_col0, node_max, node_idx):
     """Fold a tile of similarities ``S[:na, :nb]`` into the running row max/argmax.
 
-    The first maximum wins (strict ``>``), a NaN wins over every number and
-    the first NaN over later ones, as ``torch.max`` along a row.
+    The first maximum wins (strict ``>`` across tiles, first equal entry
+    within one).  NaN is ignored here and settled by :func:`_settle_nan`.
     """
+    start = 1 if (skip_col0 and j0 == 0) else 0
     for ii in range(na):
         if skip_row0 and i0 + ii == 0:
             continue
+        row = S[ii]
         best = node_max[i0 + ii]
-        arg = node_idx[i0 + ii]
-        if best != best:  # already NaN: nothing can replace it
+        tmax = _row_max(row, start, nb, best)
+        if tmax > best:
+            for jj in range(start, nb):
+                if row[jj] == tmax:
+                    node_max[i0 + ii] = tmax
+                    node_idx[i0 + ii] = j0 + jj
+                    break
+
+
+@inner
+def _settle_nan(a_nan, b_nan, class_token, distill_token, node_max, node_idx):
+    """Rows whose similarities include a NaN: NaN wins, at its first column (as ``torch.max``).
+
+    Protected entries are ``-inf``, never NaN: the class token's row and,
+    with a distillation token, column 0.
+    """
+    first = -1
+    for j in range(1 if distill_token else 0, b_nan.shape[0]):
+        if b_nan[j]:
+            first = j
+            break
+    for i in range(a_nan.shape[0]):
+        if class_token and i == 0:
             continue
-        start = 1 if (skip_col0 and j0 == 0) else 0
-        # a vectorisable pass first: most tiles do not improve the row
-        tmax = best
-        nan = False
-        for jj in range(start, nb):
-            s = S[ii, jj]
-            tmax = s if s > tmax else tmax
-            nan |= s != s
-        if nan:
-            for jj in range(start, nb):
-                if S[ii, jj] != S[ii, jj]:
-                    best = S[ii, jj]
-                    arg = j0 + jj
-                    break
-        elif tmax > best:
-            for jj in range(start, nb):
-                if S[ii, jj] == tmax:
-                    best = tmax
-                    arg = j0 + jj
-                    break
-        node_max[i0 + ii] = best
-        node_idx[i0 + ii] = arg
+        if a_nan[i]:
+            node_max[i] = np.nan
+            node_idx[i] = 1 if distill_token else 0
+        elif first >= 0:
+            node_max[i] = np.nan
+            node_idx[i] = first
 
 
 @kernel
@@ -83,15 +132,17 @@ def match_kernel(metric, a_idx, b_idx, class_token, distill_token, node_max, nod
     a_shared, b_shared = a_idx.shape[0] == 1, b_idx.shape[0] == 1
     ua = np.empty((B, Ta, C), metric.dtype)
     ub = np.empty((B, Tb, C), metric.dtype)
+    a_nan = np.zeros((B, Ta), np.bool_)
+    b_nan = np.zeros((B, Tb), np.bool_)
     # 1. gather both sets and normalise every row
     for task in prange(B * (Ta + Tb)):
         b = task // (Ta + Tb)
         i = task % (Ta + Tb)
         if i < Ta:
-            _unit_row(metric[b, a_idx[0 if a_shared else b, i]], ua[b, i])
+            a_nan[b, i] = _unit_row(metric[b, a_idx[0 if a_shared else b, i]], ua[b, i])
         else:
             i -= Ta
-            _unit_row(metric[b, b_idx[0 if b_shared else b, i]], ub[b, i])
+            b_nan[b, i] = _unit_row(metric[b, b_idx[0 if b_shared else b, i]], ub[b, i])
     # 2. running row max over B tiles; one task per (batch, A tile)
     n_at = (Ta + TILE_A - 1) // TILE_A
     for task in prange(B * n_at):
@@ -112,9 +163,10 @@ def match_kernel(metric, a_idx, b_idx, class_token, distill_token, node_max, nod
             nb = min(TILE_B, Tb - j0)
             S = S_flat[: na * nb].reshape((na, nb))
             np.dot(at, ubb[j0:j0 + nb].T, S)
-            _row_best(S, na, nb, i0, j0, class_token, distill_token, mx, ix)
-    # 3. edges best first: a stable sort of -max (NaN first, -inf last)
+            _fold_tile(S, na, nb, i0, j0, class_token, distill_token, mx, ix)
+    # 3. NaN rows, then the edges best first: a stable sort of -max (NaN first, -inf last)
     for b in prange(B):
+        _settle_nan(a_nan[b], b_nan[b], class_token, distill_token, node_max[b], node_idx[b])
         key = np.empty(Ta, node_max.dtype)
         for i in range(Ta):
             v = node_max[b, i]
@@ -129,9 +181,10 @@ def match(metric, a_idx, b_idx, class_token, distill_token):
     node_max = np.empty((B, Ta), metric.dtype)
     node_idx = np.empty((B, Ta), np.int64)
     order = np.empty((B, Ta), np.int64)
-    launch(match_kernel, metric, np.ascontiguousarray(a_idx, np.int64),
-           np.ascontiguousarray(b_idx, np.int64), bool(class_token), bool(distill_token),
-           node_max, node_idx, order)
+    with single_threaded_blas():
+        launch(match_kernel, metric, np.ascontiguousarray(a_idx, np.int64),
+               np.ascontiguousarray(b_idx, np.int64), bool(class_token), bool(distill_token),
+               node_max, node_idx, order)
     return node_max, node_idx, order
 
 
