@@ -40,6 +40,10 @@ def _unit_row(src, dst):
         v = np.float64(src[c])
         acc += v * v
     norm = np.sqrt(acc)
+    if norm == 0.0:  # 0 / 0 (spelled out: Numba's Python error model raises on it)
+        for c in range(src.shape[0]):
+            dst[c] = np.nan
+        return True
     nan = False
     for c in range(src.shape[0]):
         dst[c] = src[c] / norm
