@@ -33,7 +33,11 @@ def is_device_array(x: Any) -> bool:
         from numba import cuda
     except Exception:  # pragma: no cover - numba-cuda missing
         return False
-    return bool(cuda.is_cuda_array(x))
+    check = getattr(cuda, "is_cuda_array", None)  # the simulator has none
+    if check is not None and check(x):
+        return True
+    # Numba device arrays, also the simulator's (which lack the interface)
+    return bool(getattr(x, "__cuda_ndarray__", False))
 
 
 def float_dtype_of(name: str, dtype: np.dtype) -> np.dtype:
@@ -220,28 +224,30 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
     else:
         arrs = [host_float_array(n, x) for n, x in zip((q_name, k_name, v_name), (q, k, v))]
     qa, ka, va = arrs
-    batch, squeeze = _split_qkv_shapes(qa.shape, ka.shape, va.shape,
+    # plain tuples: the CUDA simulator's shape objects reject negative indices
+    qs, ks, vs = (tuple(a.shape) for a in arrs)
+    batch, squeeze = _split_qkv_shapes(qs, ks, vs,
                                        q_name=q_name, k_name=k_name, v_name=v_name)
-    D = qa.shape[-1]
-    if ka.shape[-1] != D:
+    D = qs[-1]
+    if ks[-1] != D:
         raise ValueError(
-            f"{k_name}'s last axis ({ka.shape[-1]}) must equal {q_name}'s head dimension "
-            f"({D}); got {k_name} {tuple(ka.shape)}, {q_name} {tuple(qa.shape)}"
+            f"{k_name}'s last axis ({ks[-1]}) must equal {q_name}'s head dimension "
+            f"({D}); got {k_name} {ks}, {q_name} {qs}"
         )
-    if va.shape[-2] != ka.shape[-2]:
+    if vs[-2] != ks[-2]:
         raise ValueError(
-            f"{v_name} must have as many keys as {k_name}: {v_name} {tuple(va.shape)} has "
-            f"{va.shape[-2]}, {k_name} {tuple(ka.shape)} has {ka.shape[-2]}"
+            f"{v_name} must have as many keys as {k_name}: {v_name} {vs} has "
+            f"{vs[-2]}, {k_name} {ks} has {ks[-2]}"
         )
-    if not squeeze and va.shape[-3] != ka.shape[-3]:
+    if not squeeze and vs[-3] != ks[-3]:
         raise ValueError(
-            f"{v_name} must have as many heads as {k_name}: got {va.shape[-3]} and {ka.shape[-3]}"
+            f"{v_name} must have as many heads as {k_name}: got {vs[-3]} and {ks[-3]}"
         )
     if D == 0:
         raise ValueError(f"{q_name}'s head dimension (last axis) must be > 0; got shape "
-                         f"{tuple(qa.shape)}")
+                         f"{qs}")
     if not squeeze:
-        Hq, Hk = qa.shape[-3], ka.shape[-3]
+        Hq, Hk = qs[-3], ks[-3]
         if head_pairs:
             for name, H in ((q_name, Hq), (k_name, Hk)):
                 if H % 2:
@@ -251,8 +257,8 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
             Hq, Hk = Hq // 2, Hk // 2
         if Hk == 0 or Hq % Hk:
             raise ValueError(
-                f"{q_name}'s heads ({qa.shape[-3]}) must be a multiple of {k_name}'s heads "
-                f"({ka.shape[-3]}) for grouped-query attention"
+                f"{q_name}'s heads ({qs[-3]}) must be a multiple of {k_name}'s heads "
+                f"({ks[-3]}) for grouped-query attention"
             )
     comp, out_dtype = compute_dtypes(qa.dtype, ka.dtype, va.dtype)
 
@@ -260,7 +266,7 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
         if squeeze:
             return a.reshape((1, 1) + tuple(a.shape))
         B = int(np.prod(batch, dtype=np.int64)) if batch else 1
-        return a.reshape((B,) + tuple(a.shape[-3:]))
+        return a.reshape((B,) + tuple(a.shape)[-3:])
 
     if all(on_dev):
         out = [to4(a) for a in arrs]
@@ -344,13 +350,16 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
     prob = Problem(q4, k4, v4, causal=causal, scale=scl, normalizer=normalizer,
                    batch_shape=batch, squeeze_head=squeeze, out_dtype=out_dtype,
                    on_device=on_dev)
-    for name, x in (("mask", mask), ("bias", bias), ("key_size", key_size)):
-        if x is not None and is_device_array(x) != on_dev:
-            side = "device" if on_dev else "host"
-            raise TypeError(f"{name} must be on the {side} like q, k, v")
-    if on_dev:
-        prob.mask, prob.bias, prob.log_key_size = mask, bias, key_size  # cuda backend checks
+    if on_dev:  # host or device mask / bias / key_size: see attnnb/_device.py
+        from ._device import device_extras
+
+        prob.mask, prob.bias, prob.log_key_size = device_extras(
+            mask, bias, key_size, batch, squeeze, B, Hq, Lq, Lk, comp)
         return prob
+    for name, x in (("mask", mask), ("bias", bias), ("key_size", key_size)):
+        if x is not None and is_device_array(x):
+            raise TypeError(f"{name} is a CUDA device array but q, k, v are on the host; "
+                            "pass all of them on the same side")
     prob.mask = broadcast_pairwise("mask", mask, batch, squeeze, B, Hq, Lq, Lk, np.bool_)
     prob.bias = broadcast_pairwise("bias", bias, batch, squeeze, B, Hq, Lq, Lk, comp)
     prob.log_key_size = log_key_sizes(key_size, batch, squeeze, B, Lk, comp)
