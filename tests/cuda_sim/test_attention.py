@@ -156,3 +156,35 @@ def test_mixing_host_and_device_is_a_type_error(rng):
 def test_backends_reports_cuda():
     ok, why = attnnb.backends()["cuda"]
     assert ok, why
+
+
+def _gpu_library(name):
+    """torch (with CUDA) or cupy on a real GPU, else skip: the simulator's arrays are not
+    real device memory, so the wrappers cannot take them."""
+    from .common import SIMULATOR
+
+    if SIMULATOR:
+        pytest.skip("wrapping device results needs a real GPU")
+    lib = pytest.importorskip(name)
+    if name == "torch" and not lib.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    return lib
+
+
+def test_torch_tensors_in_and_wrapped_out(rng):
+    torch = _gpu_library("torch")
+    q, k, v = qkv(rng, hq=2, lq=n(5), lk=n(7), d=4, dtype=np.float32)
+    tq, tk, tv = (torch.as_tensor(x, device="cuda") for x in (q, k, v))
+    out = attnnb.attention(tq, tk, tv, causal=True)
+    wrapped = torch.as_tensor(out, device="cuda")
+    assert wrapped.data_ptr() == out.__cuda_array_interface__["data"][0]  # no copy
+    assert_close(wrapped.cpu().numpy(), attnnb.attention(q, k, v, causal=True,
+                                                         backend="reference"), np.float32)
+
+
+def test_cupy_arrays_in_and_wrapped_out(rng):
+    cupy = _gpu_library("cupy")
+    q, k, v = qkv(rng, hq=2, lq=n(5), lk=n(7), d=4, dtype=np.float32)
+    out = cupy.asarray(attnnb.attention(*(cupy.asarray(x) for x in (q, k, v))))
+    assert_close(cupy.asnumpy(out), attnnb.attention(q, k, v, backend="reference"),
+                 np.float32)
