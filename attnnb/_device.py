@@ -22,6 +22,8 @@ each of full length or 1 (broadcast), and ``log_key_size`` as ``(B, Lk)``.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ._validate import _user_full_shape, broadcast_pairwise, is_device_array, log_key_sizes
@@ -38,10 +40,34 @@ def compact(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x[index])
 
 
-def _as_numba(x):
+@functools.cache
+def _simulator_array_class():
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    class SimulatorArray(FakeCUDAArray):
+        """A simulator array whose ``shape`` is a plain tuple, as a real device array's
+        (the simulator's own shape rejects negative indices)."""
+
+        @property
+        def shape(self):
+            return tuple(self._ary.shape)
+
+    return SimulatorArray
+
+
+def device_view(x):
+    """``x`` as a Numba device array, without a copy.
+
+    Numba device arrays are used as they are; other objects exposing
+    ``__cuda_array_interface__`` (CuPy, PyTorch) are wrapped.
+    """
     from numba import cuda
 
-    return x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x)
+    if not hasattr(x, "copy_to_host"):
+        return cuda.as_cuda_array(x)
+    if type(x).__name__ == "FakeCUDAArray":
+        return _simulator_array_class()(x._ary, stream=x.stream)
+    return x
 
 
 def _compact_shape(name, shape, batch_shape, squeeze, B, Hq, Lq, Lk):
@@ -76,7 +102,7 @@ def device_pairwise(name, x, batch_shape, squeeze, B, Hq, Lq, Lk, dtype):
     if x is None:
         return None
     if is_device_array(x):
-        arr = _as_numba(x)
+        arr = device_view(x)
         kind = np.dtype(arr.dtype)
         if dtype == np.bool_ and kind != np.bool_:
             raise TypeError(f"{name} must be a boolean array (True = may attend); "
@@ -101,7 +127,7 @@ def device_log_key_sizes(key_size, batch_shape, squeeze, B, Lk, dtype):
     if key_size is None:
         return None
     if is_device_array(key_size):
-        key_size = _as_numba(key_size).copy_to_host()
+        key_size = device_view(key_size).copy_to_host()
     return cuda.to_device(log_key_sizes(key_size, batch_shape, squeeze, B, Lk, dtype))
 
 

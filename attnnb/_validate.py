@@ -214,40 +214,38 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
             "other inputs are CUDA device arrays; pass all of q, k, v on the same side"
         )
     if all(on_dev):
-        from numba import cuda
+        from ._device import device_view
 
         # Numba device arrays (also the simulator's) are used as they are; other
         # objects exposing __cuda_array_interface__ are wrapped without a copy.
-        arrs = [x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x) for x in (q, k, v)]
+        arrs = [device_view(x) for x in (q, k, v)]
         for name, a in zip((q_name, k_name, v_name), arrs):
             float_dtype_of(name, a.dtype)
     else:
         arrs = [host_float_array(n, x) for n, x in zip((q_name, k_name, v_name), (q, k, v))]
     qa, ka, va = arrs
-    # plain tuples: the CUDA simulator's shape objects reject negative indices
-    qs, ks, vs = (tuple(a.shape) for a in arrs)
-    batch, squeeze = _split_qkv_shapes(qs, ks, vs,
+    batch, squeeze = _split_qkv_shapes(qa.shape, ka.shape, va.shape,
                                        q_name=q_name, k_name=k_name, v_name=v_name)
-    D = qs[-1]
-    if ks[-1] != D:
+    D = qa.shape[-1]
+    if ka.shape[-1] != D:
         raise ValueError(
-            f"{k_name}'s last axis ({ks[-1]}) must equal {q_name}'s head dimension "
-            f"({D}); got {k_name} {ks}, {q_name} {qs}"
+            f"{k_name}'s last axis ({ka.shape[-1]}) must equal {q_name}'s head dimension "
+            f"({D}); got {k_name} {tuple(ka.shape)}, {q_name} {tuple(qa.shape)}"
         )
-    if vs[-2] != ks[-2]:
+    if va.shape[-2] != ka.shape[-2]:
         raise ValueError(
-            f"{v_name} must have as many keys as {k_name}: {v_name} {vs} has "
-            f"{vs[-2]}, {k_name} {ks} has {ks[-2]}"
+            f"{v_name} must have as many keys as {k_name}: {v_name} {tuple(va.shape)} has "
+            f"{va.shape[-2]}, {k_name} {tuple(ka.shape)} has {ka.shape[-2]}"
         )
-    if not squeeze and vs[-3] != ks[-3]:
+    if not squeeze and va.shape[-3] != ka.shape[-3]:
         raise ValueError(
-            f"{v_name} must have as many heads as {k_name}: got {vs[-3]} and {ks[-3]}"
+            f"{v_name} must have as many heads as {k_name}: got {va.shape[-3]} and {ka.shape[-3]}"
         )
     if D == 0:
         raise ValueError(f"{q_name}'s head dimension (last axis) must be > 0; got shape "
-                         f"{qs}")
+                         f"{tuple(qa.shape)}")
     if not squeeze:
-        Hq, Hk = qs[-3], ks[-3]
+        Hq, Hk = qa.shape[-3], ka.shape[-3]
         if head_pairs:
             for name, H in ((q_name, Hq), (k_name, Hk)):
                 if H % 2:
@@ -257,8 +255,8 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
             Hq, Hk = Hq // 2, Hk // 2
         if Hk == 0 or Hq % Hk:
             raise ValueError(
-                f"{q_name}'s heads ({qs[-3]}) must be a multiple of {k_name}'s heads "
-                f"({ks[-3]}) for grouped-query attention"
+                f"{q_name}'s heads ({qa.shape[-3]}) must be a multiple of {k_name}'s heads "
+                f"({ka.shape[-3]}) for grouped-query attention"
             )
     comp, out_dtype = compute_dtypes(qa.dtype, ka.dtype, va.dtype)
 
@@ -266,7 +264,7 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
         if squeeze:
             return a.reshape((1, 1) + tuple(a.shape))
         B = int(np.prod(batch, dtype=np.int64)) if batch else 1
-        return a.reshape((B,) + tuple(a.shape)[-3:])
+        return a.reshape((B,) + tuple(a.shape[-3:]))
 
     if all(on_dev):
         out = [to4(a) for a in arrs]
