@@ -81,19 +81,61 @@ def set_tiles(tile_q: int | None = None, tile_k: int | None = None) -> tuple[int
     return old
 
 
-def tiles_for(dtype: np.dtype, d: int, dv: int) -> tuple[int, int]:
-    """``(tile_q, tile_k)`` for a compute dtype and head sizes.
+def tiles_for(dtype: np.dtype, *widths: int) -> tuple[int, int]:
+    """``(tile_q, tile_k)`` for a compute dtype and the widths of the staged rows.
 
-    The key tile is cut so that the key and value tiles fit in shared memory.
+    ``widths`` are the row lengths of the tiles a kernel keeps in shared
+    memory (``D, Dv`` for dense attention); the key tile is cut so that they fit.
     """
-    row_bytes = (d + dv) * np.dtype(dtype).itemsize
+    row_bytes = sum(widths) * np.dtype(dtype).itemsize
     tk = min(TILE_K, SHARED_BYTES // row_bytes)
     if tk < 1:
         raise ValueError(
-            f"head sizes D={d}, Dv={dv} are too large for the cuda backend: one key row and "
-            f"one value row ({row_bytes} bytes) must fit in {SHARED_BYTES} bytes of shared memory"
+            f"head sizes {widths} are too large for the cuda backend: one row of each staged "
+            f"tile ({row_bytes} bytes) must fit in {SHARED_BYTES} bytes of shared memory"
         )
     return TILE_Q, tk
+
+
+def key_tiles_seen(i0, tq, Lq, Lk, tk, causal):
+    """``(diag, last)``: the causal offset and how many key tiles a query block visits.
+
+    ``j > i + diag`` is outside the allowed set (``diag = Lk`` disables it);
+    with ``causal`` the sweep stops at the last key tile the block's last
+    query may see (causal tile skipping).
+    """
+    diag = Lk - Lq if causal else Lk
+    last = (Lk + tk - 1) // tk
+    if causal:
+        last = min(last, max(0, (min(i0 + tq, Lq) - 1 + diag) // tk + 1))
+    return diag, last
+
+
+def block_rows(Hq, Hk, Lq, tq):
+    """Where the calling thread works: ``(b, h, g, i0, i, valid, ii)``.
+
+    Block ``(b * Hq + h, query tile)`` of query head ``h`` and its key/value
+    head ``g = h // (Hq // Hk)`` (grouped-query attention); the thread's query
+    row ``i`` (``valid`` when ``i < Lq``; ``ii`` is ``i`` clipped for reads).
+    """
+    bh = cuda.blockIdx.x
+    b = bh // Hq
+    h = bh - b * Hq
+    i0 = cuda.blockIdx.y * tq
+    i = i0 + cuda.threadIdx.x
+    return b, h, h // (Hq // Hk), i0, i, i < Lq, min(i, Lq - 1)
+
+
+def row_views(bias, mask, logks, b, h, i):
+    """The ``(bias, mask, log key size)`` rows of query ``i`` of ``(b, h)``.
+
+    Each input axis is full or 1 (broadcast); the rows have length ``Lk`` or 1.
+    """
+    return (bias[b if bias.shape[0] > 1 else 0, h if bias.shape[1] > 1 else 0,
+                 i if bias.shape[2] > 1 else 0],
+            mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0,
+                 i if mask.shape[2] > 1 else 0],
+            logks[b if logks.shape[0] > 1 else 0])
 
 
 def index_or_zero(idx, extent):
@@ -111,6 +153,9 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
     NINF = dtype.type(-np.inf)
     NAN = dtype.type(np.nan)
     index = cuda.jit(device=True)(index_or_zero)
+    tiles_seen = cuda.jit(device=True)(key_tiles_seen)
+    views = cuda.jit(device=True)(row_views)
+    rows = cuda.jit(device=True)(block_rows)
 
     @cuda.jit(device=True)
     def load_rows(src, j0, nk, dst):
@@ -176,6 +221,17 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
             S[c] = s
 
     @cuda.jit(device=True)
+    def add_weighted_row(P, nk, Vs, acc):
+        """``acc += P @ Vs`` over the tile's ``nk`` keys, skipping zero weights."""
+        for e in range(acc.shape[0]):
+            t = ZERO
+            for c in range(nk):
+                p = P[c]
+                if p != ZERO:
+                    t += p * Vs[c, e]
+            acc[e] += t
+
+    @cuda.jit(device=True)
     def online_row(S, F, nk, Vs, m, l, acc, normalizer):
         """Fold one tile of modified logits into ``(m, l, acc)``; return the new ``(m, l)``.
 
@@ -210,13 +266,28 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
             S[c] = p
             total += p
         for e in range(acc.shape[0]):
-            t = ZERO
-            for c in range(nk):
-                p = S[c]
-                if p != ZERO:
-                    t += p * Vs[c, e]
-            acc[e] = acc[e] * alpha + t
+            acc[e] *= alpha
+        add_weighted_row(S, nk, Vs, acc)
         return mx, l * alpha + total
+
+    @cuda.jit(device=True)
+    def map_lse(m, l):
+        """The LSE of a finished sweep: NaN rows NaN, empty rows ``-inf``."""
+        if m != m:
+            return NAN
+        if l == ZERO or m == NINF:
+            return NINF
+        return m + math.log(l)
+
+    @cuda.jit(device=True)
+    def rectified_row(S1, S2, nk, lse1, lse2, lam):
+        """``S1 = max(0, exp(S1 - lse1) - lam * exp(S2 - lse2))`` (weights of two maps
+        whose LSEs are known; an empty map, ``lse = -inf``, has weights 0)."""
+        for c in range(nk):
+            a1 = ZERO if lse1 == NINF else math.exp(S1[c] - lse1)
+            a2 = ZERO if lse2 == NINF else math.exp(S2[c] - lse2)
+            w = a1 - lam * a2
+            S1[c] = w if w > ZERO else ZERO
 
     @cuda.jit(device=True)
     def finish_row(acc, m, l, normalizer, out_row):
@@ -248,9 +319,10 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
         return m + math.log(l)
 
     return SimpleNamespace(
-        CAST=CAST, ZERO=ZERO, NINF=NINF, index=index, load_rows=load_rows,
-        load_query=load_query, row_logits=row_logits, modify_row=modify_row,
-        online_row=online_row, finish_row=finish_row,
+        CAST=CAST, ZERO=ZERO, NINF=NINF, NAN=NAN, index=index, tiles_seen=tiles_seen,
+        views=views, rows=rows, load_rows=load_rows, load_query=load_query, row_logits=row_logits,
+        modify_row=modify_row, online_row=online_row, map_lse=map_lse,
+        rectified_row=rectified_row, add_weighted_row=add_weighted_row, finish_row=finish_row,
     )
 
 

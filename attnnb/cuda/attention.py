@@ -28,22 +28,14 @@ def build_dense(dtype, d, dv, tq, tk):
     """
     f = device_functions(dtype)
     nt = numba.from_dtype(np.dtype(dtype))
-    ZERO, NINF, index = f.ZERO, f.NINF, f.index
+    ZERO, NINF, rows, tiles_seen, views = f.ZERO, f.NINF, f.rows, f.tiles_seen, f.views
     load_rows, load_query, row_logits = f.load_rows, f.load_query, f.row_logits
     modify_row, online_row, finish_row = f.modify_row, f.online_row, f.finish_row
 
     def dense_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks,
                                causal, normalizer, out, lse):
-        Hq, Lq = q.shape[1], q.shape[2]
-        Hk, Lk = k.shape[1], k.shape[2]
-        bh = cuda.blockIdx.x
-        b = bh // Hq
-        h = bh - b * Hq
-        g = h // (Hq // Hk)
-        i0 = cuda.blockIdx.y * tq
-        i = i0 + cuda.threadIdx.x
-        valid = i < Lq
-        ii = min(i, Lq - 1)
+        Lq, Lk = q.shape[2], k.shape[2]
+        b, h, g, i0, i, valid, ii = rows(q.shape[1], k.shape[1], Lq, tq)
         Ks = cuda.shared.array((tk, d), nt)
         Vs = cuda.shared.array((tk, dv), nt)
         qr = cuda.local.array(d, nt)
@@ -55,16 +47,8 @@ def build_dense(dtype, d, dv, tq, tk):
             acc[e] = ZERO
         m = NINF
         l = ZERO
-        diag = Lk - Lq if causal else Lk  # j > i + diag is outside; Lk disables it
-        n_kt = (Lk + tk - 1) // tk
-        last = n_kt
-        if causal:
-            last = min(n_kt, max(0, (min(i0 + tq, Lq) - 1 + diag) // tk + 1))
-        bias_row = bias[index(b, bias.shape[0]), index(h, bias.shape[1]),
-                        index(ii, bias.shape[2])]
-        mask_row = mask[index(b, mask.shape[0]), index(h, mask.shape[1]),
-                        index(ii, mask.shape[2])]
-        logks_row = logks[index(b, logks.shape[0])]
+        diag, last = tiles_seen(i0, tq, Lq, Lk, tk, causal)
+        bias_row, mask_row, logks_row = views(bias, mask, logks, b, h, ii)
         kh = k[b, g]
         vh = v[b, g]
         for t in range(last):
