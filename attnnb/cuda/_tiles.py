@@ -111,17 +111,19 @@ def key_tiles_seen(i0, tq, Lq, Lk, tk, causal):
     return diag, last
 
 
-def block_rows(Hq, Hk, Lq, tq):
+def block_rows(Hq, Hk, Lq, tq, qt0):
     """Where the calling thread works: ``(b, h, g, i0, i, valid, ii)``.
 
-    Block ``(b * Hq + h, query tile)`` of query head ``h`` and its key/value
-    head ``g = h // (Hq // Hk)`` (grouped-query attention); the thread's query
-    row ``i`` (``valid`` when ``i < Lq``; ``ii`` is ``i`` clipped for reads).
+    Block ``(b * Hq + h, query tile - qt0)`` of query head ``h`` and its
+    key/value head ``g = h // (Hq // Hk)`` (grouped-query attention); the
+    thread's query row ``i`` (``valid`` when ``i < Lq``; ``ii`` is ``i``
+    clipped for reads).  ``qt0`` is the first query tile of a launch that
+    covers only some of them (0 otherwise).
     """
     bh = cuda.blockIdx.x
     b = bh // Hq
     h = bh - b * Hq
-    i0 = cuda.blockIdx.y * tq
+    i0 = (qt0 + cuda.blockIdx.y) * tq
     i = i0 + cuda.threadIdx.x
     return b, h, h // (Hq // Hk), i0, i, i < Lq, min(i, Lq - 1)
 

@@ -35,7 +35,7 @@ def build_dense(dtype, d, dv, tq, tk):
     def dense_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks,
                                causal, normalizer, out, lse):
         Lq, Lk = q.shape[2], k.shape[2]
-        b, h, g, i0, i, valid, ii = rows(q.shape[1], k.shape[1], Lq, tq)
+        b, h, g, i0, i, valid, ii = rows(q.shape[1], k.shape[1], Lq, tq, 0)
         Ks = cuda.shared.array((tk, d), nt)
         Vs = cuda.shared.array((tk, dv), nt)
         qr = cuda.local.array(d, nt)

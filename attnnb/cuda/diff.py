@@ -56,7 +56,7 @@ def build_diff(dtype, d, dv, tq, tk):
     def diff_attention_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks,
                               has_ks, causal, mode, out):
         Lq, Lk = q.shape[2], k.shape[2]
-        b, h, g, i0, i, valid, ii = rows(q.shape[1] // 2, k.shape[1] // 2, Lq, tq)
+        b, h, g, i0, i, valid, ii = rows(q.shape[1] // 2, k.shape[1] // 2, Lq, tq, 0)
         K1s = cuda.shared.array((tk, d), nt)
         K2s = cuda.shared.array((tk, d), nt)
         Vs = cuda.shared.array((tk, dv), nt)
