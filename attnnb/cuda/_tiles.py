@@ -178,6 +178,14 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
             qr[e] = CAST(src[i, e]) * scale
 
     @cuda.jit(device=True)
+    def start_row(src, i, scale, qr, acc):
+        """Load the thread's scaled query row, zero its accumulator; return ``(m, l)``."""
+        load_query(src, i, scale, qr)
+        for e in range(acc.shape[0]):
+            acc[e] = ZERO
+        return NINF, ZERO
+
+    @cuda.jit(device=True)
     def row_logits(qr, Ks, nk, S):
         """``S[c] = qr . Ks[c]`` for the ``nk`` keys of the shared tile."""
         d = qr.shape[0]
@@ -322,7 +330,8 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
 
     return SimpleNamespace(
         CAST=CAST, ZERO=ZERO, NINF=NINF, NAN=NAN, index=index, tiles_seen=tiles_seen,
-        views=views, rows=rows, load_rows=load_rows, load_query=load_query, row_logits=row_logits,
+        views=views, rows=rows, load_rows=load_rows, load_query=load_query, start_row=start_row,
+        row_logits=row_logits,
         modify_row=modify_row, online_row=online_row, map_lse=map_lse,
         rectified_row=rectified_row, add_weighted_row=add_weighted_row, finish_row=finish_row,
     )

@@ -28,8 +28,8 @@ def build_dense(dtype, d, dv, tq, tk):
     """
     f = device_functions(dtype)
     nt = numba.from_dtype(np.dtype(dtype))
-    ZERO, NINF, rows, tiles_seen, views = f.ZERO, f.NINF, f.rows, f.tiles_seen, f.views
-    load_rows, load_query, row_logits = f.load_rows, f.load_query, f.row_logits
+    rows, tiles_seen, views = f.rows, f.tiles_seen, f.views
+    load_rows, start_row, row_logits = f.load_rows, f.start_row, f.row_logits
     modify_row, online_row, finish_row = f.modify_row, f.online_row, f.finish_row
 
     def dense_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks,
@@ -42,11 +42,7 @@ def build_dense(dtype, d, dv, tq, tk):
         acc = cuda.local.array(dv, nt)
         S = cuda.local.array(tk, nt)
         F = cuda.local.array(tk, nt)
-        load_query(q[b, h], ii, scale, qr)
-        for e in range(dv):
-            acc[e] = ZERO
-        m = NINF
-        l = ZERO
+        m, l = start_row(q[b, h], ii, scale, qr, acc)
         diag, last = tiles_seen(i0, tq, Lq, Lk, tk, causal)
         bias_row, mask_row, logks_row = views(bias, mask, logks, b, h, ii)
         kh = k[b, g]

@@ -35,9 +35,9 @@ def build_diff(dtype, d, dv, tq, tk):
     """
     f = device_functions(dtype)
     nt = numba.from_dtype(np.dtype(dtype))
-    CAST, ZERO, NAN, NINF = f.CAST, f.ZERO, f.NAN, f.NINF
+    CAST, NAN = f.CAST, f.NAN
     rows, tiles_seen, views = f.rows, f.tiles_seen, f.views
-    load_rows, load_query = f.load_rows, f.load_query
+    load_rows, start_row = f.load_rows, f.start_row
     row_logits, modify_row, online_row = f.row_logits, f.modify_row, f.online_row
     map_lse, rectified_row, add_weighted_row = f.map_lse, f.rectified_row, f.add_weighted_row
     finish_row = f.finish_row
@@ -66,15 +66,8 @@ def build_diff(dtype, d, dv, tq, tk):
         acc2 = cuda.local.array(dv, nt)
         S1 = cuda.local.array(tk, nt)
         S2 = cuda.local.array(tk, nt)
-        load_query(q[b, 2 * h], ii, scale, q1)
-        load_query(q[b, 2 * h + 1], ii, scale, q2)
-        for e in range(dv):
-            acc1[e] = ZERO
-            acc2[e] = ZERO
-        m1 = NINF
-        m2 = NINF
-        l1 = ZERO
-        l2 = ZERO
+        m1, l1 = start_row(q[b, 2 * h], ii, scale, q1, acc1)
+        m2, l2 = start_row(q[b, 2 * h + 1], ii, scale, q2, acc2)
         lam_i = CAST(lam[b, h, ii])
         diag, last = tiles_seen(i0, tq, Lq, Lk, tk, causal)
         bias_row, mask_row, logks_row = views(bias, mask, logks, b, h, ii)

@@ -28,8 +28,8 @@ def build_sparse(dtype, d, dv, tq, tk):
     """
     f = device_functions(dtype)
     nt = numba.from_dtype(np.dtype(dtype))
-    ZERO, NINF, rows = f.ZERO, f.NINF, f.rows
-    load_rows, load_query, row_logits = f.load_rows, f.load_query, f.row_logits
+    NINF, rows = f.NINF, f.rows
+    load_rows, start_row, row_logits = f.load_rows, f.start_row, f.row_logits
     modify_row, online_row, finish_row = f.modify_row, f.online_row, f.finish_row
 
     @cuda.jit(device=True)
@@ -59,11 +59,7 @@ def build_sparse(dtype, d, dv, tq, tk):
         acc = cuda.local.array(dv, nt)
         S = cuda.local.array(tk, nt)
         F = cuda.local.array(tk, nt)
-        load_query(q[b, h], ii, scale, qr)
-        for e in range(dv):
-            acc[e] = ZERO
-        m = NINF
-        l = ZERO
+        m, l = start_row(q[b, h], ii, scale, qr, acc)
         ph = h if p_heads > 1 else 0
         p = indptr[ph * Lq + ii]
         end = indptr[ph * Lq + ii + 1]
