@@ -43,3 +43,29 @@ def test_sparse_device_arrays(rng):
     out = sparse.sparse_attention(*to_device(q, k, v), pat)
     assert hasattr(out, "copy_to_host")
     assert_close(host(out), ref, np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("top_k", [0, 1, 3, 50])
+@pytest.mark.parametrize("causal", [False, True])
+def test_topk(rng, dtype, top_k, causal):
+    """Mask, causal, key sizes, GQA, Lq != Lk; ties go to the lower key index."""
+    lq, lk = n(6), n(10)
+    q, k, v = qkv(rng, batch=(2,), hq=4, hk=2, lq=lq, lk=lk, d=3, dv=2, dtype=dtype)
+    k[..., 7, :] = k[..., 2, :]  # exact ties between keys 2 and 7
+    mask = rng.random((lq, lk)) > 0.2
+    key_size = rng.integers(1, 3, (2, lk))
+    compare(sparse.topk_attention, q, k, v, top_k, mask=mask, causal=causal, key_size=key_size)
+
+
+def test_topk_nan_rows_and_chunked_launches(rng, monkeypatch):
+    """A NaN logit spoils its row only; a tiny scratch budget forces one launch per tile."""
+    from attnnb.cuda import topk
+
+    monkeypatch.setattr(topk, "SCRATCH_ELEMENTS", 1)
+    q, k, v = qkv(rng, hq=2, lq=n(9), lk=n(8), d=3)
+    q[1, 4, 0] = np.nan
+    out, _ = compare(sparse.topk_attention, q, k, v, 3)
+    assert np.isnan(out[1, 4]).all() and np.isfinite(np.delete(out[1], 4, axis=0)).all()
+    d_out = sparse.topk_attention(*to_device(q, k, v), 3)
+    assert_close(host(d_out), out, np.float64)
