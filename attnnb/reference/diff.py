@@ -44,7 +44,7 @@ def diff_weights(problem, lam, mode="difference"):
         maps.append(a)
     w = maps[0] - np.asarray(lam, np.float64)[..., None] * maps[1]
     if mode == "rectified":
-        w = np.where(w < 0, 0.0, w)  # not np.maximum's NaN rules: NaN rows stay NaN anyway
+        w = np.maximum(w, 0.0)  # NaN rows stay NaN
     return w, allowed
 
 
