@@ -8,7 +8,7 @@ backend and a numba.cuda ``cuda`` backend behind one dispatcher.
 ``import attnnb`` imports NumPy only; Numba loads on the first cpu call.
 """
 
-from . import diff, patterns
+from . import diff, patterns, tome
 from ._dispatch import backends, use_backend
 from .attention import attention
 from .diff import diff_attention
@@ -23,6 +23,7 @@ __all__ = [
     "diff_attention",
     "patterns",
     "sparse_attention",
+    "tome",
     "topk_attention",
     "use_backend",
     "__version__",

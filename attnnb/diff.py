@@ -99,7 +99,8 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         )
     B, H2, _, Lq, _, _, Dv = problem.shape
     H = H2 // 2
-    lam_b = lambda_rows(lam, problem.batch_shape, B, H, Lq, problem.compute_dtype)
+    comp = compute_dtypes(problem.q.dtype, problem.k.dtype, problem.v.dtype)[0]  # device too
+    lam_b = lambda_rows(lam, problem.batch_shape, B, H, Lq, comp)
     out = _dispatch.call("diff_attention", backend, problem.on_device, problem, lam_b, mode)
     out = out.reshape(problem.batch_shape + (H, Lq, Dv))
     if not problem.on_device:

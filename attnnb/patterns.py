@@ -109,6 +109,8 @@ class Pattern:
                              f"n_heads {n_heads}")
         indptr = np.ascontiguousarray(indptr, dtype=np.int64)
         indices = np.ascontiguousarray(indices)
+        if indices.size == 0:
+            indices = indices.astype(np.int32)
         if indices.dtype.kind not in "iu":
             raise TypeError(f"indices must be integers; got dtype {indices.dtype}")
         indices = indices.astype(np.int32, copy=False)
@@ -211,11 +213,10 @@ class Pattern:
     def _expanded(self, n_heads: int) -> Pattern:
         if self.n_heads == n_heads:
             return self
-        Lq = self.shape[0]
         lengths = np.tile(np.diff(self.indptr), n_heads)
-        indptr = np.concatenate([[0], np.cumsum(lengths)])
-        return Pattern(indptr, np.tile(self.indices, n_heads), self.shape, n_heads) \
-            if Lq else Pattern(np.zeros(1, np.int64), [], self.shape, n_heads)
+        indptr = np.zeros(lengths.size + 1, np.int64)
+        np.cumsum(lengths, out=indptr[1:])
+        return Pattern(indptr, np.tile(self.indices, n_heads), self.shape, n_heads)
 
     # -- algebra ---------------------------------------------------------------------
     def _combine(self, other: Any, op: str) -> Pattern:
@@ -258,7 +259,8 @@ class Pattern:
         """Draw the allowed set of one head; returns the matplotlib ``Figure``.
 
         Grids larger than ``max_pixels`` are shown as the allowed fraction of
-        each cell of a coarser grid.  Needs matplotlib (``pip install
+        each cell of a coarser grid, on a power-law colour scale (gamma 0.4)
+        so that sparse cells stay visible.  Needs matplotlib (``pip install
         'attnnb[plot]'``), imported only here.  Save with
         ``pattern.plot().savefig("pattern.png")``.
         """
@@ -274,7 +276,10 @@ class Pattern:
         else:
             fig = ax.figure
         Lq, Lk = p.shape
-        ax.imshow(image, cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest",
+        from matplotlib.colors import PowerNorm
+
+        ax.imshow(image, cmap="Blues", norm=PowerNorm(0.4, vmin=0.0, vmax=1.0),
+                  interpolation="nearest",
                   extent=(-0.5, Lk - 0.5, Lq - 0.5, -0.5), aspect="auto")
         ax.set_xlabel("key j")
         ax.set_ylabel("query i")

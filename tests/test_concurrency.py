@@ -23,7 +23,9 @@ import pytest
 
 import attnnb
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(attnnb.__file__)))
+# subprocesses import this module (as tests.test_concurrency) and the same attnnb
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHONPATH = os.pathsep.join([ROOT, os.path.dirname(os.path.dirname(attnnb.__file__))])
 TIMEOUT = 180  # seconds: a hang (e.g. a Pool after fork under OpenMP) fails, never blocks
 
 
@@ -108,7 +110,7 @@ print(json.dumps({"layer": layer, "tbb_preloaded": TBB_PRELOADED,
 
 def run_script(script, env_extra, timeout=TIMEOUT):
     env = dict(os.environ, **env_extra)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = PYTHONPATH + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
@@ -154,7 +156,7 @@ np.save(sys.argv[1], work(3)[0])
 
 def start_cached_run(out_file, env_extra):
     env = dict(os.environ, NUMBA_DEBUG_CACHE="1", **env_extra)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = PYTHONPATH + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.Popen([sys.executable, "-c", CACHE_SCRIPT, str(out_file)], cwd=ROOT,
                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -189,3 +191,40 @@ def test_concurrent_cold_cache_writers(tmp_path):
     assert any("data loaded from" in x for x in log), log
     for name in ("w0", "w1", "load"):
         np.testing.assert_array_equal(np.load(tmp_path / f"{name}.npy"), want, err_msg=name)
+
+
+def test_cache_stamp_covers_the_whole_package():
+    """Every cached dispatcher of attnnb.cpu carries one stamp of all its modules."""
+    from attnnb.cpu import _cache, _tiles
+    from attnnb.cpu.attention import attention_kernel
+
+    work(0)
+    stamp = _cache.package_stamp()
+    assert {name for name, _, _ in stamp} >= {"attention.py", "_tiles.py", "_exp.py"}
+    for fn in (attention_kernel, _tiles.finish_rows):
+        assert fn._cache._cache_file._source_stamp == stamp
+
+
+@pytest.mark.slow
+def test_editing_a_shared_module_invalidates_the_kernel_cache(tmp_path):
+    """Numba alone would load a stale kernel after an edit to _tiles.py (the kernel
+    lives in attention.py): the package-wide stamp makes the next process recompile."""
+    import shutil
+
+    want, _ = work(3)  # the package's own cache is now warm for this signature
+    shutil.copytree(os.path.dirname(attnnb.__file__), tmp_path / "attnnb")  # mtimes kept
+    env = {"PYTHONPATH": str(tmp_path) + os.pathsep + ROOT}
+
+    def start(name):
+        e = dict(os.environ, NUMBA_DEBUG_CACHE="1", **env)
+        return subprocess.Popen([sys.executable, "-c", CACHE_SCRIPT, str(tmp_path / name)],
+                                cwd=str(tmp_path), env=e, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    kernel_cache_log(start("before.npy"))  # warm (or fill) the copy's cache
+    with open(tmp_path / "attnnb" / "cpu" / "_tiles.py", "a") as f:
+        f.write("\n# an edit to a shared module\n")
+    log = kernel_cache_log(start("after.npy"))
+    assert not any("data loaded from" in x for x in log), log
+    assert any("data saved to" in x for x in log), log
+    np.testing.assert_array_equal(np.load(tmp_path / "after.npy"), want)

@@ -351,3 +351,15 @@ def test_subln(rng):
         subln(x, w)  # lambda_init is required
     with pytest.raises(TypeError, match="x"):
         subln(np.ones(3, int), lambda_init=init)
+
+
+def test_concurrent_calls_from_threads(rng):
+    from concurrent.futures import ThreadPoolExecutor
+
+    q, k, v = packed(rng, batch=(2,), h=2, hk=1, lq=70, lk=80, d=8, dv=12)
+    lone = {m: diff_attention(q, k, v, 0.5, mode=m, backend="cpu") for m in MODES}
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda m: (m, diff_attention(q, k, v, 0.5, mode=m,
+                                                             backend="cpu")), MODES * 4))
+    for m, out in results:
+        np.testing.assert_array_equal(out, lone[m])

@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import sparse
 
 from attnnb import patterns as P
@@ -267,3 +269,32 @@ def test_plot_and_coarse():
     assert c.mean() == pytest.approx(p.density)
     fig2 = P.from_mask(np.ones((2, 4, 4), bool)).plot(head=1)
     assert fig2 is not fig
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), lq=st.integers(0, 20), lk=st.integers(0, 20),
+       ha=st.sampled_from([1, 3]), hb=st.sampled_from([1, 3]),
+       density=st.floats(0.0, 1.0), tq=st.integers(1, 7), tk=st.integers(1, 7))
+def test_property_algebra_round_trips_and_blocks(seed, lq, lk, ha, hb, density, tq, tk):
+    rng = np.random.default_rng(seed)
+    ma = rng.random((ha, lq, lk)) < density
+    mb = rng.random((hb, lq, lk)) < 0.5
+    a = P.from_mask(ma if ha > 1 else ma[0])
+    b = P.from_mask(mb if hb > 1 else mb[0])
+    union, inter = a | b, a & b
+    assert union.n_heads == inter.n_heads == max(ha, hb)
+    for got, want in ((union, ma | mb), (inter, ma & mb)):
+        want = want if got.n_heads > 1 else want[0]
+        np.testing.assert_array_equal(got.to_mask(), want)
+    assert (a | a) == a and (a & a) == a
+    sp = a.to_scipy()
+    for h, s in enumerate(sp if ha > 1 else [sp]):
+        np.testing.assert_array_equal(P.from_scipy(s).to_mask(), ma[h])
+    lay = a.blocks(tq, tk)
+    for h in range(ha):
+        for t in range(lay.n_qt):
+            r = h * lay.n_qt + t
+            sl = slice(lay.tile_ptr[r], lay.tile_ptr[r + 1])
+            blocks = [ma[h, t * tq:(t + 1) * tq, kt * tk:(kt + 1) * tk] for kt in range(lay.n_kt)]
+            assert lay.tile_idx[sl].tolist() == [kt for kt, x in enumerate(blocks) if x.any()]
+            assert lay.tile_full[sl].tolist() == [bool(x.all()) for x in blocks if x.any()]

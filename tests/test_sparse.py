@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnnb
 from attnnb import patterns as P
@@ -165,3 +167,22 @@ def test_validation():
         attnnb.sparse_attention(q.astype(int), k, v, P.local((10, 12), 2))
     with pytest.raises(TypeError, match="return_lse"):
         attnnb.sparse_attention(q, k, v, P.local((10, 12), 2), return_lse=1)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), lq=st.integers(1, 140), lk=st.integers(1, 140),
+       per_head=st.booleans(), density=st.floats(0.0, 1.0),
+       normalizer=st.sampled_from(["softmax", "softmax1", "relu_expm1"]))
+def test_property_cpu_equals_masked_reference(seed, lq, lk, per_head, density, normalizer):
+    rng = np.random.default_rng(seed)
+    q, k, v = qkv(rng, hq=2, hk=1, lq=lq, lk=lk, d=4, dtype=np.float32)
+    # blocks of allowed pairs plus scattered ones: full, partial and absent tiles
+    m = rng.random((2, lq, lk)) < density
+    m |= P.block_sparse(rng.random((2, -(-lq // 64), -(-lk // 64))) < density, 64,
+                        shape=(lq, lk)).to_mask()
+    p = P.from_mask(m if per_head else m[0])
+    out, lse = attnnb.sparse_attention(q, k, v, p, normalizer=normalizer, return_lse=True,
+                                       backend="cpu")
+    ref, ref_lse = dense_with_mask(q, k, v, p, normalizer=normalizer, return_lse=True)
+    assert_close(out, ref, np.float32)
+    assert_close(lse, ref_lse, np.float32, what="lse")

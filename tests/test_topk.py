@@ -95,14 +95,15 @@ def test_top_k_at_least_allowed_is_masked_attention(rng, backend):
 
 
 @pytest.mark.parametrize("backend", HOST_BACKENDS)
-def test_exactly_top_k_kept_among_equal_keys(backend):
+@pytest.mark.parametrize("top_k", [3, 7, 60])  # small ones take the heap path, large quickselect
+def test_exactly_top_k_kept_among_equal_keys(backend, top_k):
     # all keys identical: every weight ties, so the lowest top_k indices are kept
     q = np.ones((1, 4, 2))
     k = np.ones((1, 100, 2))
     v = np.arange(100, dtype=np.float64).reshape(1, 100, 1)
-    out, lse = attnnb.topk_attention(q, k, v, 7, return_lse=True, backend=backend)
-    np.testing.assert_allclose(out[0, :, 0], np.mean(np.arange(7)), rtol=1e-12)
-    np.testing.assert_allclose(lse[0], 2 / np.sqrt(2) + np.log(7), rtol=1e-12)
+    out, lse = attnnb.topk_attention(q, k, v, top_k, return_lse=True, backend=backend)
+    np.testing.assert_allclose(out[0, :, 0], np.mean(np.arange(top_k)), rtol=1e-12)
+    np.testing.assert_allclose(lse[0], 2 / np.sqrt(2) + np.log(top_k), rtol=1e-12)
 
 
 @pytest.mark.parametrize("backend", HOST_BACKENDS)

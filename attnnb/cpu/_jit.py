@@ -29,8 +29,10 @@ _SERIAL_TWINS: dict = {}
 
 def launch(kernel_fn, *args):
     """Run a parallel kernel, or its serial twin in a forked child (see _threading)."""
+    from ._cache import track_sources
     from ._threading import in_forked_child, launch_lock
 
+    track_sources()  # before anything compiles: see _cache
     if in_forked_child():
         twin = _SERIAL_TWINS.get(kernel_fn)
         if twin is None:

@@ -23,13 +23,16 @@ from ._jit import inner
 
 
 @inner
-def csr_tile_mask(S, indptr, indices, row0, j0, cursor):
+def csr_tile_mask(S, indptr, indices, row0, j0, cursor, keep):
     """Set ``S[r, c] = -inf`` unless key ``j0 + c`` is in CSR row ``row0 + r``.
 
     ``S`` is the ``(nq, nk)`` tile of keys ``j0 .. j0 + nk - 1``.  ``cursor[r]``
     is a position in row ``row0 + r`` no later than its first key ``>= j0``;
     it is advanced past the tile, so visiting a row's tiles in increasing
     order reads each stored key once (cost O(tile + allowed keys)).
+    ``keep`` is scratch of at least ``nk`` values: each row's allowed logits
+    are set aside, the row is filled with ``-inf`` (a vectorised store) and
+    they are put back.
     """
     nq, nk = S.shape
     j1 = j0 + nk
@@ -39,15 +42,14 @@ def csr_tile_mask(S, indptr, indices, row0, j0, cursor):
         end = indptr[row0 + r + 1]
         while p < end and indices[p] < j0:
             p += 1
-        c_next = 0  # first column not yet decided
+        start = p
         while p < end and indices[p] < j1:
-            c = indices[p] - j0
-            for x in range(c_next, c):
-                S[r, x] = ninf
-            c_next = c + 1
+            keep[p - start] = S[r, indices[p] - j0]
             p += 1
-        for x in range(c_next, nk):
-            S[r, x] = ninf
+        row = S[r]
+        row[:] = ninf
+        for x in range(start, p):
+            row[indices[x] - j0] = keep[x - start]
         cursor[r] = p
 
 
@@ -85,6 +87,54 @@ def kth_smallest(a, n, k):
 
 
 @inner
+def _sift_down(h, n, i):
+    """Restore the min-heap property of ``h[:n]`` below position ``i``."""
+    x = h[i]
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and h[c + 1] < h[c]:
+            c += 1
+        if h[c] >= x:
+            break
+        h[i] = h[c]
+        i = c
+    h[i] = x
+
+
+@inner
+def kth_largest_heap(row, n, k, heap):
+    """``(k-th largest of the finite-or-inf values > -inf in row[:n], their count)``.
+
+    One pass with a min-heap of the ``k`` largest values seen (``heap`` holds
+    ``k`` slots): most values lose a single comparison against the heap's
+    root, so for ``k << n`` this costs about one read per key.  Returns
+    ``count = -1`` when a NaN is met.  Equal values are kept as a multiset,
+    so the root is exactly the ``k``-th largest.
+    """
+    ninf = -np.inf
+    cnt = 0
+    for j in range(n):
+        x = row[j]
+        if x != x:
+            return ninf, -1
+        if x > ninf:
+            if cnt < k:
+                heap[cnt] = x
+                cnt += 1
+                if cnt == k:
+                    for i in range(k // 2 - 1, -1, -1):
+                        _sift_down(heap, k, i)
+            else:
+                cnt += 1
+                if x > heap[0]:
+                    heap[0] = x
+                    _sift_down(heap, k, 0)
+    return heap[0], cnt
+
+
+@inner
 def row_threshold(row, n, top_k, buf):
     """Top-k threshold of one row of ``n`` modified logits (``-inf`` = not allowed).
 
@@ -93,22 +143,34 @@ def row_threshold(row, n, top_k, buf):
     keys when more than ``top_k`` are allowed, ties to the lower index.
     With at most ``top_k`` allowed keys every one is kept (``thr = -inf``,
     ``cut = -1``); ``top_k = 0`` keeps nothing; a row holding a NaN keeps
-    everything (``cut = n``) so that the NaN propagates.  ``buf`` is ``O(n)`` scratch.
+    everything (``cut = n``) so that the NaN propagates.  ``buf`` is ``O(n)``
+    scratch.  Small ``top_k`` (up to ``n / 16``) use a heap, larger ones a
+    quickselect over a copy of the allowed values.
     """
     ninf = -np.inf
-    cnt = 0
-    for j in range(n):
-        x = row[j]
-        if x != x:
-            return ninf, n
-        if x > ninf:
-            buf[cnt] = x
-            cnt += 1
-    if cnt <= top_k:
-        return ninf, -1
     if top_k == 0:
+        for j in range(n):
+            if row[j] != row[j]:
+                return ninf, n
         return np.inf, -1
-    thr = kth_smallest(buf, cnt, cnt - top_k)
+    if 16 * top_k <= n:
+        thr, cnt = kth_largest_heap(row, n, top_k, buf)
+        if cnt < 0:
+            return ninf, n
+        if cnt <= top_k:
+            return ninf, -1
+    else:
+        cnt = 0
+        for j in range(n):
+            x = row[j]
+            if x != x:
+                return ninf, n
+            if x > ninf:
+                buf[cnt] = x
+                cnt += 1
+        if cnt <= top_k:
+            return ninf, -1
+        thr = kth_smallest(buf, cnt, cnt - top_k)
     need = top_k
     for j in range(n):
         if row[j] > thr:
@@ -129,10 +191,10 @@ def select_tile(R, j0, nk, thr, cut, S):
     ninf = -np.inf
     for r in range(nq):
         t = thr[r]
-        c = cut[r]
-        for x in range(nk):
-            s = R[r, j0 + x]
-            if s > t or s != s or (s == t and j0 + x <= c):
-                S[r, x] = s
-            else:
-                S[r, x] = ninf
+        c = cut[r] - j0
+        src = R[r, j0 : j0 + nk]
+        dst = S[r]
+        for x in range(nk):  # branch-free, so that it vectorises
+            s = src[x]
+            keep = (s > t) | (s != s) | ((s == t) & (x <= c))
+            dst[x] = s if keep else ninf

@@ -37,35 +37,35 @@ MODE_CODES = {"difference": DIFFERENCE, "rectified": RECTIFIED}
 
 
 @inner
-def logits_pair(qs1, qs2, k1h, k2h, i0, j0, nk, diag, bias_bh, has_bias, mask_bh, has_mask,
-                logks_b, has_ks, S1_flat, S2_flat):
-    """Both components' modified logits for one key tile (``-inf`` outside the allowed set)."""
-    S1 = tile_logits(qs1, k1h, j0, nk, S1_flat)
-    modify_logits(S1, S1, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b, has_ks,
+def masked_logits(qs, kh, i0, j0, nk, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b,
+                  has_ks, S_flat):
+    """One component's modified logits for one key tile (``-inf`` outside the allowed set)."""
+    S = tile_logits(qs, kh, j0, nk, S_flat)
+    modify_logits(S, S, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b, has_ks,
                   SOFTMAX)
-    S2 = tile_logits(qs2, k2h, j0, nk, S2_flat)
-    modify_logits(S2, S2, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b, has_ks,
-                  SOFTMAX)
-    return S1, S2
+    return S
 
 
 @inner
 def sweep_pair(qs1, qs2, k1h, k2h, vh, v_ok, i0, last, diag, bias_bh, has_bias, mask_bh,
-               has_mask, logks_b, has_ks, m1, l1, acc1, m2, l2, acc2, S1_flat, S2_flat, P_flat,
-               T_flat):
+               has_mask, logks_b, has_ks, m1, l1, acc1, m2, l2, acc2, S_flat, P_flat, T_flat):
     """Online softmax of both streams over key tiles ``0..last-1``, sharing each value tile.
 
-    With zero-width ``vh``/``acc`` (and ``v_ok`` False) only the running max
-    and sum are kept: the LSE pass of the rectified mode.
+    The two streams take turns on each key tile (one score buffer, the value
+    tile still in cache for the second).  With zero-width ``vh``/``acc`` (and
+    ``v_ok`` False) only the running max and sum are kept: the LSE pass of
+    the rectified mode.
     """
     Lk = k1h.shape[0]
     for t in range(last):
         j0 = t * TILE_K
         nk = min(TILE_K, Lk - j0)
-        S1, S2 = logits_pair(qs1, qs2, k1h, k2h, i0, j0, nk, diag, bias_bh, has_bias, mask_bh,
-                             has_mask, logks_b, has_ks, S1_flat, S2_flat)
-        online_update(S1, S1, m1, l1, acc1, P_flat, T_flat, vh, j0, v_ok[t], SOFTMAX)
-        online_update(S2, S2, m2, l2, acc2, P_flat, T_flat, vh, j0, v_ok[t], SOFTMAX)
+        S = masked_logits(qs1, k1h, i0, j0, nk, diag, bias_bh, has_bias, mask_bh, has_mask,
+                          logks_b, has_ks, S_flat)
+        online_update(S, S, m1, l1, acc1, P_flat, T_flat, vh, j0, v_ok[t], SOFTMAX)
+        S = masked_logits(qs2, k2h, i0, j0, nk, diag, bias_bh, has_bias, mask_bh, has_mask,
+                          logks_b, has_ks, S_flat)
+        online_update(S, S, m2, l2, acc2, P_flat, T_flat, vh, j0, v_ok[t], SOFTMAX)
 
 
 @kernel
@@ -91,9 +91,7 @@ def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_
         q1_flat = np.empty(TILE_Q * D, q.dtype)
         q2_flat = np.empty(TILE_Q * D, q.dtype)
         S1_flat = np.empty(TILE_Q * TILE_K, q.dtype)
-        S2_flat = np.empty(TILE_Q * TILE_K, q.dtype)
         P_flat = np.empty(TILE_Q * TILE_K, q.dtype)
-        P2_flat = np.empty(TILE_Q * TILE_K, q.dtype)
         T_flat = np.empty(TILE_Q * Dv, q.dtype)
         m1 = np.full(nq, -np.inf, q.dtype)
         m2 = np.full(nq, -np.inf, q.dtype)
@@ -114,7 +112,7 @@ def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_
             acc2 = np.zeros((nq, Dv), q.dtype)
             sweep_pair(qs1, qs2, k1h, k2h, vh, v_ok[b, g], i0, last, diag, bias_bh, has_bias,
                        mask_bh, has_mask, logks_b, has_ks, m1, l1, acc1, m2, l2, acc2, S1_flat,
-                       S2_flat, P_flat, T_flat)
+                       P_flat, T_flat)
             o2 = np.empty((nq, Dv), q.dtype)
             finish_rows(acc1, m1, l1, SOFTMAX, rows, lse1)
             finish_rows(acc2, m2, l2, SOFTMAX, o2, lse2)
@@ -126,15 +124,19 @@ def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_
             none2 = np.zeros((nq, 0), q.dtype)
             sweep_pair(qs1, qs2, k1h, k2h, no_values, no_values_ok, i0, last, diag, bias_bh,
                        has_bias, mask_bh, has_mask, logks_b, has_ks, m1, l1, none1, m2, l2,
-                       none2, S1_flat, S2_flat, P_flat, T_flat)
+                       none2, S1_flat, P_flat, T_flat)
             finish_rows(none1, m1, l1, SOFTMAX, none1, lse1)  # LSEs only: -inf empty, NaN
             finish_rows(none2, m2, l2, SOFTMAX, none2, lse2)
             acc = np.zeros((nq, Dv), q.dtype)
+            S2_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+            P2_flat = np.empty(TILE_Q * TILE_K, q.dtype)
             for t in range(last):
                 j0 = t * TILE_K
                 nk = min(TILE_K, Lk - j0)
-                S1, S2 = logits_pair(qs1, qs2, k1h, k2h, i0, j0, nk, diag, bias_bh, has_bias,
-                                     mask_bh, has_mask, logks_b, has_ks, S1_flat, S2_flat)
+                S1 = masked_logits(qs1, k1h, i0, j0, nk, diag, bias_bh, has_bias, mask_bh,
+                                   has_mask, logks_b, has_ks, S1_flat)
+                S2 = masked_logits(qs2, k2h, i0, j0, nk, diag, bias_bh, has_bias, mask_bh,
+                                   has_mask, logks_b, has_ks, S2_flat)
                 P = rectified_weights(S1, S2, lse1, lse2, lam_rows, P_flat, P2_flat)
                 add_weighted_values(P, vh, j0, v_ok[b, g, t], acc, T_flat)
             finish_weighted_rows(acc, lse1, lse2, rows)

@@ -58,6 +58,7 @@ def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads
         F_flat = np.empty(TILE_Q * TILE_K, q.dtype)
         T_flat = np.empty(TILE_Q * Dv, q.dtype)
         cursor = np.empty(nq, np.int64)
+        keep = np.empty(TILE_K, q.dtype)
         for r in range(nq):
             cursor[r] = indptr[row0 + r]
         m = np.full(nq, -np.inf, q.dtype)
@@ -75,7 +76,7 @@ def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads
                 for r in range(nq):
                     cursor[r] += nk
             else:
-                csr_tile_mask(S, indptr, indices, row0, j0, cursor)
+                csr_tile_mask(S, indptr, indices, row0, j0, cursor, keep)
             F = F_flat[: nq * nk].reshape((nq, nk)) if normalizer == RELU_EXPM1 else S
             modify_logits(S, F, i0, j0, Lk, bias[0, 0], False, mask[0, 0], False, logks[b],
                           has_ks, normalizer)
