@@ -55,18 +55,28 @@ def _simulator_array_class():
     return SimulatorArray
 
 
-def device_view(x):
+def device_view(x, *, need_reshape=True):
     """``x`` as a Numba device array, without a copy.
 
     Numba device arrays are used as they are; other objects exposing
-    ``__cuda_array_interface__`` (CuPy, PyTorch) are wrapped.
+    ``__cuda_array_interface__`` (CuPy, PyTorch) are wrapped.  With
+    ``need_reshape`` (q, k, v), an array that is not 4-D must be C-contiguous
+    so that it can be viewed as 4-D (a ``ValueError`` says so).
     """
     from numba import cuda
 
     if not hasattr(x, "copy_to_host"):
-        return cuda.as_cuda_array(x)
-    if type(x).__name__ == "FakeCUDAArray":
-        return _simulator_array_class()(x._ary, stream=x.stream)
+        x = cuda.as_cuda_array(x)
+    elif type(x).__name__ == "FakeCUDAArray":
+        x = _simulator_array_class()(x._ary, stream=x.stream)
+    if need_reshape and len(x.shape) != 4 and x.size and not x.is_c_contiguous():
+        # (B, H, L, D) views of any strides are read in place; other ranks must be
+        # reshaped to 4-D, which Numba refuses to do without a copy
+        raise ValueError(
+            f"a non-contiguous CUDA device array of shape {tuple(x.shape)} cannot be used in "
+            "place; pass a contiguous one (tensor.contiguous(), cupy.ascontiguousarray) or a "
+            "4-D (batch, heads, length, dim) view"
+        )
     return x
 
 
@@ -102,7 +112,7 @@ def device_pairwise(name, x, batch_shape, squeeze, B, Hq, Lq, Lk, dtype):
     if x is None:
         return None
     if is_device_array(x):
-        arr = device_view(x)
+        arr = device_view(x, need_reshape=False)
         kind = np.dtype(arr.dtype)
         if dtype == np.bool_ and kind != np.bool_:
             raise TypeError(f"{name} must be a boolean array (True = may attend); "
@@ -127,7 +137,7 @@ def device_log_key_sizes(key_size, batch_shape, squeeze, B, Lk, dtype):
     if key_size is None:
         return None
     if is_device_array(key_size):
-        key_size = device_view(key_size).copy_to_host()
+        key_size = device_view(key_size, need_reshape=False).copy_to_host()
     return cuda.to_device(log_key_sizes(key_size, batch_shape, squeeze, B, Lk, dtype))
 
 

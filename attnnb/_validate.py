@@ -162,6 +162,8 @@ class Problem:
 
     @property
     def compute_dtype(self) -> np.dtype:
+        if self.on_device:  # device inputs keep their dtypes; the kernels convert on load
+            return compute_dtypes(self.q.dtype, self.k.dtype, self.v.dtype)[0]
         return np.dtype(self.q.dtype)
 
     def restore(self, out: Any, lse: Any = None):

@@ -18,7 +18,7 @@ import numpy as np
 from numba import cuda
 
 from .._device import compact
-from .._validate import compute_dtypes, lse_dtype
+from .._validate import lse_dtype
 
 
 def _placeholder(shape, dtype):
@@ -34,7 +34,7 @@ def device_problem(problem) -> SimpleNamespace:
     ``lse_dtype`` and ``on_device``.
     """
     q, k, v = problem.q, problem.k, problem.v
-    dtype = compute_dtypes(q.dtype, k.dtype, v.dtype)[0]
+    dtype = problem.compute_dtype
     if problem.on_device:
         out_dtype = np.dtype(problem.out_dtype)
         mask, bias, logks = problem.mask, problem.bias, problem.log_key_size

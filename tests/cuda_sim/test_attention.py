@@ -188,3 +188,25 @@ def test_cupy_arrays_in_and_wrapped_out(rng):
     out = cupy.asarray(attnnb.attention(*(cupy.asarray(x) for x in (q, k, v))))
     assert_close(cupy.asnumpy(out), attnnb.attention(q, k, v, backend="reference"),
                  np.float32)
+
+
+def test_strided_device_views(rng):
+    """4-D device views of any strides are read in place; other ranks need contiguity."""
+    q, k, v = qkv(rng, batch=(1,), hq=2, lq=10, lk=12, d=3, dtype=np.float32)
+    dq, dk, dv = to_device(q, k, v)
+    ref = attnnb.attention(q[..., ::2, :], k[..., ::3, :], v[..., ::3, :], backend="reference")
+    out = attnnb.attention(dq[..., ::2, :], dk[..., ::3, :], dv[..., ::3, :])
+    assert_close(host(out), ref, np.float32)
+    with pytest.raises(ValueError, match="non-contiguous CUDA device array"):
+        attnnb.attention(dq[0, :, ::2], dk[0], dv[0])
+
+
+def test_strided_device_mask_and_bias(rng):
+    q, k, v = qkv(rng, hq=2, lq=4, lk=5, d=3, dtype=np.float32)
+    mask = rng.random((4, 10)) > 0.3
+    bias = rng.standard_normal((2, 4, 10)).astype(np.float32)
+    ref = attnnb.attention(q, k, v, mask=mask[:, ::2], bias=bias[..., 1::2],
+                           backend="reference")
+    dmask, dbias = to_device(mask, bias)
+    out = attnnb.attention(*to_device(q, k, v), mask=dmask[:, ::2], bias=dbias[..., 1::2])
+    assert_close(host(out), ref, np.float32)
