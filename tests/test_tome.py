@@ -506,7 +506,7 @@ def test_merge_wavg_accepts_a_merge_function(rng):
     merge, _ = m
     a = tome.merge_wavg(merge, metric)
     b = tome.merge_wavg(m, metric)
-    for u, v in zip(a, b):
+    for u, v in zip(a, b, strict=True):
         np.testing.assert_array_equal(u, v)
 
 
