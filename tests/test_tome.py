@@ -655,3 +655,19 @@ def test_blas_threads_restored():
             assert get() == 1
         assert get() == 1
     assert get() == before
+
+
+def test_concurrent_threads_match_a_lone_call(rng):
+    from concurrent.futures import ThreadPoolExecutor
+
+    metric = _data(rng, 2, 301, 8, np.float32)
+
+    def step(_):
+        m = tome.bipartite_soft_matching(metric, 100, class_token=True, backend="cpu")
+        return m.slot, m.merge(metric)
+
+    alone = step(0)
+    with ThreadPoolExecutor(4) as pool:
+        for slot, merged in pool.map(step, range(8)):
+            np.testing.assert_array_equal(slot, alone[0])
+            np.testing.assert_array_equal(merged, alone[1])
