@@ -96,7 +96,7 @@ def _metric(metric, backend):
     if is_device_array(metric):
         # Resolving the backend first gives the user the reason a device array
         # cannot be used here (no GPU, wrong backend) before any conversion.
-        backend = _dispatch.choose_backend(backend, True)
+        _dispatch.choose_backend(backend, True)
         raise RuntimeError("attnnb.tome does not accept CUDA device arrays yet; "
                            "pass host arrays (backend 'reference' or 'cpu')")
     arr = host_float_array("metric", metric)

@@ -352,7 +352,7 @@ def test_nan_rows_follow_torch(rng, backend):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_cpu_equals_reference_across_tiles(rng, dtype):
-    """Sizes past one A tile (64) and one B tile (512) of the cpu kernel."""
+    """Sizes past one A tile (256) and one B tile (256) of the cpu kernel."""
     metric = _data(rng, 2, 1101, 6, dtype)
     x = _data(rng, 2, 1101, 5, dtype)
     for kw in ({}, {"class_token": True, "distill_token": True}):
@@ -506,7 +506,7 @@ def test_merge_wavg_accepts_a_merge_function(rng):
     merge, _ = m
     a = tome.merge_wavg(merge, metric)
     b = tome.merge_wavg(m, metric)
-    for u, v in zip(a, b):
+    for u, v in zip(a, b, strict=True):
         np.testing.assert_array_equal(u, v)
 
 
@@ -631,3 +631,43 @@ def test_bad_input(rng):
     before = metric.copy()
     tome.merge_wavg(m, metric)
     np.testing.assert_array_equal(metric, before)
+
+
+def test_inf_in_metric_gives_a_nan_row_on_every_backend(rng):
+    metric = _data(rng, 1, 10, 3)
+    metric[0, 2, 1] = np.inf  # A token 1: inf / inf = NaN in its unit row
+    ref, cpu = (tome.bipartite_soft_matching(metric, 2, backend=b) for b in HOST_BACKENDS)
+    np.testing.assert_array_equal(ref.slot, cpu.slot)
+    assert ref.src_idx[0, 0] == 1 and ref.dst_idx[0, 0] == 0
+
+
+def test_blas_threads_restored():
+    from attnnb.cpu import _blas
+
+    found = _blas._find()
+    if found is None:
+        pytest.skip("SciPy's OpenBLAS not found")
+    get, _ = found
+    before = get()
+    with _blas.single_threaded_blas():
+        assert get() == 1
+        with _blas.single_threaded_blas():
+            assert get() == 1
+        assert get() == 1
+    assert get() == before
+
+
+def test_concurrent_threads_match_a_lone_call(rng):
+    from concurrent.futures import ThreadPoolExecutor
+
+    metric = _data(rng, 2, 301, 8, np.float32)
+
+    def step(_):
+        m = tome.bipartite_soft_matching(metric, 100, class_token=True, backend="cpu")
+        return m.slot, m.merge(metric)
+
+    alone = step(0)
+    with ThreadPoolExecutor(4) as pool:
+        for slot, merged in pool.map(step, range(8)):
+            np.testing.assert_array_equal(slot, alone[0])
+            np.testing.assert_array_equal(merged, alone[1])
