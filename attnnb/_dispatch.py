@@ -66,15 +66,30 @@ def _probe_cuda() -> tuple[bool, str]:
         return False, f"numba.cuda cannot be imported ({exc}); pip install 'attnnb[cuda]'"
     simulated = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
     try:
-        if not cuda.is_available():
-            return False, "no CUDA driver or no CUDA device found (numba.cuda.is_available() is False)"
         if simulated:
             return True, "Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1)"
+        if not cuda.is_available():
+            return False, _why_no_cuda()
         dev = cuda.get_current_device()
         name = dev.name.decode() if isinstance(dev.name, bytes) else dev.name
         return True, f"{name}, compute capability {dev.compute_capability}"
     except Exception as exc:
         return False, f"CUDA is not usable: {exc}"
+
+
+def _why_no_cuda() -> str:
+    """Tell a missing driver from a driver that sees no device."""
+    try:
+        from numba.cuda.cudadrv.driver import driver
+
+        count = driver.get_device_count()
+    except Exception as exc:
+        first = str(exc).strip().splitlines()
+        detail = " ".join(line.strip() for line in first if line.strip())[:200]
+        return f"no usable CUDA driver ({detail or type(exc).__name__})"
+    if count == 0:
+        return "the CUDA driver found no GPU"
+    return "numba.cuda.is_available() is False (no supported GPU)"
 
 
 def backends() -> dict[str, tuple[bool, str]]:

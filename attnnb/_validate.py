@@ -34,7 +34,11 @@ def is_device_array(x: Any) -> bool:
         from numba import cuda
     except Exception:  # pragma: no cover - numba-cuda missing
         return False
-    return bool(cuda.is_cuda_array(x))
+    check = getattr(cuda, "is_cuda_array", None)  # the simulator has none
+    if check is not None and check(x):
+        return True
+    # Numba device arrays, also the simulator's (which lack the interface)
+    return bool(getattr(x, "__cuda_ndarray__", False))
 
 
 def float_dtype_of(name: str, dtype: np.dtype) -> np.dtype:
@@ -158,6 +162,8 @@ class Problem:
 
     @property
     def compute_dtype(self) -> np.dtype:
+        if self.on_device:  # device inputs keep their dtypes; the kernels convert on load
+            return compute_dtypes(self.q.dtype, self.k.dtype, self.v.dtype)[0]
         return np.dtype(self.q.dtype)
 
     def restore(self, out: Any, lse: Any = None):
@@ -216,11 +222,11 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
             "other inputs are CUDA device arrays; pass all of q, k, v on the same side"
         )
     if all(on_dev):
-        from numba import cuda
+        from ._device import device_view
 
         # Numba device arrays (also the simulator's) are used as they are; other
         # objects exposing __cuda_array_interface__ are wrapped without a copy.
-        arrs = [x if hasattr(x, "copy_to_host") else cuda.as_cuda_array(x) for x in (q, k, v)]
+        arrs = [device_view(x) for x in (q, k, v)]
         for name, a in zip((q_name, k_name, v_name), arrs):
             float_dtype_of(name, a.dtype)
     else:
@@ -239,9 +245,11 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
             f"{v_name} must have as many keys as {k_name}: {v_name} {tuple(va.shape)} has "
             f"{va.shape[-2]}, {k_name} {tuple(ka.shape)} has {ka.shape[-2]}"
         )
-    if not squeeze and va.shape[-3] != ka.shape[-3]:
+    # with head pairs, v has one head per key pair (2g, 2g+1)
+    if not squeeze and va.shape[-3] * (2 if head_pairs else 1) != ka.shape[-3]:
         raise ValueError(
-            f"{v_name} must have as many heads as {k_name}: got {va.shape[-3]} and {ka.shape[-3]}"
+            f"{v_name} must have {'half as many' if head_pairs else 'as many'} heads as "
+            f"{k_name}: got {va.shape[-3]} and {ka.shape[-3]}"
         )
     if D == 0:
         raise ValueError(f"{q_name}'s head dimension (last axis) must be > 0; got shape "
@@ -350,13 +358,16 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
     prob = Problem(q4, k4, v4, causal=causal, scale=scl, normalizer=normalizer,
                    batch_shape=batch, squeeze_head=squeeze, out_dtype=out_dtype,
                    on_device=on_dev)
-    for name, x in (("mask", mask), ("bias", bias), ("key_size", key_size)):
-        if x is not None and is_device_array(x) != on_dev:
-            side = "device" if on_dev else "host"
-            raise TypeError(f"{name} must be on the {side} like q, k, v")
-    if on_dev:
-        prob.mask, prob.bias, prob.log_key_size = mask, bias, key_size  # cuda backend checks
+    if on_dev:  # host or device mask / bias / key_size: see attnnb/_device.py
+        from ._device import device_extras
+
+        prob.mask, prob.bias, prob.log_key_size = device_extras(
+            mask, bias, key_size, batch, squeeze, B, Hq, Lq, Lk, comp)
         return prob
+    for name, x in (("mask", mask), ("bias", bias), ("key_size", key_size)):
+        if x is not None and is_device_array(x):
+            raise TypeError(f"{name} is a CUDA device array but q, k, v are on the host; "
+                            "pass all of them on the same side")
     prob.mask = broadcast_pairwise("mask", mask, batch, squeeze, B, Hq, Lq, Lk, np.bool_)
     prob.bias = broadcast_pairwise("bias", bias, batch, squeeze, B, Hq, Lq, Lk, comp)
     prob.log_key_size = log_key_sizes(key_size, batch, squeeze, B, Lk, comp)

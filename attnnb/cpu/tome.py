@@ -1,0 +1,270 @@
+"""Token Merging on the ``cpu`` backend (Numba).
+
+* :func:`match`: cosine similarity of every A token with every B token,
+  swept in ``TILE_A x TILE_B`` tiles (``np.dot``, i.e. BLAS) with a running
+  row maximum, so no ``Ta x Tb`` matrix exists (Stable Diffusion's 2048 x
+  2048 per image included); then a stable descending sort of the row maxima.
+* :func:`merge`: a segmented reduction; each output token gathers its
+  members from a per-batch counting sort of ``slot``, so threads never
+  write to the same row and the result does not depend on scheduling.
+* :func:`unmerge`: a row gather.
+
+Semantics (ties, NaN, protected tokens) are those of
+:mod:`attnnb.reference.tome`; see :mod:`attnnb.tome`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from ._blas import single_threaded_blas
+from ._jit import inner, kernel, launch
+
+TILE_A = 64  # A rows per task
+TILE_B = 512  # B tokens per similarity tile
+TILE_OUT = 32  # output tokens per merge task
+MODE_CODES = {"mean": 0, "sum": 1, "amax": 2}
+
+
+@inner
+def _unit_row(src, dst):
+    """``dst = src / ||src||``, norm accumulated in float64; True when ``dst`` holds a NaN.
+
+    A zero row gives NaN (``0 / 0``), as ``metric / metric.norm()`` does.  A
+    row without NaN has entries in ``[-1, 1]``, so a similarity is NaN
+    exactly when one of its two rows holds a NaN.
+    """
+    acc = 0.0
+    for c in range(src.shape[0]):
+        v = np.float64(src[c])
+        acc += v * v
+    norm = np.sqrt(acc)
+    if norm == 0.0:  # 0 / 0 (spelled out: Numba's Python error model raises on it)
+        for c in range(src.shape[0]):
+            dst[c] = np.nan
+        return True
+    nan = False
+    for c in range(src.shape[0]):
+        dst[c] = src[c] / norm
+        nan |= dst[c] != dst[c]
+    return nan
+
+
+@inner
+def _row_max(row, start, stop, init):
+    """``max(init, row[start:stop])`` ignoring NaN, in 8 independent lanes.
+
+    ``s > t ? s : t`` without ``nnan`` does not vectorise as one chain;
+    eight chains do (about 14x faster here).
+    """
+    t0 = t1 = t2 = t3 = t4 = t5 = t6 = t7 = init
+    j = start
+    while j + 8 <= stop:
+        s0, s1, s2, s3 = row[j], row[j + 1], row[j + 2], row[j + 3]
+        s4, s5, s6, s7 = row[j + 4], row[j + 5], row[j + 6], row[j + 7]
+        t0 = s0 if s0 > t0 else t0
+        t1 = s1 if s1 > t1 else t1
+        t2 = s2 if s2 > t2 else t2
+        t3 = s3 if s3 > t3 else t3
+        t4 = s4 if s4 > t4 else t4
+        t5 = s5 if s5 > t5 else t5
+        t6 = s6 if s6 > t6 else t6
+        t7 = s7 if s7 > t7 else t7
+        j += 8
+    while j < stop:
+        t0 = row[j] if row[j] > t0 else t0
+        j += 1
+    t0 = t1 if t1 > t0 else t0
+    t2 = t3 if t3 > t2 else t2
+    t4 = t5 if t5 > t4 else t4
+    t6 = t7 if t7 > t6 else t6
+    t0 = t2 if t2 > t0 else t0
+    t4 = t6 if t6 > t4 else t4
+    return t4 if t4 > t0 else t0
+
+
+@inner
+def _fold_tile(S, na, nb, i0, j0, skip_row0, skip_col0, node_max, node_idx):
+    """Fold a tile of similarities ``S[:na, :nb]`` into the running row max/argmax.
+
+    The first maximum wins (strict ``>`` across tiles, first equal entry
+    within one).  NaN is ignored here and settled by :func:`_settle_nan`.
+    """
+    start = 1 if (skip_col0 and j0 == 0) else 0
+    for ii in range(na):
+        if skip_row0 and i0 + ii == 0:
+            continue
+        row = S[ii]
+        best = node_max[i0 + ii]
+        tmax = _row_max(row, start, nb, best)
+        if tmax > best:
+            for jj in range(start, nb):
+                if row[jj] == tmax:
+                    node_max[i0 + ii] = tmax
+                    node_idx[i0 + ii] = j0 + jj
+                    break
+
+
+@inner
+def _settle_nan(a_nan, b_nan, class_token, distill_token, node_max, node_idx):
+    """Rows whose similarities include a NaN: NaN wins, at its first column (as ``torch.max``).
+
+    Protected entries are ``-inf``, never NaN: the class token's row and,
+    with a distillation token, column 0.
+    """
+    first = -1
+    for j in range(1 if distill_token else 0, b_nan.shape[0]):
+        if b_nan[j]:
+            first = j
+            break
+    for i in range(a_nan.shape[0]):
+        if class_token and i == 0:
+            continue
+        if a_nan[i]:
+            node_max[i] = np.nan
+            node_idx[i] = 1 if distill_token else 0
+        elif first >= 0:
+            node_max[i] = np.nan
+            node_idx[i] = first
+
+
+@kernel
+def match_kernel(metric, a_idx, b_idx, class_token, distill_token, node_max, node_idx, order):
+    B, _, C = metric.shape
+    Ta, Tb = a_idx.shape[1], b_idx.shape[1]
+    a_shared, b_shared = a_idx.shape[0] == 1, b_idx.shape[0] == 1
+    ua = np.empty((B, Ta, C), metric.dtype)
+    ub = np.empty((B, Tb, C), metric.dtype)
+    a_nan = np.zeros((B, Ta), np.bool_)
+    b_nan = np.zeros((B, Tb), np.bool_)
+    # 1. gather both sets and normalise every row
+    for task in prange(B * (Ta + Tb)):
+        b = task // (Ta + Tb)
+        i = task % (Ta + Tb)
+        if i < Ta:
+            a_nan[b, i] = _unit_row(metric[b, a_idx[0 if a_shared else b, i]], ua[b, i])
+        else:
+            i -= Ta
+            b_nan[b, i] = _unit_row(metric[b, b_idx[0 if b_shared else b, i]], ub[b, i])
+    # 2. running row max over B tiles; one task per (batch, A tile)
+    n_at = (Ta + TILE_A - 1) // TILE_A
+    for task in prange(B * n_at):
+        b = task // n_at
+        i0 = (task % n_at) * TILE_A
+        na = min(TILE_A, Ta - i0)
+        S_flat = np.empty(TILE_A * TILE_B, metric.dtype)
+        at = ua[b][i0:i0 + na]
+        ubb = ub[b]
+        mx = node_max[b]
+        ix = node_idx[b]
+        for ii in range(na):
+            mx[i0 + ii] = -np.inf
+            ix[i0 + ii] = 0
+        if class_token and i0 == 0 and na == 1:
+            continue
+        for j0 in range(0, Tb, TILE_B):
+            nb = min(TILE_B, Tb - j0)
+            S = S_flat[: na * nb].reshape((na, nb))
+            np.dot(at, ubb[j0:j0 + nb].T, S)
+            _fold_tile(S, na, nb, i0, j0, class_token, distill_token, mx, ix)
+    # 3. NaN rows, then the edges best first: a stable sort of -max (NaN first, -inf last)
+    for b in prange(B):
+        _settle_nan(a_nan[b], b_nan[b], class_token, distill_token, node_max[b], node_idx[b])
+        key = np.empty(Ta, node_max.dtype)
+        for i in range(Ta):
+            v = node_max[b, i]
+            key[i] = -np.inf if v != v else -v
+        order[b] = np.argsort(key, kind="mergesort")
+
+
+def match(metric, a_idx, b_idx, class_token, distill_token):
+    """See :func:`attnnb.reference.tome.match`; computed in ``metric``'s dtype."""
+    B = metric.shape[0]
+    Ta = a_idx.shape[1]
+    node_max = np.empty((B, Ta), metric.dtype)
+    node_idx = np.empty((B, Ta), np.int64)
+    order = np.empty((B, Ta), np.int64)
+    with single_threaded_blas():
+        launch(match_kernel, metric, np.ascontiguousarray(a_idx, np.int64),
+               np.ascontiguousarray(b_idx, np.int64), bool(class_token), bool(distill_token),
+               node_max, node_idx, order)
+    return node_max, node_idx, order
+
+
+@kernel
+def merge_kernel(x, slot, n_out, mode, out):
+    B, N, C = x.shape
+    Bs = slot.shape[0]
+    # members of every output token, in token order (a counting sort of slot)
+    indptr = np.zeros((Bs, n_out + 1), np.int64)
+    members = np.empty((Bs, N), np.int64)
+    for s in prange(Bs):
+        ptr = indptr[s]
+        for p in range(N):
+            if slot[s, p] >= 0:
+                ptr[slot[s, p] + 1] += 1
+        for o in range(n_out):
+            ptr[o + 1] += ptr[o]
+        fill = ptr[:n_out].copy()
+        for p in range(N):
+            o = slot[s, p]
+            if o >= 0:
+                members[s, fill[o]] = p
+                fill[o] += 1
+    n_t = (n_out + TILE_OUT - 1) // TILE_OUT
+    for task in prange(B * n_t):
+        b = task // n_t
+        s = 0 if Bs == 1 else b
+        acc = np.empty(C, np.float64)
+        xb = x[b]
+        for o in range((task % n_t) * TILE_OUT, min(n_out, (task % n_t + 1) * TILE_OUT)):
+            start, stop = indptr[s, o], indptr[s, o + 1]
+            row = xb[members[s, start]]
+            for c in range(C):
+                acc[c] = row[c]
+            for m in range(start + 1, stop):
+                row = xb[members[s, m]]
+                if mode == 2:
+                    for c in range(C):
+                        v = np.float64(row[c])
+                        if v > acc[c] or v != v:
+                            acc[c] = v
+                else:
+                    for c in range(C):
+                        acc[c] += row[c]
+            dst = out[b, o]
+            if mode == 0:
+                count = np.float64(stop - start)
+                for c in range(C):
+                    dst[c] = acc[c] / count
+            else:
+                for c in range(C):
+                    dst[c] = acc[c]
+
+
+def merge(x, slot, n_out, mode):
+    """See :func:`attnnb.reference.tome.merge`; accumulates in float64, returns ``x``'s dtype."""
+    out = np.empty((x.shape[0], n_out, x.shape[2]), x.dtype)
+    launch(merge_kernel, x, np.ascontiguousarray(slot, np.int64), n_out, MODE_CODES[mode], out)
+    return out
+
+
+@kernel
+def unmerge_kernel(x, slot, out):
+    B, N, C = out.shape
+    Bs = slot.shape[0]
+    for task in prange(B * N):
+        b = task // N
+        p = task % N
+        src = x[b, slot[0 if Bs == 1 else b, p]]
+        dst = out[b, p]
+        for c in range(C):
+            dst[c] = src[c]
+
+
+def unmerge(x, slot):
+    """See :func:`attnnb.reference.tome.unmerge`."""
+    out = np.empty((x.shape[0], slot.shape[1], x.shape[2]), x.dtype)
+    launch(unmerge_kernel, x, np.ascontiguousarray(slot, np.int64), out)
+    return out

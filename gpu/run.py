@@ -1,0 +1,259 @@
+"""The GPU harness: cuda tests on the device, then attnnb's cuda backend against PyTorch.
+
+On a machine with an NVIDIA GPU and numba-cuda::
+
+    python gpu/run.py                      # tests at larger shapes, then the timings
+    python gpu/run.py --skip-tests         # timings only
+
+Without a GPU, the whole harness runs end to end under Numba's CUDA
+simulator at a tiny size (timings then mean nothing; PyTorch runs on the CPU)::
+
+    python gpu/run.py --simulator-tiny
+
+Steps: (a) ``tests/cuda_sim`` in a child pytest on the device
+(``ATTNNB_CUDA_TESTS=device``, shapes scaled by ``--test-scale``); (b)
+attention timings, float32, B=1, H=16, D in (64, 128), N = 1024 ... 16384,
+causal and not: attnnb cuda (inputs are torch CUDA tensors, used without a
+copy) against ``torch.nn.functional.scaled_dot_product_attention`` and, at
+``--flex-n``, FlexAttention (compiled), timed with CUDA events after warm-up;
+GFLOP/s count ``4 N^2 D H`` (half of it causal); (c) full results as JSON
+(``--out``) and one short table printed last.  A time budget (``--budget``,
+default 7 minutes) stops starting new sizes so the run ends within 8 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--simulator-tiny", action="store_true",
+                   help="no GPU: run everything under the CUDA simulator at a tiny size")
+    p.add_argument("--skip-tests", action="store_true", help="timings only")
+    p.add_argument("--test-scale", type=int, default=8,
+                   help="sequence-length factor for the device tests (default 8)")
+    p.add_argument("--sizes", default=None, help="comma-separated N (default 1024..16384)")
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--dims", default=None, help="comma-separated D (default 64,128)")
+    p.add_argument("--flex-n", default="4096",
+                   help="N at which FlexAttention is also timed (comma-separated; '' for none)")
+    p.add_argument("--budget", type=float, default=420.0, help="seconds for everything")
+    p.add_argument("--out", default=os.path.join(ROOT, "gpu", "out", "results.json"))
+    args = p.parse_args(argv)
+    if args.simulator_tiny:
+        args.sizes = args.sizes or "8,13"
+        args.heads = args.heads or 2
+        args.dims = args.dims or "4,8"
+        args.flex_n = ""
+    args.sizes = [int(x) for x in (args.sizes or "1024,2048,4096,8192,16384").split(",")]
+    args.dims = [int(x) for x in (args.dims or "64,128").split(",")]
+    args.heads = args.heads or 16
+    args.flex_n = {int(x) for x in args.flex_n.split(",") if x}
+    return args
+
+
+def run_tests(args) -> dict:
+    """(a): the cuda tests in a child pytest, on the device or under the simulator."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if args.simulator_tiny:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    else:
+        env["ATTNNB_CUDA_TESTS"] = "device"
+        env["ATTNNB_CUDA_TEST_SCALE"] = str(args.test_scale)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           os.path.join(ROOT, "tests", "cuda_sim")],
+                          env=env, cwd=ROOT, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    summary = lines[-1] if lines else proc.stderr.strip()[-300:]
+    print(f"cuda tests: {summary}", flush=True)
+    if proc.returncode:
+        print(proc.stdout[-4000:], proc.stderr[-2000:], sep="\n")
+    return {"returncode": proc.returncode, "summary": summary,
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+class Timer:
+    """Median milliseconds per call: CUDA events on a GPU, the wall clock in the simulator."""
+
+    def __init__(self, simulator):
+        from numba import cuda
+
+        self.cuda = cuda
+        self.simulator = simulator
+
+    def once(self, fn, reps):
+        if self.simulator:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            return (time.perf_counter() - t0) * 1e3 / reps
+        start, end = self.cuda.event(timing=True), self.cuda.event(timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return self.cuda.event_elapsed_time(start, end) / reps
+
+    def __call__(self, fn, target_ms=200.0):
+        fn()
+        fn()  # warm-up: compile, caches, clocks
+        self.sync()
+        first = self.once(fn, 1)
+        reps = max(1, min(20, int(target_ms / max(first, 1e-3))))
+        return statistics.median(self.once(fn, reps) for _ in range(3))
+
+    def sync(self):
+        if not self.simulator:
+            self.cuda.synchronize()
+
+
+def candidates(args, torch, n, d, causal):
+    """``{label: callable}`` and the inputs; the attnnb output for the error check."""
+    import attnnb
+
+    dev = "cpu" if args.simulator_tiny else "cuda"
+    g = torch.Generator(device=dev).manual_seed(n * 1000 + d)
+    shape = (1, args.heads, n, d)
+    q, k, v = (torch.randn(shape, generator=g, device=dev, dtype=torch.float32)
+               for _ in range(3))
+    if args.simulator_tiny:
+        from numba import cuda
+
+        dq, dk, dv = (cuda.to_device(x.numpy()) for x in (q, k, v))
+    else:
+        dq, dk, dv = q, k, v  # torch CUDA tensors: attnnb reads them in place
+    F = torch.nn.functional
+    found = {
+        "attnnb-cuda": lambda: attnnb.attention(dq, dk, dv, causal=causal, backend="cuda"),
+        "torch-sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+    }
+    if n in args.flex_n:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            flex = torch.compile(flex_attention)
+            block = None
+            if causal:
+                block = create_block_mask(lambda b, h, i, j: j <= i, None, None, n, n,
+                                          device=dev)
+            found["torch-flex"] = lambda: flex(q, k, v, block_mask=block)
+        except Exception as exc:  # older torch, no compiler: recorded, not fatal
+            print(f"FlexAttention unavailable: {type(exc).__name__}: {exc}", flush=True)
+    return found
+
+
+def max_rel_error(a, b, torch):
+    a = torch.as_tensor(a, device=b.device).double()
+    b = b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def run_timings(args, started) -> list[dict]:
+    """(b): every size, until the time budget runs out."""
+    import numpy as np
+    import torch
+
+    timer = Timer(args.simulator_tiny)
+    rows = []
+    for d in args.dims:
+        for causal in (False, True):
+            for n in args.sizes:
+                row = {"N": n, "H": args.heads, "D": d, "causal": causal, "dtype": "float32"}
+                rows.append(row)
+                if time.perf_counter() - started > args.budget:
+                    row["skipped"] = "time budget"
+                    continue
+                flops = 4.0 * n * n * d * args.heads * (0.5 if causal else 1.0)
+                try:
+                    fns = candidates(args, torch, n, d, causal)
+                    out = fns["attnnb-cuda"]()
+                    ref = fns["torch-sdpa"]()
+                    host = out.copy_to_host() if hasattr(out, "copy_to_host") else out
+                    row["max_rel_err_vs_sdpa"] = max_rel_error(np.asarray(host), ref, torch)
+                    for label, fn in fns.items():
+                        ms = timer(fn)
+                        row[f"{label}_ms"] = ms
+                        row[f"{label}_gflops"] = flops / (ms * 1e6)
+                    row["sdpa_over_attnnb"] = row["torch-sdpa_ms"] / row["attnnb-cuda_ms"]
+                except Exception as exc:  # keep going: one failed size is a result too
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def device_info(simulator) -> dict:
+    info = {"python": platform.python_version(), "simulator": simulator}
+    try:
+        import numba
+        import torch
+
+        info.update(numba=numba.__version__, torch=torch.__version__)
+        if not simulator:
+            from numba import cuda
+
+            dev = cuda.get_current_device()
+            name = dev.name.decode() if isinstance(dev.name, bytes) else dev.name
+            info.update(gpu=name, compute_capability=list(dev.compute_capability))
+    except Exception as exc:
+        info["error"] = f"{type(exc).__name__}: {exc}"
+    return info
+
+
+def table(rows) -> str:
+    head = ("N", "D", "causal", "attnnb ms", "SDPA ms", "SDPA/attnnb", "attnnb GF/s",
+            "flex ms", "max err")
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        if "skipped" in r or "error" in r:
+            lines.append(f"{r['N']} | {r['D']} | {r['causal']} | "
+                         f"{r.get('skipped') or r.get('error')}")
+            continue
+        flex = r.get("torch-flex_ms")
+        lines.append(" | ".join([
+            str(r["N"]), str(r["D"]), str(r["causal"]), f"{r['attnnb-cuda_ms']:.3f}",
+            f"{r['torch-sdpa_ms']:.3f}", f"{r['sdpa_over_attnnb']:.2f}",
+            f"{r['attnnb-cuda_gflops']:.1f}", "-" if flex is None else f"{flex:.3f}",
+            f"{r['max_rel_err_vs_sdpa']:.1e}"]))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.simulator_tiny:
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"  # before Numba is imported
+    sys.path.insert(0, ROOT)
+    started = time.perf_counter()
+    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "device": device_info(args.simulator_tiny), "args": {
+                  "sizes": args.sizes, "heads": args.heads, "dims": args.dims,
+                  "flex_n": sorted(args.flex_n), "simulator_tiny": args.simulator_tiny}}
+    result["tests"] = None if args.skip_tests else run_tests(args)
+    result["timings"] = run_timings(args, started)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    dev = result["device"].get("gpu", "CUDA simulator" if args.simulator_tiny else "?")
+    tests = result["tests"]["summary"] if result["tests"] else "skipped"
+    print(f"\nresults: {args.out} ({result['seconds']} s)")
+    print(f"device: {dev}; cuda tests: {tests}")
+    print(table(result["timings"]))
+    failed = (result["tests"] or {}).get("returncode", 0) != 0
+    failed |= any("error" in r for r in result["timings"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
