@@ -287,7 +287,8 @@ class Pattern:
         return fig
 
     def coarse(self, max_pixels: int = 512) -> np.ndarray:
-        """Allowed fraction per cell of an at most ``max_pixels``-square grid (head 0 view)."""
+        """Allowed fraction per cell of an at most ``max_pixels``-square grid, averaged
+        over heads: ``(ceil(Lq / fy), ceil(Lk / fx))`` float64."""
         Lq, Lk = self.shape
         fy = max(1, math.ceil(Lq / max_pixels))
         fx = max(1, math.ceil(Lk / max_pixels))
@@ -705,13 +706,12 @@ def block_sparse(layout, block: int, *, shape=None) -> Pattern:
     # the sorted key list of every block-row (h, qb), stored back to back in `table`
     h_, qb_, kb_ = np.nonzero(lay3)
     width = np.minimum(block, Lk - kb_ * block)
-    ptr_b, table = _runs(kb_ * block, width)
+    _, table = _runs(kb_ * block, width)
     br_count = np.bincount(h_ * nqb + qb_, weights=width, minlength=H * nqb).astype(np.int64)
     br_start = np.concatenate([[0], np.cumsum(br_count)[:-1]])
     rows_br = (np.arange(H, dtype=np.int64)[:, None] * nqb
                + np.arange(Lq, dtype=np.int64)[None, :] // block).ravel()
     indptr, indices = _runs(br_start[rows_br], br_count[rows_br], 1, table=table)
-    del ptr_b
     return Pattern(indptr, indices, (Lq, Lk), H)
 
 

@@ -60,6 +60,15 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
         Queries the pattern gives no key get zeros.
     lse : array ``(*batch, Hq, Lq)``, with ``return_lse=True``; ``-inf`` on empty rows.
 
+    Notes
+    -----
+    The kernels visit, per tile of 64 queries, only the 64-key tiles the
+    pattern touches (``pattern.blocks()``), masking element by element only
+    inside partially allowed tiles.  Block-aligned patterns (windows,
+    Longformer, BigBird, block-sparse) thus cost close to their allowed
+    pairs; a pattern leaving a few keys in every tile (e.g. ``strided`` with a
+    stride up to 64) costs as much as the tiles it touches.
+
     Examples
     --------
     >>> import numpy as np, attnnb

@@ -101,7 +101,8 @@ def main():
               f"{rel(out, masked):13.1e} {rel(out, target):14.3f}"
               + ("  (vs causal dense)" if causal else ""))
     for top_k in (32, 128):
-        out, t = timed(lambda top_k=top_k: attnnb.topk_attention(q, k, v, top_k, causal=True))
+        out, t = timed(lambda top_k=top_k: attnnb.topk_attention(q, k, v, top_k, causal=True),
+                       repeats=1)
         print(f"{'top-k k=' + str(top_k) + ' (causal)':44s} {top_k / N:8.4f} {t * 1e3:7.0f} "
               f"{t_dense / t:7.1f}x {'':>13s} {rel(out, dense_causal):14.3f}  (vs causal dense)")
     save_picture(pats)
