@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -60,6 +61,10 @@ def _cuda_availability() -> tuple[bool, str]:
 
 
 def _probe_cuda() -> tuple[bool, str]:
+    # Numba still ships a deprecated numba.cuda of its own; the backend is built and
+    # tested on the numba-cuda package (the ``cuda`` extra), so require that one.
+    if importlib.util.find_spec("numba_cuda") is None:
+        return False, "numba-cuda is not installed (pip install 'attnnb[cuda]')"
     try:
         from numba import cuda
     except Exception as exc:

@@ -279,8 +279,18 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
     if all(on_dev):
         out = [to4(a) for a in arrs]
     else:
-        out = [np.ascontiguousarray(to4(a), dtype=comp) for a in arrs]
+        out = [_kernel_ready(to4(a), comp) for a in arrs]
     return out[0], out[1], out[2], batch, squeeze, out_dtype, all(on_dev)
+
+
+def _kernel_ready(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """C-contiguous, writeable (never written) array in ``dtype``; copies only if needed.
+
+    Numba types read-only arrays apart from writeable ones, so a read-only
+    input would compile every kernel a second time; a copy costs far less.
+    """
+    out = np.ascontiguousarray(a, dtype=dtype)
+    return out if out.flags.writeable else out.copy()
 
 
 def _user_full_shape(batch_shape, squeeze, Hq, Lq, Lk):
