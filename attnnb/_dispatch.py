@@ -140,15 +140,19 @@ def implementation(operation: str, backend: str) -> Callable:
     if target is None:
         raise RuntimeError(f"operation {operation!r} is not implemented on backend {backend!r}")
     module, _, name = target.partition(":")
+    missing = RuntimeError(f"operation {operation!r} is not implemented on backend {backend!r}")
     with _LOCK:
         try:
-            fn = getattr(importlib.import_module(module), name)
-        except (ModuleNotFoundError, AttributeError) as exc:
-            if module not in str(exc) and name not in str(exc):
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            # Only the backend's own module (or its package) being absent means "not
+            # implemented"; a dependency missing inside it is a real error to surface.
+            if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
                 raise
-            raise RuntimeError(
-                f"operation {operation!r} is not implemented on backend {backend!r}"
-            ) from exc
+            raise missing from exc
+        fn = getattr(mod, name, None)
+        if fn is None:
+            raise missing
         _LOADED[key] = fn
     return fn
 

@@ -11,6 +11,7 @@ Nothing here computes attention and nothing here writes to its inputs.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,15 +84,20 @@ def check_normalizer(normalizer: str) -> str:
 
 
 def check_scale(scale: Any, head_dim: int) -> float:
-    """Return the logit scale; ``None`` means ``1 / sqrt(head_dim)``."""
+    """Return the logit scale; ``None`` means ``1 / sqrt(head_dim)``.
+
+    Python and NumPy real numbers (and 0-d real arrays) are accepted; bools,
+    strings, complex numbers and sequences are a ``TypeError``.
+    """
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, (bool, np.bool_)) or not np.isscalar(scale):
-        raise TypeError(f"scale must be a real number or None; got {type(scale).__name__}")
-    try:
-        value = float(scale)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"scale must be a real number or None; got {scale!r}") from exc
+    if isinstance(scale, np.ndarray) and scale.ndim == 0:
+        scale = scale[()]
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(
+            f"scale must be a real number or None; got {type(scale).__name__} {scale!r}"
+        )
+    value = float(scale)
     if not math.isfinite(value):
         raise ValueError(f"scale must be finite; got {value}")
     return value
@@ -233,9 +239,11 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
             f"{v_name} must have as many keys as {k_name}: {v_name} {tuple(va.shape)} has "
             f"{va.shape[-2]}, {k_name} {tuple(ka.shape)} has {ka.shape[-2]}"
         )
-    if not squeeze and va.shape[-3] != ka.shape[-3]:
+    # with head pairs, v has one head per key pair (2g, 2g+1)
+    if not squeeze and va.shape[-3] * (2 if head_pairs else 1) != ka.shape[-3]:
         raise ValueError(
-            f"{v_name} must have as many heads as {k_name}: got {va.shape[-3]} and {ka.shape[-3]}"
+            f"{v_name} must have {'half as many' if head_pairs else 'as many'} heads as "
+            f"{k_name}: got {va.shape[-3]} and {ka.shape[-3]}"
         )
     if D == 0:
         raise ValueError(f"{q_name}'s head dimension (last axis) must be > 0; got shape "

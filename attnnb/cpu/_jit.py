@@ -101,7 +101,7 @@ _SERIAL_TWINS: dict = {}
 
 def launch(kernel_fn, *args):
     """Run a parallel kernel, or its serial twin in a forked child (see _threading)."""
-    from ._threading import in_forked_child
+    from ._threading import in_forked_child, launch_lock
 
     if in_forked_child():
         twin = _SERIAL_TWINS.get(kernel_fn)
@@ -109,4 +109,5 @@ def launch(kernel_fn, *args):
             twin = numba.njit(parallel=False, cache=False, fastmath=FASTMATH)(kernel_fn.py_func)
             _SERIAL_TWINS[kernel_fn] = twin
         return twin(*args)
-    return kernel_fn(*args)
+    with launch_lock():
+        return kernel_fn(*args)

@@ -10,6 +10,9 @@ priority (tbb, omp, workqueue) then picks it.
 
 If TBB cannot be loaded, kernels called in a process forked after a
 parallel call run their serial twins instead (:func:`in_forked_child`).
+Where Numba ends up with ``workqueue`` (no TBB, no OpenMP), parallel calls
+are serialised with a lock (:func:`launch_lock`), since that layer aborts
+the process on concurrent launches.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import ctypes
 import glob
 import os
 import sys
+import threading
+from contextlib import nullcontext
 
 _forked = False
 
@@ -59,3 +64,22 @@ def in_forked_child() -> bool:
         return layer() != "tbb" if layer else True
     except ValueError:  # no parallel region has run in this process yet
         return False
+
+
+_LAUNCH_LOCK = threading.Lock()
+_NO_LOCK = nullcontext()
+
+
+def launch_lock():
+    """A context manager serialising parallel launches where the layer needs it.
+
+    Until the first parallel region has run, Numba has not chosen its layer,
+    so launches are serialised; afterwards only under ``workqueue``.
+    """
+    import numba
+
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel region has run in this process yet
+        return _LAUNCH_LOCK
+    return _LAUNCH_LOCK if layer == "workqueue" else _NO_LOCK

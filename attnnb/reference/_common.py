@@ -58,7 +58,7 @@ def normalize(s, allowed, log_key_size=None, normalizer="softmax"):
     else:
         counted = allowed
     t = np.where(counted, t, -np.inf)
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         m = np.max(t, axis=-1, keepdims=True) if t.shape[-1] else np.full(
             t.shape[:-1] + (1,), -np.inf)
         m_safe = np.where(np.isneginf(m), 0.0, m)
@@ -88,9 +88,10 @@ def apply_weights(w, v, allowed):
         return np.matmul(w, v)
     B, H, Lq, _ = w.shape
     out = np.zeros((B, H, Lq, v.shape[-1]))
-    for b in range(B):
-        for h in range(H):
-            for i in range(Lq):
-                sel = allowed[b, h, i]
-                out[b, h, i] = w[b, h, i, sel] @ v[b, h, sel]
+    with np.errstate(invalid="ignore"):  # 0 * inf = NaN is the propagation we want
+        for b in range(B):
+            for h in range(H):
+                for i in range(Lq):
+                    sel = allowed[b, h, i]
+                    out[b, h, i] = w[b, h, i, sel] @ v[b, h, sel]
     return out

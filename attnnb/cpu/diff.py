@@ -1,0 +1,168 @@
+"""Differential attention on the CPU: two score streams over the same K/V tiles.
+
+One task per (batch, head pair, query tile).  ``mode="difference"`` sweeps
+the key tiles once: for each tile both components' logits go through the
+shared :func:`~attnnb.cpu._tiles.online_update` with the same value tile (so
+it is read from memory once), and the finished rows are combined as
+``o1 - lam * o2``.  ``mode="rectified"`` must know both maps' normalisers
+before it can clip ``A1 - lam * A2``, so its task sweeps twice: pass 1 runs
+the same online update with zero-width values (only the running max and
+sum, i.e. the LSEs), pass 2 recomputes the logits and accumulates
+``max(0, A1 - lam * A2) @ v`` tile by tile.  No ``Lq x Lk`` array exists.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from ._jit import inner, kernel, launch
+from ._streams import add_weighted_values, finish_weighted_rows, rectified_weights
+from ._tiles import (
+    SOFTMAX,
+    TILE_K,
+    TILE_Q,
+    finish_rows,
+    modify_logits,
+    online_update,
+    scaled_rows,
+    tile_logits,
+    value_tiles_finite,
+)
+from .attention import kernel_arguments
+
+DIFFERENCE = 0
+RECTIFIED = 1
+MODE_CODES = {"difference": DIFFERENCE, "rectified": RECTIFIED}
+
+
+@inner
+def logits_pair(qs1, qs2, k1h, k2h, i0, j0, nk, diag, bias_bh, has_bias, mask_bh, has_mask,
+                logks_b, has_ks, S1_flat, S2_flat):
+    """Both components' modified logits for one key tile (``-inf`` outside the allowed set)."""
+    S1 = tile_logits(qs1, k1h, j0, nk, S1_flat)
+    modify_logits(S1, S1, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b, has_ks,
+                  SOFTMAX)
+    S2 = tile_logits(qs2, k2h, j0, nk, S2_flat)
+    modify_logits(S2, S2, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b, has_ks,
+                  SOFTMAX)
+    return S1, S2
+
+
+@inner
+def sweep_pair(qs1, qs2, k1h, k2h, vh, v_ok, i0, last, diag, bias_bh, has_bias, mask_bh,
+               has_mask, logks_b, has_ks, m1, l1, acc1, m2, l2, acc2, S1_flat, S2_flat, P_flat,
+               T_flat):
+    """Online softmax of both streams over key tiles ``0..last-1``, sharing each value tile.
+
+    With zero-width ``vh``/``acc`` (and ``v_ok`` False) only the running max
+    and sum are kept: the LSE pass of the rectified mode.
+    """
+    Lk = k1h.shape[0]
+    for t in range(last):
+        j0 = t * TILE_K
+        nk = min(TILE_K, Lk - j0)
+        S1, S2 = logits_pair(qs1, qs2, k1h, k2h, i0, j0, nk, diag, bias_bh, has_bias, mask_bh,
+                             has_mask, logks_b, has_ks, S1_flat, S2_flat)
+        online_update(S1, S1, m1, l1, acc1, P_flat, T_flat, vh, j0, v_ok[t], SOFTMAX)
+        online_update(S2, S2, m2, l2, acc2, P_flat, T_flat, vh, j0, v_ok[t], SOFTMAX)
+
+
+@kernel
+def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
+                mode, v_ok, out):
+    """One task per (batch, head pair, query tile); see the module docstring."""
+    B, H2, Lq, D = q.shape
+    Hk2, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    H = H2 // 2
+    group = H // (Hk2 // 2)
+    n_qt = (Lq + TILE_Q - 1) // TILE_Q
+    n_kt = (Lk + TILE_K - 1) // TILE_K
+    diag = Lk - Lq if causal else Lk  # j > i + diag is masked; Lk disables it
+    no_values = np.zeros((Lk, 0), q.dtype)
+    no_values_ok = np.zeros(n_kt, np.bool_)
+    for task in prange(B * H * n_qt):
+        b = task // (H * n_qt)
+        h = (task // n_qt) % H
+        i0 = (task % n_qt) * TILE_Q
+        nq = min(TILE_Q, Lq - i0)
+        g = h // group
+        k1h, k2h, vh = k[b, 2 * g], k[b, 2 * g + 1], v[b, g]
+        q1_flat = np.empty(TILE_Q * D, q.dtype)
+        q2_flat = np.empty(TILE_Q * D, q.dtype)
+        S1_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+        S2_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+        P_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+        P2_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+        T_flat = np.empty(TILE_Q * Dv, q.dtype)
+        m1 = np.full(nq, -np.inf, q.dtype)
+        m2 = np.full(nq, -np.inf, q.dtype)
+        l1 = np.zeros(nq, q.dtype)
+        l2 = np.zeros(nq, q.dtype)
+        lse1 = np.empty(nq, q.dtype)
+        lse2 = np.empty(nq, q.dtype)
+        qs1 = scaled_rows(q[b, 2 * h], i0, nq, scale, q1_flat)
+        qs2 = scaled_rows(q[b, 2 * h + 1], i0, nq, scale, q2_flat)
+        last = n_kt
+        if causal:
+            last = min(n_kt, max(0, (i0 + nq - 1 + diag) // TILE_K + 1))
+        rows = out[b, h, i0 : i0 + nq]
+        lam_rows = lam[b, h, i0 : i0 + nq]
+        bias_bh, mask_bh, logks_b = bias[b, h], mask[b, h], logks[b]
+        if mode == DIFFERENCE:
+            acc1 = np.zeros((nq, Dv), q.dtype)
+            acc2 = np.zeros((nq, Dv), q.dtype)
+            sweep_pair(qs1, qs2, k1h, k2h, vh, v_ok[b, g], i0, last, diag, bias_bh, has_bias,
+                       mask_bh, has_mask, logks_b, has_ks, m1, l1, acc1, m2, l2, acc2, S1_flat,
+                       S2_flat, P_flat, T_flat)
+            o2 = np.empty((nq, Dv), q.dtype)
+            finish_rows(acc1, m1, l1, SOFTMAX, rows, lse1)
+            finish_rows(acc2, m2, l2, SOFTMAX, o2, lse2)
+            for r in range(nq):  # empty rows of map 2 are zeros, and lam is finite
+                for c in range(Dv):
+                    rows[r, c] -= lam_rows[r] * o2[r, c]
+        else:
+            none1 = np.zeros((nq, 0), q.dtype)
+            none2 = np.zeros((nq, 0), q.dtype)
+            sweep_pair(qs1, qs2, k1h, k2h, no_values, no_values_ok, i0, last, diag, bias_bh,
+                       has_bias, mask_bh, has_mask, logks_b, has_ks, m1, l1, none1, m2, l2,
+                       none2, S1_flat, S2_flat, P_flat, T_flat)
+            finish_rows(none1, m1, l1, SOFTMAX, none1, lse1)  # LSEs only: -inf empty, NaN
+            finish_rows(none2, m2, l2, SOFTMAX, none2, lse2)
+            acc = np.zeros((nq, Dv), q.dtype)
+            for t in range(last):
+                j0 = t * TILE_K
+                nk = min(TILE_K, Lk - j0)
+                S1, S2 = logits_pair(qs1, qs2, k1h, k2h, i0, j0, nk, diag, bias_bh, has_bias,
+                                     mask_bh, has_mask, logks_b, has_ks, S1_flat, S2_flat)
+                P = rectified_weights(S1, S2, lse1, lse2, lam_rows, P_flat, P2_flat)
+                add_weighted_values(P, vh, j0, v_ok[b, g, t], acc, T_flat)
+            finish_weighted_rows(acc, lse1, lse2, rows)
+
+
+def diff_attention(problem, lam, mode="difference"):
+    """Differential attention of a canonical problem (built with ``head_pairs=True``).
+
+    Parameters
+    ----------
+    problem : :class:`~attnnb._validate.Problem`
+        ``q (B, 2H, Lq, d)``, ``k (B, 2Hk, Lk, d)``, ``v (B, Hk, Lk, Dv)``;
+        mask and bias views ``(B, H, Lq, Lk)``.
+    lam : ``(B, H, Lq)`` C-contiguous, in the compute dtype, finite.
+    mode : ``"difference"`` or ``"rectified"``
+
+    Returns
+    -------
+    out : ``(B, H, Lq, Dv)`` in the compute dtype.
+    """
+    q, k, v = problem.q, problem.k, problem.v
+    B, H2, _, Lq, _, _, Dv = problem.shape
+    out = np.empty((B, H2 // 2, Lq, Dv), q.dtype)
+    if out.size == 0:
+        return out
+    bias, mask, logks = kernel_arguments(problem)
+    launch(diff_kernel, q, k, v, lam, q.dtype.type(problem.scale), bias,
+           problem.bias is not None, mask, problem.mask is not None, logks,
+           problem.log_key_size is not None, problem.causal, MODE_CODES[mode],
+           value_tiles_finite(v), out)
+    return out

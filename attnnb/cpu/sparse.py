@@ -1,0 +1,100 @@
+"""Sparse-pattern attention on the CPU: the tiled core over the pattern's tiles only.
+
+One task per (batch, query head, query tile), as the dense kernel; the key
+loop runs over the tile list of the pattern's block layout
+(:meth:`attnnb.patterns.Pattern.blocks` with this backend's ``TILE_Q`` and
+``TILE_K``), so the work is proportional to the touched tiles.  Full tiles
+need no element mask; partial tiles are masked from the CSR rows
+(:func:`~attnnb.cpu._sparse_tiles.csr_tile_mask`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from ._jit import kernel, launch
+from ._sparse_tiles import csr_tile_mask
+from ._tiles import (
+    NORMALIZER_CODES,
+    RELU_EXPM1,
+    TILE_K,
+    TILE_Q,
+    finish_rows,
+    modify_logits,
+    online_update,
+    scaled_rows,
+    tile_logits,
+    value_tiles_finite,
+)
+from .attention import kernel_arguments
+
+
+@kernel
+def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads, indptr,
+                  indices, tile_ptr, tile_idx, tile_full, v_ok, out, lse):
+    """``p_heads`` is the pattern's head count (1: shared by all query heads).
+
+    ``bias`` and ``mask`` are the dense kernel's placeholders (never read).
+    """
+    B, Hq, Lq, D = q.shape
+    Hk, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    group = Hq // Hk
+    n_qt = (Lq + TILE_Q - 1) // TILE_Q
+    for task in prange(B * Hq * n_qt):
+        b = task // (Hq * n_qt)
+        h = (task // n_qt) % Hq
+        qt = task % n_qt
+        i0 = qt * TILE_Q
+        nq = min(TILE_Q, Lq - i0)
+        g = h // group
+        ph = h if p_heads > 1 else 0
+        row0 = ph * Lq + i0  # CSR row of the tile's first query
+        tr = ph * n_qt + qt  # block-layout row of this query tile
+        kh, vh = k[b, g], v[b, g]
+        q_flat = np.empty(TILE_Q * D, q.dtype)
+        S_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+        P_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+        F_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+        T_flat = np.empty(TILE_Q * Dv, q.dtype)
+        cursor = np.empty(nq, np.int64)
+        for r in range(nq):
+            cursor[r] = indptr[row0 + r]
+        m = np.full(nq, -np.inf, q.dtype)
+        l = np.zeros(nq, q.dtype)
+        acc = np.zeros((nq, Dv), q.dtype)
+        qs = scaled_rows(q[b, h], i0, nq, scale, q_flat)
+        for p in range(tile_ptr[tr], tile_ptr[tr + 1]):
+            t = tile_idx[p]
+            j0 = t * TILE_K
+            nk = min(TILE_K, Lk - j0)
+            S = tile_logits(qs, kh, j0, nk, S_flat)
+            if tile_full[p]:
+                # every row holds exactly the tile's nk keys: step over them, so that
+                # the next partial tile finds its first key without a scan
+                for r in range(nq):
+                    cursor[r] += nk
+            else:
+                csr_tile_mask(S, indptr, indices, row0, j0, cursor)
+            F = F_flat[: nq * nk].reshape((nq, nk)) if normalizer == RELU_EXPM1 else S
+            modify_logits(S, F, i0, j0, Lk, bias[0, 0], False, mask[0, 0], False, logks[b],
+                          has_ks, normalizer)
+            online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_ok[b, g, t], normalizer)
+        finish_rows(acc, m, l, normalizer, out[b, h, i0 : i0 + nq], lse[b, h, i0 : i0 + nq])
+
+
+def sparse_attention(problem, pattern):
+    """Attention of a canonical problem over ``pattern``; returns ``(out, lse)``."""
+    q, k, v = problem.q, problem.k, problem.v
+    B, Hq, _, Lq, Lk, _, Dv = problem.shape
+    out = np.empty((B, Hq, Lq, Dv), q.dtype)
+    lse = np.empty((B, Hq, Lq), q.dtype)
+    if out.size == 0 and lse.size == 0:
+        return out, lse
+    bias, mask, logks = kernel_arguments(problem)
+    layout = pattern.blocks(TILE_Q, TILE_K)
+    launch(sparse_kernel, q, k, v, q.dtype.type(problem.scale), bias, mask, logks,
+           problem.log_key_size is not None, NORMALIZER_CODES[problem.normalizer],
+           pattern.n_heads, pattern.indptr, pattern.indices, layout.tile_ptr,
+           layout.tile_idx, layout.tile_full, value_tiles_finite(v), out, lse)
+    return out, lse

@@ -1,0 +1,99 @@
+"""Top-k attention on the CPU: two passes per query tile over the tiled core.
+
+Pass 1 computes the tile's rows of modified logits (``s + log key_size``,
+``-inf`` outside the mask / causal limit) into an ``(TILE_Q, Lk)`` scratch
+(O(Lk) per task, never ``Lq x Lk``) and finds each row's threshold with a
+selection (:func:`~attnnb.cpu._sparse_tiles.row_threshold`).  Pass 2 sweeps
+the same key tiles, masking each down to the selected keys, through the
+shared online softmax.  Pass 2 reads the logits pass 1 stored, so the keys
+it keeps are exactly the ``top_k`` that pass 1 counted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from ._jit import kernel, launch
+from ._sparse_tiles import row_threshold, select_tile
+from ._tiles import (
+    SOFTMAX,
+    TILE_K,
+    TILE_Q,
+    finish_rows,
+    modify_logits,
+    online_update,
+    scaled_rows,
+    tile_logits,
+    value_tiles_finite,
+    view2d,
+)
+from .attention import kernel_arguments
+
+
+@kernel
+def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top_k, v_ok,
+                out, lse):
+    """One task per (batch, query head, query tile); ``bias`` is a placeholder."""
+    B, Hq, Lq, D = q.shape
+    Hk, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    group = Hq // Hk
+    n_qt = (Lq + TILE_Q - 1) // TILE_Q
+    n_kt = (Lk + TILE_K - 1) // TILE_K
+    diag = Lk - Lq if causal else Lk
+    for task in prange(B * Hq * n_qt):
+        b = task // (Hq * n_qt)
+        h = (task // n_qt) % Hq
+        i0 = (task % n_qt) * TILE_Q
+        nq = min(TILE_Q, Lq - i0)
+        g = h // group
+        kh, vh = k[b, g], v[b, g]
+        q_flat = np.empty(TILE_Q * D, q.dtype)
+        S_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+        P_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+        T_flat = np.empty(TILE_Q * Dv, q.dtype)
+        R = view2d(np.empty(TILE_Q * Lk, q.dtype), nq, Lk)
+        buf = np.empty(Lk, q.dtype)
+        thr = np.empty(nq, q.dtype)
+        cut = np.empty(nq, np.int64)
+        m = np.full(nq, -np.inf, q.dtype)
+        l = np.zeros(nq, q.dtype)
+        acc = np.zeros((nq, Dv), q.dtype)
+        qs = scaled_rows(q[b, h], i0, nq, scale, q_flat)
+        last = n_kt
+        if causal:
+            last = min(n_kt, max(0, (i0 + nq - 1 + diag) // TILE_K + 1))
+        n_seen = min(Lk, last * TILE_K)  # keys beyond the causal limit of the whole tile
+        # pass 1: logits of every allowed key, then each row's threshold
+        for t in range(last):
+            j0 = t * TILE_K
+            nk = min(TILE_K, Lk - j0)
+            S = tile_logits(qs, kh, j0, nk, S_flat)
+            modify_logits(S, S, i0, j0, diag, bias[0, 0], False, mask[b, h], has_mask,
+                          logks[b], has_ks, SOFTMAX)
+            R[:, j0 : j0 + nk] = S
+        for r in range(nq):
+            thr[r], cut[r] = row_threshold(R[r], n_seen, top_k, buf)
+        # pass 2: the masked sweep over the same tiles
+        for t in range(last):
+            j0 = t * TILE_K
+            nk = min(TILE_K, Lk - j0)
+            S = view2d(S_flat, nq, nk)
+            select_tile(R, j0, nk, thr, cut, S)
+            online_update(S, S, m, l, acc, P_flat, T_flat, vh, j0, v_ok[b, g, t], SOFTMAX)
+        finish_rows(acc, m, l, SOFTMAX, out[b, h, i0 : i0 + nq], lse[b, h, i0 : i0 + nq])
+
+
+def topk_attention(problem, top_k):
+    """Top-k softmax attention of a canonical problem; returns ``(out, lse)``."""
+    q, k, v = problem.q, problem.k, problem.v
+    B, Hq, _, Lq, Lk, _, Dv = problem.shape
+    out = np.empty((B, Hq, Lq, Dv), q.dtype)
+    lse = np.empty((B, Hq, Lq), q.dtype)
+    if out.size == 0 and lse.size == 0:
+        return out, lse
+    bias, mask, logks = kernel_arguments(problem)
+    launch(topk_kernel, q, k, v, q.dtype.type(problem.scale), bias, mask,
+           problem.mask is not None, logks, problem.log_key_size is not None, problem.causal,
+           int(top_k), value_tiles_finite(v), out, lse)
+    return out, lse

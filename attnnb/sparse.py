@@ -1,0 +1,123 @@
+"""Sparse attention: :func:`sparse_attention` over a pattern, and :func:`topk_attention`."""
+
+from __future__ import annotations
+
+from . import _dispatch
+from ._validate import attention_problem, check_bool
+from .patterns import Pattern
+
+
+def _check_pattern(pattern, Lq: int, Lk: int, Hq: int) -> Pattern:
+    if not isinstance(pattern, Pattern):
+        raise TypeError("pattern must be an attnnb.patterns.Pattern (build one with "
+                        "attnnb.patterns.local, ..., from_mask or from_scipy); got "
+                        f"{type(pattern).__name__}")
+    if pattern.shape != (Lq, Lk):
+        raise ValueError(f"pattern has shape {pattern.shape} but q and k give "
+                         f"(Lq, Lk) = {(Lq, Lk)}")
+    if pattern.n_heads not in (1, Hq):
+        raise ValueError(f"pattern has {pattern.n_heads} heads; expected 1 (shared) or the "
+                         f"number of query heads, {Hq}")
+    return pattern
+
+
+def _check_top_k(top_k) -> int:
+    if isinstance(top_k, bool) or not hasattr(top_k, "__index__"):
+        raise TypeError(f"top_k must be an integer; got {type(top_k).__name__} {top_k!r}")
+    top_k = int(top_k.__index__())
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0; got {top_k}")
+    return top_k
+
+
+def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
+                     return_lse=False, backend=None):
+    """Attention over a sparse pattern, at a cost proportional to its allowed pairs.
+
+    Equal to ``attention(q, k, v, mask=pattern.to_mask(), ...)``: each query's
+    weights are renormalised over the keys the pattern allows it.
+
+    Parameters
+    ----------
+    q : array ``(*batch, Hq, Lq, D)`` or ``(Lq, D)``
+    k : array ``(*batch, Hk, Lk, D)`` or ``(Lk, D)``
+    v : array ``(*batch, Hk, Lk, Dv)`` or ``(Lk, Dv)``
+        Grouped-query attention as :func:`attnnb.attention`.
+    pattern : :class:`attnnb.patterns.Pattern`
+        Of shape ``(Lq, Lk)``, shared by every head (``n_heads == 1``) or one
+        per query head (``n_heads == Hq``); shared by the batch.
+    key_size : positive array broadcastable to ``(*batch, Lk)``, optional
+        Proportional attention, as in :func:`attnnb.attention`.
+    scale : float, optional
+        Default ``1 / sqrt(D)``.
+    normalizer : {"softmax", "softmax1", "relu_expm1"}
+    return_lse : bool
+    backend : {None, "auto", "reference", "cpu", "cuda"}
+
+    Returns
+    -------
+    out : array ``(*batch, Hq, Lq, Dv)``
+        Queries the pattern gives no key get zeros.
+    lse : array ``(*batch, Hq, Lq)``, with ``return_lse=True``; ``-inf`` on empty rows.
+
+    Examples
+    --------
+    >>> import numpy as np, attnnb
+    >>> from attnnb import patterns
+    >>> q = k = v = np.random.default_rng(0).standard_normal((2, 512, 32), dtype=np.float32)
+    >>> out = attnnb.sparse_attention(q, k, v, patterns.local(512, 64, causal=True))
+    >>> out.shape
+    (2, 512, 32)
+    """
+    return_lse = check_bool("return_lse", return_lse)
+    problem = attention_problem(q, k, v, key_size=key_size, scale=scale, normalizer=normalizer)
+    B, Hq, _, Lq, Lk, _, _ = problem.shape
+    _check_pattern(pattern, Lq, Lk, Hq)
+    out, lse = _dispatch.call("sparse_attention", backend, problem.on_device, problem, pattern)
+    out, lse = problem.restore(out, lse)
+    return (out, lse) if return_lse else out
+
+
+def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
+                   return_lse=False, backend=None):
+    """Softmax attention over each query's ``top_k`` largest allowed weights.
+
+    Query ``i`` ranks its allowed keys (``mask``, ``causal``) by
+    ``key_size[j] * exp(s[i, j])``, keeps the ``top_k`` largest -- equal
+    weights go to the lower key index, so exactly ``min(top_k, allowed)``
+    keys are kept -- and renormalises the softmax over them.
+
+    Parameters
+    ----------
+    q, k, v : arrays as in :func:`attnnb.attention`
+    top_k : int >= 0
+        Keys kept per query; ``top_k >= Lk`` is plain masked attention and
+        ``top_k = 0`` gives empty rows (zeros, ``lse = -inf``).
+    mask : bool array broadcastable to ``(*batch, Hq, Lq, Lk)``, optional
+    causal : bool
+        Bottom-right aligned, as :func:`attnnb.attention`.
+    key_size : positive array broadcastable to ``(*batch, Lk)``, optional
+    scale : float, optional
+    return_lse : bool
+        LSE over the kept keys.
+    backend : {None, "auto", "reference", "cpu", "cuda"}
+
+    Returns
+    -------
+    out : array ``(*batch, Hq, Lq, Dv)``
+    lse : array ``(*batch, Hq, Lq)``, with ``return_lse=True``
+
+    Notes
+    -----
+    Keys whose weight is exactly zero (logit ``-inf``) are never kept. A
+    query with a NaN among its allowed logits gets a NaN row (the NaN is
+    not ranked). Only ``"softmax"`` is offered: the ranking is by the
+    softmax weights.
+    """
+    return_lse = check_bool("return_lse", return_lse)
+    top_k = _check_top_k(top_k)
+    problem = attention_problem(q, k, v, mask=mask, key_size=key_size, causal=causal,
+                                scale=scale)
+    out, lse = _dispatch.call("topk_attention", backend, problem.on_device, problem, top_k)
+    out, lse = problem.restore(out, lse)
+    return (out, lse) if return_lse else out
