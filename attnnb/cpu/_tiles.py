@@ -308,24 +308,45 @@ def value_tiles_finite(v: np.ndarray, tile: int = TILE_K) -> np.ndarray:
     return row_ok.reshape(B, H, n_tiles, tile).all(axis=-1)
 
 
+@inner
+def transpose_tile(k, kt, b, h, j0):
+    """``kt[b, h, :, j] = k[b, h, j, :]`` for the key tile starting at ``j0``."""
+    L, D = k.shape[2], k.shape[3]
+    src = k[b, h]
+    dst = kt[b, h]
+    for j in range(j0, min(j0 + TILE_K, L)):
+        for e in range(D):
+            dst[e, j] = src[j, e]
+
+
+@inner
+def tile_is_finite(v, b, h, j0):
+    """True when rows ``j0 : j0 + TILE_K`` of ``v[b, h]`` hold no NaN or Inf
+    (the in-kernel twin of :func:`value_tiles_finite`)."""
+    vh = v[b, h]
+    acc = 0.0
+    for j in range(j0, min(j0 + TILE_K, vh.shape[0])):
+        for c in range(vh.shape[1]):
+            acc += vh[j, c] * 0.0  # NaN for NaN or +-Inf; vectorises
+    return acc == 0.0
+
+
 @kernel
 def _transpose_heads(k, kt):
-    B, H, L, D = k.shape
+    B, H, L, _ = k.shape
     n_t = (L + TILE_K - 1) // TILE_K
     for task in prange(B * H * n_t):
-        b = task // (H * n_t)
-        h = (task // n_t) % H
-        j0 = (task % n_t) * TILE_K
-        src = k[b, h]
-        dst = kt[b, h]
-        for j in range(j0, min(j0 + TILE_K, L)):
-            for e in range(D):
-                dst[e, j] = src[j, e]
+        transpose_tile(k, kt, task // (H * n_t), (task // n_t) % H, (task % n_t) * TILE_K)
 
 
 def transposed_keys(k: np.ndarray) -> np.ndarray:
     """Host helper: ``(B, Hk, D, Lk)`` C-contiguous copy of ``k (B, Hk, Lk, D)``
-    transposed per head, for :func:`tile_logits_t` (one pass, in parallel)."""
+    transposed per head, for :func:`tile_logits_t` (one pass, in parallel).
+
+    A kernel can instead transpose inside itself with :func:`transpose_tile`
+    in a ``prange`` before its main loop, as the dense kernel does (one
+    launch, one cache entry).
+    """
     B, H, L, D = k.shape
     kt = np.empty((B, H, D, L), k.dtype)
     if kt.size:

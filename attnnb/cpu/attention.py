@@ -14,15 +14,15 @@ from ._tiles import (
     modify_logits,
     online_update,
     scaled_rows,
+    tile_is_finite,
     tile_logits_t,
-    transposed_keys,
-    value_tiles_finite,
+    transpose_tile,
 )
 
 
 @kernel
-def attention_kernel(q, kt, v, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                     normalizer, v_ok, out, lse):
+def attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
+                     normalizer, out, lse):
     """One task per (batch, query head, query tile); see :mod:`attnnb.cpu._tiles`.
 
     With ``causal`` the sweep stops at the last key tile the tile's last
@@ -30,11 +30,19 @@ def attention_kernel(q, kt, v, scale, bias, has_bias, mask, has_mask, logks, has
     element by element.
     """
     B, Hq, Lq, D = q.shape
-    Hk, Lk, Dv = kt.shape[1], kt.shape[3], v.shape[3]
+    Hk, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     group = Hq // Hk
     n_qt = (Lq + TILE_Q - 1) // TILE_Q
     n_kt = (Lk + TILE_K - 1) // TILE_K
     diag = Lk - Lq if causal else Lk  # j > i + diag is masked; Lk disables it
+    # the keys transposed once per call, for the register-blocked Q K^T, and
+    # which value tiles are finite
+    kt = np.empty((B, Hk, D, Lk), k.dtype)
+    v_ok = np.empty((B, Hk, n_kt), np.bool_)
+    for task in prange(B * Hk * n_kt):
+        b, g, t = task // (Hk * n_kt), (task // n_kt) % Hk, task % n_kt
+        transpose_tile(k, kt, b, g, t * TILE_K)
+        v_ok[b, g, t] = tile_is_finite(v, b, g, t * TILE_K)
     for task in prange(B * Hq * n_qt):
         wide_vectors()
         b = task // (Hq * n_qt)
@@ -93,8 +101,8 @@ def attention(problem):
     if out.size == 0 and lse.size == 0:
         return out, lse
     bias, mask, logks = kernel_arguments(problem)
-    launch(attention_kernel, q, transposed_keys(k), v, q.dtype.type(problem.scale), bias,
+    launch(attention_kernel, q, k, v, q.dtype.type(problem.scale), bias,
            problem.bias is not None, mask, problem.mask is not None, logks,
            problem.log_key_size is not None, problem.causal,
-           NORMALIZER_CODES[problem.normalizer], value_tiles_finite(v), out, lse)
+           NORMALIZER_CODES[problem.normalizer], out, lse)
     return out, lse
