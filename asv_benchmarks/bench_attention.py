@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 H, D = 8, 64
-SIZES = [1024, 2048]
+SIZES = [512, 2048]
 
 
 def _available(backend):

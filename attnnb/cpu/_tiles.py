@@ -29,7 +29,7 @@ import numpy as np
 from numba import prange
 
 from ._blocks import COLS, ROWS, U, gemm_block, gemm_row
-from ._exp import exp_shifted_sum_at, maxnum
+from ._exp import exp_shifted_sum_at, exp_tile_accumulate, maxnum
 from ._jit import blocks, inner, kernel, launch, wide_vectors
 
 TILE_Q = 64
@@ -206,6 +206,19 @@ def row_max(x, x0, n):
     return mx
 
 
+@blocks
+def tile_row_max(x, out, nq):
+    """``out[r] = max(x[r * 64 : (r + 1) * 64])`` for ``r < nq``: a full tile in one call."""
+    wide_vectors()
+    w = U(COLS)
+    for r in range(U(nq)):
+        o = r * w
+        mx = x[o]
+        for c in range(w):
+            mx = maxnum(mx, x[o + c])
+        out[r] = mx
+
+
 @inner
 def online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer):
     """Fold one tile of modified logits into the running max, sum and accumulator.
@@ -225,40 +238,49 @@ def online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer)
     dv = acc.shape[1]
     s = S.reshape(nq * nk)
     P = view2d(P_flat, nq, nk)
+    # per row: the max, and the shift m[r] it moves (lazily)
+    full = nk == COLS
+    if full:  # the row maxima go to the start of P_flat, written over below
+        tile_row_max(s, P_flat, nq)
     for r in range(nq):
         o = r * nk
         mo = m[r]
         if mo != mo:
-            P_flat[o:o + nk] = 0.0
             continue
-        mx = row_max(s, o, nk)
+        mx = P_flat[r] if full else row_max(s, o, nk)
         if mx == -np.inf:  # nothing allowed here, unless maxnum skipped NaN logits
             for c in range(nk):
                 if s[o + c] != s[o + c]:
                     m[r] = np.nan
-            P_flat[o:o + nk] = 0.0
             continue
-        shift = mo
         if not mx <= mo + LAZY:  # also for mo == -inf and for a NaN mx
-            shift = mx
             alpha = math.exp(mo - mx)
             l[r] *= alpha
             arow = acc[r]
             for c in range(dv):
                 arow[c] *= alpha
             m[r] = mx
-        total = exp_shifted_sum_at(s, o, P_flat, o, shift, nk)
-        if normalizer == RELU_EXPM1:
-            total = 0.0
-            frow = F[r]
-            for c in range(nk):
-                P_flat[o + c] *= frow[c]
-                total += P_flat[o + c]
-        if total != total:  # a NaN logit, or +inf: the row is NaN
-            m[r] = np.nan
+    # the weights and their sums: a whole tile per call where it is full
+    if full and normalizer != RELU_EXPM1:
+        exp_tile_accumulate(s, P_flat, m, l, nq)
+    for r in range(nq):
+        o = r * nk
+        sh = m[r]
+        if sh == -np.inf or sh != sh:
             P_flat[o:o + nk] = 0.0
             continue
-        l[r] += total
+        if not full or normalizer == RELU_EXPM1:
+            total = exp_shifted_sum_at(s, o, P_flat, o, sh, nk)
+            if normalizer == RELU_EXPM1:
+                total = 0.0
+                frow = F[r]
+                for c in range(nk):
+                    P_flat[o + c] *= frow[c]
+                    total += P_flat[o + c]
+            l[r] += total
+        if l[r] != l[r]:  # a NaN logit, or +inf: the row is NaN
+            m[r] = np.nan
+            P_flat[o:o + nk] = 0.0
     if v_finite:
         values_product(P, vh, j0, acc, T_flat)
     else:
