@@ -18,9 +18,9 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic, overload, register_jitable
 
-from ._jit import FASTMATH
+from ._jit import FASTMATH, wide_vectors
 
 LOG2E = np.float32(1.4426950408889634)
 LN2_HI = np.float32(0.693359375)
@@ -51,32 +51,156 @@ def _bits_as_float32(typingctx, bits):
     return types.float32(bits), codegen
 
 
+def exp_shifted_sum(src, dst, shift, n):
+    """``dst[j] = exp(src[j] - shift)`` for ``j < n``; returns ``sum(dst[:n])``.
+
+    See :func:`exp_shifted_sum_at`.
+    """
+    raise NotImplementedError  # only callable from Numba code
+
+
+@overload(exp_shifted_sum, jit_options={"fastmath": FASTMATH})
+def _exp_shifted_sum_impl(src, dst, shift, n):
+    def impl(src, dst, shift, n):
+        return exp_shifted_sum_at(src, 0, dst, 0, shift, n)
+
+    return impl
+
+
+@intrinsic
+def maxnum(typingctx, a, b):
+    """LLVM's ``maxnum`` (the larger, ignoring a NaN operand): unlike Python's
+    ``max`` it is a reduction LLVM vectorises."""
+    if not (isinstance(a, types.Float) and a == b):
+        return None
+
+    def codegen(context, builder, signature, args):
+        t = args[0].type
+        fn = builder.module.declare_intrinsic("llvm.maxnum", [t], ir.FunctionType(t, [t, t]))
+        return builder.call(fn, args)
+
+    return a(a, b), codegen
+
+
+@register_jitable(fastmath=FASTMATH, inline="always")
+def _exp_f32(x0):
+    """``exp(x0)`` for float32: Cephes' polynomial, branch-free; NaN stays NaN."""
+    x = min(max(x0, EXP_MIN), EXP_MAX)
+    kf = np.floor(x * LOG2E + HALF)
+    r = x - kf * LN2_HI - kf * LN2_LO
+    p = ((((P0 * r + P1) * r + P2) * r + P3) * r + P4) * r + P5
+    p = p * r * r + r + ONE
+    two_n = _bits_as_float32((np.int32(kf) + 127) << 23)
+    # select, not branch: keeps loops vectorisable; NaN fails the comparison
+    # and stays NaN (the clamp may have lost it)
+    return ZERO if x0 < EXP_MIN else p * two_n + (x0 - x0)
+
+
+@register_jitable(fastmath=FASTMATH)
+def _exp_f32_loop(src, s0, dst, d0, shift, n):
+    wide_vectors()
+    sh = np.float32(shift)
+    total = np.float32(0.0)
+    us = np.uint64(s0)
+    ud = np.uint64(d0)
+    for j in range(n):
+        y = _exp_f32(src[us + j] - sh)
+        dst[ud + j] = y
+        total += y
+    return total
+
+
+def exp_tile_accumulate(src, dst, m, l, nq):
+    """For full 64-key tiles: ``dst[r, c] = exp(src[r, c] - m[r])`` and
+    ``l[r] += sum_c dst[r, c]`` for the rows ``r < nq`` whose ``m[r]`` is
+    finite (other rows are left untouched); ``src``, ``dst`` flat ``(nq, 64)``.
+
+    One call per tile: per row the loop has a constant trip count and the
+    polynomial's constants stay in registers (per-row calls cost ~40 ns a
+    row, more than the row's arithmetic).
+    """
+    raise NotImplementedError  # only callable from Numba code
+
+
+@overload(exp_tile_accumulate, jit_options={"fastmath": FASTMATH})
+def _exp_tile_accumulate_impl(src, dst, m, l, nq):
+    if src.dtype == types.float32:
+
+        def impl_f32(src, dst, m, l, nq):
+            wide_vectors()
+            w = np.uint64(64)
+            for r in range(np.uint64(nq)):
+                sh = m[r]
+                if sh == -np.inf or sh != sh:
+                    continue
+                o = r * w
+                total = np.float32(0.0)
+                for j in range(w):
+                    y = _exp_f32(src[o + j] - sh)
+                    dst[o + j] = y
+                    total += y
+                l[r] += total
+
+        return impl_f32
+
+    def impl_f64(src, dst, m, l, nq):
+        for r in range(nq):
+            sh = m[r]
+            if sh == -np.inf or sh != sh:
+                continue
+            total = 0.0
+            for j in range(64):
+                y = math.exp(src[r * 64 + j] - sh)
+                dst[r * 64 + j] = y
+                total += y
+            l[r] += total
+
+    return impl_f64
+
+
+def exp_shifted_sum_at(src, s0, dst, d0, shift, n):
+    """``dst[d0 + j] = exp(src[s0 + j] - shift)`` for ``j < n``; returns their sum.
+
+    ``src`` and ``dst`` are flat 1-D arrays, the offsets non-negative.
+
+    A NaN ``src[j] - shift`` (a NaN logit, or ``+inf - +inf``) gives NaN, so
+    the sum tells the caller that the row is NaN; ``-inf`` gives 0.
+    Implemented per dtype below; only callable from Numba code.
+    """
+    raise NotImplementedError
+
+
+@overload(exp_shifted_sum_at, jit_options={"fastmath": FASTMATH})
+def _exp_shifted_sum_at_impl(src, s0, dst, d0, shift, n):
+    if src.dtype == types.float32:
+
+        def impl_f32(src, s0, dst, d0, shift, n):
+            wide_vectors()
+            if n == 64:  # a full tile: a constant trip count, no remainder loop
+                return _exp_f32_loop(src, s0, dst, d0, shift, np.uint64(64))
+            return _exp_f32_loop(src, s0, dst, d0, shift, np.uint64(n))
+
+        return impl_f32
+
+    def impl_f64(src, s0, dst, d0, shift, n):
+        total = 0.0
+        for j in range(n):
+            y = math.exp(src[s0 + j] - shift)
+            dst[d0 + j] = y
+            total += y
+        return total
+
+    return impl_f64
+
+
 def exp_shifted(src, dst, shift, n):
-    """``dst[j] = exp(src[j] - shift)`` for ``j < n`` (implemented per dtype below)."""
+    """``dst[j] = exp(src[j] - shift)`` for ``j < n`` (see :func:`exp_shifted_sum`)."""
     raise NotImplementedError  # only callable from Numba code
 
 
 @overload(exp_shifted, jit_options={"fastmath": FASTMATH})
 def _exp_shifted_impl(src, dst, shift, n):
-    if src.dtype == types.float32:
+    def impl(src, dst, shift, n):
+        exp_shifted_sum(src, dst, shift, n)
 
-        def impl_f32(src, dst, shift, n):
-            sh = np.float32(shift)
-            for j in range(n):
-                x = src[j] - sh
-                x = min(max(x, EXP_MIN), EXP_MAX)
-                kf = np.floor(x * LOG2E + HALF)
-                r = x - kf * LN2_HI - kf * LN2_LO
-                p = ((((P0 * r + P1) * r + P2) * r + P3) * r + P4) * r + P5
-                p = p * r * r + r + ONE
-                two_n = _bits_as_float32((np.int32(kf) + 127) << 23)
-                # select, not branch: keeps the loop vectorisable
-                dst[j] = p * two_n if src[j] - sh >= EXP_MIN else ZERO
-
-        return impl_f32
-
-    def impl_f64(src, dst, shift, n):
-        for j in range(n):
-            dst[j] = math.exp(src[j] - shift)
-
-    return impl_f64
+    return impl

@@ -6,7 +6,9 @@ over key tiles for one (batch, head, query tile) task with an online
 in *which* key tiles they visit and how they combine results; the loops
 that touch every score live here, once:
 
-* :func:`tile_logits`      -- ``S = q_tile @ k_tile.T`` (q pre-scaled)
+* :func:`tile_logits`      -- ``S = q_tile @ k_tile.T`` (q pre-scaled), BLAS
+* :func:`tile_logits_t`    -- the same from the head's transposed keys
+  (:func:`transposed_keys`), register-blocked: the fast path
 * :func:`modify_logits`    -- bias, element masks, causal diagonal,
   ``relu_expm1``'s factor, ``log(key_size)``
 * :func:`online_update`    -- running max / sum, ``acc = acc * alpha + P @ v_tile``
@@ -24,12 +26,20 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import prange
 
-from ._exp import exp_shifted
-from ._jit import inner
+from ._blocks import COLS, ROWS, U, gemm_block, gemm_row
+from ._exp import exp_shifted_sum_at, exp_tile_accumulate, maxnum
+from ._jit import blocks, inner, kernel, launch, wide_vectors
 
 TILE_Q = 64
-TILE_K = 64
+TILE_K = COLS  # 64: the register blocks' width
+
+# Lazy rescaling: the running max used as the exponent's shift moves only
+# when a tile's max exceeds it by more than this (natural units), so most
+# tiles skip ``acc *= alpha``; weights then reach at most exp(LAZY) ~ 3e3,
+# far from float32 overflow.
+LAZY = 8.0
 
 SOFTMAX = 0
 SOFTMAX1 = 1
@@ -60,6 +70,69 @@ def tile_logits(qs, kh, j0, nk, S_flat):
     S = view2d(S_flat, qs.shape[0], nk)
     np.dot(qs, kh[j0 : j0 + nk].T, S)
     return S
+
+
+@inner
+def tile_logits_t(qs, kth, j0, nk, S_flat):
+    """``S = qs @ kth[:, j0:j0+nk]`` as an ``(nq, nk)`` view of ``S_flat``.
+
+    ``kth`` is this head's keys transposed, ``(D, Lk)`` C-contiguous (one
+    slice of :func:`transposed_keys`); ``qs`` is ``(nq, D)`` C-contiguous.
+    Register-blocked (:mod:`attnnb.cpu._blocks`), no BLAS: full tiles take
+    4 x 64 blocks, the rest single rows.
+    """
+    nq, d = qs.shape
+    lk = kth.shape[1]
+    a = qs.reshape(nq * d)
+    b = kth.reshape(d * lk)
+    r0 = 0
+    if nk == COLS:
+        while r0 + ROWS <= nq:
+            gemm_block(a, r0 * d, d, d, b, j0, lk, S_flat, r0 * COLS)
+            r0 += ROWS
+    for r in range(r0, nq):
+        gemm_row(a, r * d, d, b, j0, lk, S_flat, r * nk, nk)
+    return view2d(S_flat, nq, nk)
+
+
+@blocks
+def _add_rows(dst, d0, ldd, src, rows, width):
+    """``dst[d0 + i * ldd + c] += src[i * COLS + c]`` for ``i < rows``, ``c < width``."""
+    for i in range(U(rows)):
+        o = U(d0) + i * U(ldd)
+        so = i * U(COLS)
+        for c in range(U(width)):
+            dst[o + c] += src[so + c]
+
+
+@inner
+def values_product(P, vh, j0, acc, T_flat):
+    """``acc += P @ vh[j0:j0+nk]`` with the tile's sum formed first in ``T_flat``.
+
+    Register-blocked: 4 rows x 64 value columns at a time, single rows and
+    the last ``Dv % 64`` columns by plain loops.  Summing the tile on its own
+    and then adding keeps one long FMA chain over every key out (it lost
+    accuracy: 2.5e-6).  ``acc`` is C-contiguous ``(nq, Dv)``.
+    """
+    nq, nk = P.shape
+    dv = acc.shape[1]
+    p = P.reshape(nq * nk)
+    v = vh.reshape(vh.shape[0] * dv)
+    a = acc.reshape(nq * dv)
+    full = dv - dv % COLS
+    r0 = 0
+    while r0 + ROWS <= nq:
+        for c0 in range(0, full, COLS):
+            gemm_block(p, r0 * nk, nk, nk, v, j0 * dv + c0, dv, T_flat, 0)
+            _add_rows(a, r0 * dv + c0, dv, T_flat, ROWS, COLS)
+        r0 += ROWS
+    for r in range(nq):
+        c0 = full if r < r0 else 0
+        while c0 < dv:
+            w = min(COLS, dv - c0)
+            gemm_row(p, r * nk, nk, v, j0 * dv + c0, dv, T_flat, 0, w)
+            _add_rows(a, r * dv + c0, dv, T_flat, 1, w)
+            c0 += w
 
 
 @inner
@@ -114,56 +187,104 @@ def modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logk
                 S[r, c] += logks_b[j0 + c]
 
 
+@blocks
+def row_max(x, x0, n):
+    """``max(x[x0:x0+n])`` (``-inf`` for ``n == 0``), vectorised.
+
+    LLVM's ``maxnum`` ignores NaN operands; NaN handling is left to the
+    caller (a NaN logit makes the row's sum of weights NaN).
+    """
+    wide_vectors()
+    o = U(x0)
+    mx = x[o]
+    if n == COLS:  # a full tile: a constant trip count
+        for c in range(U(COLS)):
+            mx = maxnum(mx, x[o + c])
+        return mx
+    for c in range(U(n)):
+        mx = maxnum(mx, x[o + c])
+    return mx
+
+
+@blocks
+def tile_row_max(x, out, nq):
+    """``out[r] = max(x[r * 64 : (r + 1) * 64])`` for ``r < nq``: a full tile in one call."""
+    wide_vectors()
+    w = U(COLS)
+    for r in range(U(nq)):
+        o = r * w
+        mx = x[o]
+        for c in range(w):
+            mx = maxnum(mx, x[o + c])
+        out[r] = mx
+
+
 @inner
 def online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer):
     """Fold one tile of modified logits into the running max, sum and accumulator.
 
-    ``m`` (running max, ``-inf`` before any allowed key, NaN once a NaN logit
-    was seen), ``l`` (running sum of ``exp(s - m)``) and ``acc`` (running
-    ``sum exp(s - m) v``) are rows of the task's state.  The tile's ``P @ v``
-    is summed on its own and then added (``acc = acc * alpha + T``): one long
-    FMA chain over all keys loses accuracy.
+    ``m`` (the running shift, ``-inf`` before any allowed key, NaN once a NaN
+    logit was seen), ``l`` (running sum of ``exp(s - m)``) and ``acc``
+    (running ``sum exp(s - m) v``) are rows of the task's state.  ``m`` moves
+    only when a tile's max exceeds it by more than :data:`LAZY` (lazy
+    rescaling), so ``m`` is an upper bound of the row's max up to ``LAZY``,
+    and ``m + log(l)`` is still the exact LSE.  The tile's ``P @ v`` is summed
+    on its own and then added (:func:`values_product`).
 
     When the value tile holds NaN or Inf (``v_finite`` False) the product
     skips zero weights, so a masked key never reaches a row, even as NaN.
     """
     nq, nk = S.shape
     dv = acc.shape[1]
+    s = S.reshape(nq * nk)
     P = view2d(P_flat, nq, nk)
+    # per row: the max, and the shift m[r] it moves (lazily)
+    full = nk == COLS
+    if full:  # the row maxima go to the start of P_flat, written over below
+        tile_row_max(s, P_flat, nq)
     for r in range(nq):
-        row = S[r]
-        prow = P[r]
-        mx = m[r]
-        seen_nan = mx != mx
-        for c in range(nk):
-            x = row[c]
-            seen_nan |= x != x
-            mx = max(mx, x)
-        if seen_nan or mx == -np.inf:
-            if seen_nan:
-                m[r] = np.nan
-            prow[:] = 0.0
+        o = r * nk
+        mo = m[r]
+        if mo != mo:
             continue
-        alpha = math.exp(m[r] - mx)
-        exp_shifted(row, prow, mx, nk)
-        if normalizer == RELU_EXPM1:
+        mx = P_flat[r] if full else row_max(s, o, nk)
+        if mx == -np.inf:  # nothing allowed here, unless maxnum skipped NaN logits
             for c in range(nk):
-                prow[c] *= F[r, c]
-        total = 0.0
-        for c in range(nk):
-            total += prow[c]
-        l[r] = l[r] * alpha + total
-        for c in range(dv):
-            acc[r, c] *= alpha
-        m[r] = mx
-    vt = vh[j0 : j0 + nk]
-    if v_finite:
-        T = view2d(T_flat, nq, dv)
-        np.dot(P, vt, T)
-        for r in range(nq):
+                if s[o + c] != s[o + c]:
+                    m[r] = np.nan
+            continue
+        if not mx <= mo + LAZY:  # also for mo == -inf and for a NaN mx
+            alpha = math.exp(mo - mx)
+            l[r] *= alpha
+            arow = acc[r]
             for c in range(dv):
-                acc[r, c] += T[r, c]
+                arow[c] *= alpha
+            m[r] = mx
+    # the weights and their sums: a whole tile per call where it is full
+    if full and normalizer != RELU_EXPM1:
+        exp_tile_accumulate(s, P_flat, m, l, nq)
+    for r in range(nq):
+        o = r * nk
+        sh = m[r]
+        if sh == -np.inf or sh != sh:
+            P_flat[o:o + nk] = 0.0
+            continue
+        if not full or normalizer == RELU_EXPM1:
+            total = exp_shifted_sum_at(s, o, P_flat, o, sh, nk)
+            if normalizer == RELU_EXPM1:
+                total = 0.0
+                frow = F[r]
+                for c in range(nk):
+                    P_flat[o + c] *= frow[c]
+                    total += P_flat[o + c]
+            l[r] += total
+        if l[r] != l[r]:  # a NaN logit, or +inf: the row is NaN
+            m[r] = np.nan
+            P_flat[o:o + nk] = 0.0
+    if v_finite:
+        values_product(P, vh, j0, acc, T_flat)
     else:
+        vt = vh[j0 : j0 + nk]
         for r in range(nq):
             for c in range(nk):
                 p = P[r, c]
@@ -207,3 +328,49 @@ def value_tiles_finite(v: np.ndarray, tile: int = TILE_K) -> np.ndarray:
     if pad:
         row_ok = np.concatenate([row_ok, np.ones((B, H, pad), bool)], axis=-1)
     return row_ok.reshape(B, H, n_tiles, tile).all(axis=-1)
+
+
+@inner
+def transpose_tile(k, kt, b, h, j0):
+    """``kt[b, h, :, j] = k[b, h, j, :]`` for the key tile starting at ``j0``."""
+    L, D = k.shape[2], k.shape[3]
+    src = k[b, h]
+    dst = kt[b, h]
+    for j in range(j0, min(j0 + TILE_K, L)):
+        for e in range(D):
+            dst[e, j] = src[j, e]
+
+
+@inner
+def tile_is_finite(v, b, h, j0):
+    """True when rows ``j0 : j0 + TILE_K`` of ``v[b, h]`` hold no NaN or Inf
+    (the in-kernel twin of :func:`value_tiles_finite`)."""
+    vh = v[b, h]
+    acc = 0.0
+    for j in range(j0, min(j0 + TILE_K, vh.shape[0])):
+        for c in range(vh.shape[1]):
+            acc += vh[j, c] * 0.0  # NaN for NaN or +-Inf; vectorises
+    return acc == 0.0
+
+
+@kernel
+def _transpose_heads(k, kt):
+    B, H, L, _ = k.shape
+    n_t = (L + TILE_K - 1) // TILE_K
+    for task in prange(B * H * n_t):
+        transpose_tile(k, kt, task // (H * n_t), (task // n_t) % H, (task % n_t) * TILE_K)
+
+
+def transposed_keys(k: np.ndarray) -> np.ndarray:
+    """Host helper: ``(B, Hk, D, Lk)`` C-contiguous copy of ``k (B, Hk, Lk, D)``
+    transposed per head, for :func:`tile_logits_t` (one pass, in parallel).
+
+    A kernel can instead transpose inside itself with :func:`transpose_tile`
+    in a ``prange`` before its main loop, as the dense kernel does (one
+    launch, one cache entry).
+    """
+    B, H, L, D = k.shape
+    kt = np.empty((B, H, D, L), k.dtype)
+    if kt.size:
+        launch(_transpose_heads, np.ascontiguousarray(k), kt)
+    return kt

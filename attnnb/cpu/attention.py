@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._jit import kernel, launch
+from ._jit import kernel, launch, wide_vectors
 from ._tiles import (
     NORMALIZER_CODES,
     TILE_K,
@@ -14,14 +14,15 @@ from ._tiles import (
     modify_logits,
     online_update,
     scaled_rows,
-    tile_logits,
-    value_tiles_finite,
+    tile_is_finite,
+    tile_logits_t,
+    transpose_tile,
 )
 
 
 @kernel
 def attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                     normalizer, v_ok, out, lse):
+                     normalizer, out, lse):
     """One task per (batch, query head, query tile); see :mod:`attnnb.cpu._tiles`.
 
     With ``causal`` the sweep stops at the last key tile the tile's last
@@ -34,13 +35,22 @@ def attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_
     n_qt = (Lq + TILE_Q - 1) // TILE_Q
     n_kt = (Lk + TILE_K - 1) // TILE_K
     diag = Lk - Lq if causal else Lk  # j > i + diag is masked; Lk disables it
+    # the keys transposed once per call, for the register-blocked Q K^T, and
+    # which value tiles are finite
+    kt = np.empty((B, Hk, D, Lk), k.dtype)
+    v_ok = np.empty((B, Hk, n_kt), np.bool_)
+    for task in prange(B * Hk * n_kt):
+        b, g, t = task // (Hk * n_kt), (task // n_kt) % Hk, task % n_kt
+        transpose_tile(k, kt, b, g, t * TILE_K)
+        v_ok[b, g, t] = tile_is_finite(v, b, g, t * TILE_K)
     for task in prange(B * Hq * n_qt):
+        wide_vectors()
         b = task // (Hq * n_qt)
         h = (task // n_qt) % Hq
         i0 = (task % n_qt) * TILE_Q
         nq = min(TILE_Q, Lq - i0)
         g = h // group
-        kh, vh = k[b, g], v[b, g]
+        kth, vh = kt[b, g], v[b, g]
         q_flat = np.empty(TILE_Q * D, q.dtype)
         S_flat = np.empty(TILE_Q * TILE_K, q.dtype)
         P_flat = np.empty(TILE_Q * TILE_K, q.dtype)
@@ -56,7 +66,7 @@ def attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_
         for t in range(last):
             j0 = t * TILE_K
             nk = min(TILE_K, Lk - j0)
-            S = tile_logits(qs, kh, j0, nk, S_flat)
+            S = tile_logits_t(qs, kth, j0, nk, S_flat)
             F = S_flat[: nq * nk].reshape((nq, nk)) if normalizer != 2 else \
                 F_flat[: nq * nk].reshape((nq, nk))
             modify_logits(S, F, i0, j0, diag, bias[b, h], has_bias, mask[b, h], has_mask,
@@ -94,5 +104,5 @@ def attention(problem):
     launch(attention_kernel, q, k, v, q.dtype.type(problem.scale), bias,
            problem.bias is not None, mask, problem.mask is not None, logks,
            problem.log_key_size is not None, problem.causal,
-           NORMALIZER_CODES[problem.normalizer], value_tiles_finite(v), out, lse)
+           NORMALIZER_CODES[problem.normalizer], out, lse)
     return out, lse

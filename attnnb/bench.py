@@ -1,0 +1,191 @@
+"""The engine behind ``python -m attnnb bench``.
+
+Discovers every module of :mod:`attnnb.benches` (the convention is in its
+docstring), runs their cases and prints one table: for each case and
+candidate the median time, the time ratio against the case's first
+candidate (``> 1``: the first candidate is faster), GFLOP/s and GFLOP/s as a
+share of this machine's sgemm rate, measured in the same run (``np.dot`` of
+two 2048 x 2048 float32 matrices).
+
+Candidates of a case are timed interleaved (one call of each in turn,
+``repeats`` rounds, after one untimed warm-up call each, which also
+compiles), so that a busy machine slows them alike; the table shows medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+import time
+
+import numpy as np
+
+DEFAULT_REPEATS = 7
+QUICK_REPEATS = 3
+
+
+def sgemm_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """This machine's float32 matrix-product rate (GFLOP/s, median of ``repeats``)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n)).astype(np.float32)
+    b = rng.standard_normal((n, n)).astype(np.float32)
+    np.dot(a, b)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.dot(a, b)
+        times.append(time.perf_counter() - t)
+    return 2.0 * n**3 / float(np.median(times)) / 1e9
+
+
+class _TextBar:
+    """A minimal progress bar on stderr, for when tqdm is not installed."""
+
+    def __init__(self, total, desc=""):
+        self.total, self.n, self.desc = max(total, 1), 0, desc
+
+    def update(self, k=1):
+        self.n += k
+        width = 30
+        done = int(width * self.n / self.total)
+        sys.stderr.write(f"\r{self.desc} [{'#' * done}{'.' * (width - done)}] "
+                         f"{self.n}/{self.total}")
+        sys.stderr.flush()
+
+    def set_description(self, desc):
+        self.desc = desc
+
+    def close(self):
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def progress(total, desc="bench"):
+    """tqdm when importable, else :class:`_TextBar`."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _TextBar(total, desc)
+    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
+
+
+def discover(only: str | None = None) -> list[tuple[str, object]]:
+    """``(name, module)`` for every module of :mod:`attnnb.benches` (``only``: that one)."""
+    import attnnb.benches as pkg
+
+    names = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__))
+    if only is not None:
+        if only not in names:
+            raise SystemExit(f"error: no benchmark module {only!r}; available: {', '.join(names)}")
+        names = [only]
+    return [(name, importlib.import_module(f"attnnb.benches.{name}")) for name in names]
+
+
+def time_interleaved(candidates: dict, repeats: int, bar=None) -> dict[str, list[float]]:
+    """Warm each candidate up once, then ``repeats`` rounds of one timed call each."""
+    for fn in candidates.values():
+        fn()
+    times = {label: [] for label in candidates}
+    for _ in range(repeats):
+        for label, fn in candidates.items():
+            t = time.perf_counter()
+            fn()
+            times[label].append(time.perf_counter() - t)
+        if bar is not None:
+            bar.update(1)
+    return times
+
+
+def measure_values(candidates: dict, repeats: int, bar=None) -> dict[str, list[float]]:
+    values = {label: [] for label in candidates}
+    for _ in range(repeats):
+        for label, fn in candidates.items():
+            values[label].append(float(fn()))
+        if bar is not None:
+            bar.update(1)
+    return values
+
+
+def run_cases(cases: list[dict], repeats: int, bar=None) -> list[dict]:
+    """Measure every case; returns rows ``{case, label, median, unit, work, ratio, target}``."""
+    rows = []
+    for case in cases:
+        reps = int(case.get("repeats", repeats))
+        if bar is not None:
+            bar.set_description(case["name"][:40])
+        if case.get("measure", "time") == "value":
+            results = measure_values(case["candidates"], reps, bar)
+            unit = case.get("unit", "")
+        else:
+            results = time_interleaved(case["candidates"], reps, bar)
+            unit = "s"
+        first = None
+        for label, vals in results.items():
+            med = float(np.median(vals))
+            first = med if first is None else first
+            rows.append({"case": case["name"], "label": label, "median": med, "unit": unit,
+                         "work": case.get("work"), "ratio": med / first if first else np.nan,
+                         "target": case.get("target", ""), "measure": case.get("measure", "time")})
+    return rows
+
+
+def format_table(rows: list[dict], sgemm: float) -> str:
+    head = (f"{'case':<46} {'candidate':<11} {'median':>11} {'ratio':>6} {'GFLOP/s':>8} "
+            f"{'sgemm%':>7}")
+    lines = [head, "-" * len(head)]
+    last = None
+    for r in rows:
+        case = r["case"] if r["case"] != last else ""
+        last = r["case"]
+        if r["measure"] == "time":
+            med = f"{r['median'] * 1e3:8.2f} ms"
+            ratio = f"{r['ratio']:6.2f}"
+        else:
+            med = f"{r['median']:8.3g} {r['unit']}"
+            ratio = ""
+        gf = share = ""
+        if r["work"] and r["measure"] == "time":
+            g = r["work"] / r["median"] / 1e9
+            gf, share = f"{g:8.1f}", f"{100 * g / sgemm:6.0f}%"
+        line = f"{case:<46} {r['label']:<11} {med:>11} {ratio:>6} {gf:>8} {share:>7}"
+        if r["target"] and case:
+            line += f"  target {r['target']}"
+        lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m attnnb bench [--quick] [--only NAME] [--repeats N]``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="attnnb bench",
+                                     description="Time attnnb against NumPy and PyTorch.")
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    parser.add_argument("--only", metavar="NAME", help="run one module of attnnb.benches")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"timed rounds per case (default {DEFAULT_REPEATS}, quick "
+                             f"{QUICK_REPEATS})")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
+
+    all_cases = []
+    for name, module in discover(args.only):
+        try:
+            all_cases.extend(module.cases(args.quick))
+        except ImportError as exc:
+            print(f"skipping {name}: {exc}", file=sys.stderr)
+    total = sum(int(c.get("repeats", repeats)) for c in all_cases)
+    bar = progress(total)
+    try:
+        sgemm = sgemm_gflops()
+        rows = run_cases(all_cases, repeats, bar)
+    finally:
+        bar.close()
+    print(f"sgemm (np.dot, float32, 2048^2): {sgemm:.1f} GFLOP/s; "
+          f"ratio = median time / the case's first candidate's (> 1: the first is faster)")
+    print(format_table(rows, sgemm))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,95 @@
+"""The register-blocked tile products and the private compiler options they rely on.
+
+``noalias`` and the 512-bit vector attributes are not public Numba API
+(see ``attnnb/cpu/_jit.py``): these tests check that they still take effect
+on the installed Numba, and that the same loops give the same results
+without them.
+"""
+
+import re
+
+import numba
+import numpy as np
+import pytest
+
+from attnnb.cpu import _blocks, _jit
+
+
+def _compile(fn, noalias):
+    opts = dict(fastmath=_jit.FASTMATH, nogil=True)  # no cache: inspection needs a fresh compile
+    if noalias:
+        opts[_jit._NOALIAS_OPTION] = True
+    return numba.njit(**opts)(fn.py_func)
+
+
+def _gemm_args(rng, dtype, n=37):
+    rows, cols = _blocks.ROWS, _blocks.COLS
+    a = rng.standard_normal(rows * n + 5).astype(dtype)
+    b = rng.standard_normal(n * (cols + 7) + 3).astype(dtype)
+    blk = np.full(rows * cols + 9, np.nan, dtype)
+    return a, b, blk, n
+
+
+def _expected(a, b, n, a0, lda, b0, ldb, rows, cols):
+    A = np.stack([a[a0 + r * lda: a0 + r * lda + n] for r in range(rows)]).astype(np.float64)
+    B = np.stack([b[b0 + e * ldb: b0 + e * ldb + cols] for e in range(n)]).astype(np.float64)
+    return A @ B
+
+
+def test_noalias_option_is_registered():
+    assert _jit.NOALIAS, "numba.core internals changed: the noalias flag is no longer available"
+
+
+@pytest.mark.parametrize("noalias", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gemm_block_matches_numpy_with_and_without_noalias(rng, noalias, dtype):
+    fn = _compile(_blocks.gemm_block, noalias)
+    a, b, blk, n = _gemm_args(rng, dtype)
+    ldb = _blocks.COLS + 7
+    fn(a, 5, n, n, b, 3, ldb, blk, 9)
+    got = blk[9:].reshape(_blocks.ROWS, _blocks.COLS)
+    want = _expected(a, b, n, 5, n, 3, ldb, _blocks.ROWS, _blocks.COLS)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+    assert np.isnan(blk[:9]).all(), "wrote outside the block"
+
+
+@pytest.mark.parametrize("noalias", [True, False])
+def test_gemm_row_matches_numpy(rng, noalias):
+    fn = _compile(_blocks.gemm_row, noalias)
+    a, b, blk, n = _gemm_args(rng, np.float64)
+    fn(a, 2, n, b, 1, 50, blk, 4, 23)
+    want = _expected(a, b, n, 2, n, 1, 50, 1, 23)[0]
+    np.testing.assert_allclose(blk[4:27], want, rtol=1e-12)
+
+
+def test_noalias_flag_reaches_llvm(rng):
+    """With the option the array arguments carry LLVM's ``noalias``; without, they do not."""
+    a, b, blk, n = _gemm_args(rng, np.float32)
+    args = (a, 0, n, n, b, 0, _blocks.COLS, blk, 0)
+    counts = {}
+    for flag in (True, False):
+        fn = _compile(_blocks.gemm_block, flag)
+        fn(*args)
+        ir = fn.inspect_llvm(fn.signatures[0])
+        define = next(line for line in ir.splitlines() if line.startswith("define")
+                      and "gemm_block" in line and "cpython" not in line)
+        counts[flag] = len(re.findall(r"noalias[^,]*%arg\.", define))
+    assert counts[True] >= 3 and counts[False] == 0, counts
+
+
+def _has_avx512():
+    import llvmlite.binding as llvm
+
+    return "+avx512f" in (numba.config.CPU_FEATURES or llvm.get_host_cpu_features().flatten())
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="needs AVX-512")
+def test_blocks_keep_accumulators_in_zmm_registers(rng):
+    """The 4 x 64 float32 block: 16 FMAs on 512-bit registers per step, no reloads."""
+    fn = _compile(_blocks.gemm_block, True)
+    a, b, blk, n = _gemm_args(rng, np.float32)
+    fn(a, 0, n, n, b, 0, _blocks.COLS, blk, 0)
+    asm = fn.inspect_asm(fn.signatures[0])
+    fmas = re.findall(r"vfmadd\d+ps\s+[^\n]*zmm", asm)
+    assert len(fmas) >= 16, f"{len(fmas)} zmm FMAs"
