@@ -75,8 +75,9 @@ class Attention:
     track_gflops.unit = "GFLOP/s"
 
 
-class Comparison:
-    params = (["attnnb-cpu", "numpy", "torch"], SIZES, [False, True])
+class _Implementations:
+    """Set-up shared by the comparison classes: ``self.call`` and ``self.torch_call``."""
+
     param_names = ["impl", "N", "causal"]
     timeout = 300
 
@@ -101,6 +102,10 @@ class Comparison:
             self.call = lambda: attnnb.attention(q, k, v, causal=causal, backend="cpu")
         self.call()
 
+
+class Comparison(_Implementations):
+    params = (["attnnb-cpu", "numpy", "torch"], SIZES, [False, True])
+
     def time_attention(self, impl, n, causal):
         self.call()
 
@@ -111,10 +116,19 @@ class Comparison:
 
     track_gflops.unit = "GFLOP/s"
 
+
+class VersusTorch(_Implementations):
+    params = (["attnnb-cpu", "numpy"], SIZES, [False, True])
+
+    def setup(self, impl, n, causal):
+        from attnnb.benches.attention import _torch
+
+        if _torch()[0] is None:  # skipped (not failed) where torch is not installed
+            raise NotImplementedError("torch is not installed")
+        super().setup(impl, n, causal)
+
     def track_speed_vs_torch(self, impl, n, causal):
         """SDPA time / this implementation's time, interleaved medians (> 1: faster)."""
-        if self.torch_call is None or impl == "torch":
-            raise NotImplementedError("needs torch, compares with it")
         mine, theirs = [], []
         for _ in range(5):
             t = time.perf_counter()
