@@ -76,7 +76,9 @@ def attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_
 
 
 def _dummy_pairwise(dtype):
-    return np.broadcast_to(np.zeros((), dtype), (1, 1, 1, 1))
+    # Shaped so that Numba types it like a real broadcast mask or bias (readonly, layout
+    # 'A'): calls with and without a mask then share one compiled kernel.
+    return np.broadcast_to(np.zeros((), dtype), (1, 1, 2, 2))
 
 
 def kernel_arguments(problem):
