@@ -65,7 +65,7 @@ def test_check_option_errors(capsys):
 
 def test_compare():
     a = np.array([1.0, 2.0, -np.inf])
-    assert cli.compare(a, a) == (0.0, 1e-10)
+    assert cli.compare(a, a) == (0.0, 1e-12)
     err, _ = cli.compare(a + [0, 1e-6, 0], a)
     assert err == pytest.approx(5e-7)
     assert cli.compare(a.astype(np.float32), a)[0] == np.inf  # dtype differs

@@ -27,8 +27,8 @@ import numpy as np
 # Relative tolerance of a backend's result against the reference's, by dtype.
 TOLERANCE = {
     np.dtype(np.float16): 5e-3,
-    np.dtype(np.float32): 1e-4,
-    np.dtype(np.float64): 1e-10,
+    np.dtype(np.float32): 2e-5,
+    np.dtype(np.float64): 1e-12,
 }
 
 
