@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._jit import inner, kernel, launch
+from ._jit import inner, kernel, launch, wide_vectors
 from ._streams import add_weighted_values, finish_weighted_rows, rectified_weights
 from ._tiles import (
     SOFTMAX,
@@ -26,7 +26,8 @@ from ._tiles import (
     modify_logits,
     online_update,
     scaled_rows,
-    tile_logits,
+    tile_logits_t,
+    transposed_keys,
     value_tiles_finite,
 )
 from .attention import kernel_arguments
@@ -39,8 +40,11 @@ MODE_CODES = {"difference": DIFFERENCE, "rectified": RECTIFIED}
 @inner
 def masked_logits(qs, kh, i0, j0, nk, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b,
                   has_ks, S_flat):
-    """One component's modified logits for one key tile (``-inf`` outside the allowed set)."""
-    S = tile_logits(qs, kh, j0, nk, S_flat)
+    """One component's modified logits for one key tile (``-inf`` outside the allowed set).
+
+    ``kh`` is the component's keys transposed per key tile (:func:`transposed_keys`).
+    """
+    S = tile_logits_t(qs, kh, j0, nk, S_flat)
     modify_logits(S, S, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b, has_ks,
                   SOFTMAX)
     return S
@@ -56,7 +60,7 @@ def sweep_pair(qs1, qs2, k1h, k2h, vh, v_ok, i0, last, diag, bias_bh, has_bias, 
     ``v_ok`` False) only the running max and sum are kept: the LSE pass of
     the rectified mode.
     """
-    Lk = k1h.shape[0]
+    Lk = vh.shape[0]
     for t in range(last):
         j0 = t * TILE_K
         nk = min(TILE_K, Lk - j0)
@@ -69,11 +73,14 @@ def sweep_pair(qs1, qs2, k1h, k2h, vh, v_ok, i0, last, diag, bias_bh, has_bias, 
 
 
 @kernel
-def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
+def diff_kernel(q, kt, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
                 mode, v_ok, out):
-    """One task per (batch, head pair, query tile); see the module docstring."""
+    """One task per (batch, head pair, query tile); see the module docstring.
+
+    ``kt`` holds the keys transposed per key tile (:func:`transposed_keys`).
+    """
     B, H2, Lq, D = q.shape
-    Hk2, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Hk2, Lk, Dv = kt.shape[1], v.shape[2], v.shape[3]
     H = H2 // 2
     group = H // (Hk2 // 2)
     n_qt = (Lq + TILE_Q - 1) // TILE_Q
@@ -82,12 +89,13 @@ def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_
     no_values = np.zeros((Lk, 0), q.dtype)
     no_values_ok = np.zeros(n_kt, np.bool_)
     for task in prange(B * H * n_qt):
+        wide_vectors()
         b = task // (H * n_qt)
         h = (task // n_qt) % H
         i0 = (task % n_qt) * TILE_Q
         nq = min(TILE_Q, Lq - i0)
         g = h // group
-        k1h, k2h, vh = k[b, 2 * g], k[b, 2 * g + 1], v[b, g]
+        k1h, k2h, vh = kt[b, 2 * g], kt[b, 2 * g + 1], v[b, g]
         q1_flat = np.empty(TILE_Q * D, q.dtype)
         q2_flat = np.empty(TILE_Q * D, q.dtype)
         S1_flat = np.empty(TILE_Q * TILE_K, q.dtype)
@@ -163,7 +171,7 @@ def diff_attention(problem, lam, mode="difference"):
     if out.size == 0:
         return out
     bias, mask, logks = kernel_arguments(problem)
-    launch(diff_kernel, q, k, v, lam, q.dtype.type(problem.scale), bias,
+    launch(diff_kernel, q, transposed_keys(k), v, lam, q.dtype.type(problem.scale), bias,
            problem.bias is not None, mask, problem.mask is not None, logks,
            problem.log_key_size is not None, problem.causal, MODE_CODES[mode],
            value_tiles_finite(v), out)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._jit import kernel, launch
+from ._jit import kernel, launch, wide_vectors
 from ._sparse_tiles import csr_tile_mask
 from ._tiles import (
     NORMALIZER_CODES,
@@ -24,24 +24,28 @@ from ._tiles import (
     modify_logits,
     online_update,
     scaled_rows,
-    tile_logits,
+    tile_logits_t,
+    transposed_keys,
     value_tiles_finite,
 )
 from .attention import kernel_arguments
 
 
 @kernel
-def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads, indptr,
+def sparse_kernel(q, kt, v, scale, bias, mask, logks, has_ks, normalizer, p_heads, indptr,
                   indices, tile_ptr, tile_idx, tile_full, v_ok, out, lse):
     """``p_heads`` is the pattern's head count (1: shared by all query heads).
 
-    ``bias`` and ``mask`` are the dense kernel's placeholders (never read).
+    ``kt`` holds the keys transposed per key tile (:func:`transposed_keys`) for the
+    register-blocked ``Q K^T``; ``bias`` and ``mask`` are the dense kernel's
+    placeholders (never read).
     """
     B, Hq, Lq, D = q.shape
-    Hk, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Hk, Lk, Dv = v.shape[1], v.shape[2], v.shape[3]
     group = Hq // Hk
     n_qt = (Lq + TILE_Q - 1) // TILE_Q
     for task in prange(B * Hq * n_qt):
+        wide_vectors()
         b = task // (Hq * n_qt)
         h = (task // n_qt) % Hq
         qt = task % n_qt
@@ -51,7 +55,7 @@ def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads
         ph = h if p_heads > 1 else 0
         row0 = ph * Lq + i0  # CSR row of the tile's first query
         tr = ph * n_qt + qt  # block-layout row of this query tile
-        kh, vh = k[b, g], v[b, g]
+        kth, vh = kt[b, g], v[b, g]
         q_flat = np.empty(TILE_Q * D, q.dtype)
         S_flat = np.empty(TILE_Q * TILE_K, q.dtype)
         P_flat = np.empty(TILE_Q * TILE_K, q.dtype)
@@ -69,7 +73,7 @@ def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads
             t = tile_idx[p]
             j0 = t * TILE_K
             nk = min(TILE_K, Lk - j0)
-            S = tile_logits(qs, kh, j0, nk, S_flat)
+            S = tile_logits_t(qs, kth, j0, nk, S_flat)
             if tile_full[p]:
                 # every row holds exactly the tile's nk keys: step over them, so that
                 # the next partial tile finds its first key without a scan
@@ -94,7 +98,7 @@ def sparse_attention(problem, pattern):
         return out, lse
     bias, mask, logks = kernel_arguments(problem)
     layout = pattern.blocks(TILE_Q, TILE_K)
-    launch(sparse_kernel, q, k, v, q.dtype.type(problem.scale), bias, mask, logks,
+    launch(sparse_kernel, q, transposed_keys(k), v, q.dtype.type(problem.scale), bias, mask, logks,
            problem.log_key_size is not None, NORMALIZER_CODES[problem.normalizer],
            pattern.n_heads, pattern.indptr, pattern.indices, layout.tile_ptr,
            layout.tile_idx, layout.tile_full, value_tiles_finite(v), out, lse)
