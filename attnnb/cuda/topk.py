@@ -19,6 +19,7 @@ import numba
 import numpy as np
 from numba import cuda
 
+from ..cpu._sparse_tiles import kth_smallest as cpu_kth_smallest
 from ._arrays import device_problem, finish, outputs
 from ._tiles import SOFTMAX, cached_kernel, device_functions, tiles_for
 
@@ -42,36 +43,8 @@ def build_topk(dtype, d, dv, tq, tk):
     load_rows, start_row, row_logits = f.load_rows, f.start_row, f.row_logits
     modify_row, online_row, finish_row = f.modify_row, f.online_row, f.finish_row
 
-    @cuda.jit(device=True)
-    def kth_smallest(a, n, kth):
-        """The ``kth`` smallest (0-based) of ``a[:n]`` (no NaN), reordering ``a[:n]``.
-
-        Quickselect, median-of-three pivot, Hoare partitioning: expected O(n).
-        """
-        lo = 0
-        hi = n - 1
-        while hi > lo:
-            mid = (lo + hi) // 2
-            x, y, z = a[lo], a[mid], a[hi]
-            pivot = max(min(x, y), min(max(x, y), z))
-            i = lo
-            j = hi
-            while i <= j:
-                while a[i] < pivot:
-                    i += 1
-                while a[j] > pivot:
-                    j -= 1
-                if i <= j:
-                    a[i], a[j] = a[j], a[i]
-                    i += 1
-                    j -= 1
-            if kth <= j:
-                hi = j
-            elif kth >= i:
-                lo = i
-            else:
-                return a[kth]
-        return a[kth]
+    # the CPU backend's quickselect, compiled as a device function: one algorithm
+    kth_smallest = cuda.jit(device=True)(cpu_kth_smallest.py_func)
 
     @cuda.jit(device=True)
     def row_threshold(row, n, top_k, buf):
