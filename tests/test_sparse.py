@@ -186,3 +186,28 @@ def test_property_cpu_equals_masked_reference(seed, lq, lk, per_head, density, n
     ref, ref_lse = dense_with_mask(q, k, v, p, normalizer=normalizer, return_lse=True)
     assert_close(out, ref, np.float32)
     assert_close(lse, ref_lse, np.float32, what="lse")
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), nq=st.integers(1, 9), nk=st.integers(1, 64),
+       j0=st.integers(0, 40), density=st.floats(0.0, 1.0), band=st.booleans())
+def test_csr_tile_mask_keeps_exactly_the_rows_keys(seed, nq, nk, j0, density, band):
+    # every branch of the partial-tile mask: empty row, full row, one run, scattered keys
+    from attnnb.cpu._sparse_tiles import csr_tile_mask
+
+    rng = np.random.default_rng(seed)
+    lk = j0 + nk + 20
+    allowed = rng.random((nq, lk)) < density
+    if band:  # one run per row, as a sliding window gives
+        lo = rng.integers(0, lk, nq)
+        hi = lo + rng.integers(0, lk, nq)
+        allowed = (np.arange(lk) >= lo[:, None]) & (np.arange(lk) <= hi[:, None])
+    p = P.from_mask(allowed)
+    S = rng.standard_normal((nq, nk))
+    before = S.copy()
+    cursor = p.indptr[:-1].copy()  # each row's first stored key: no later than its first >= j0
+    csr_tile_mask(S, p.indptr, p.indices, 0, j0, cursor)
+    keep = allowed[:, j0 : j0 + nk]
+    np.testing.assert_array_equal(S, np.where(keep, before, -np.inf))
+    # the cursor now points past the row's keys below j0 + nk
+    np.testing.assert_array_equal(cursor - p.indptr[:-1], allowed[:, : j0 + nk].sum(axis=1))

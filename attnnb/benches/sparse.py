@@ -12,8 +12,9 @@ Candidates: ``attnnb-cpu`` (first), ``attnnb-cpu dense+mask`` (the same
 result from dense attention with ``mask=pattern.to_mask()``) and ``torch``
 (SDPA with the boolean mask) at the quick sizes.
 
-``python -m attnnb.benches.sparse [--quick]`` prints the per-pair ratios
-directly, timing dense and sparse interleaved in one process.
+``python -m attnnb.benches.sparse [--quick] [--threads T]`` prints the
+per-pair ratios directly, timing dense and sparse interleaved in one process
+(:func:`pair_cost_ratios`).
 """
 
 from __future__ import annotations
@@ -98,50 +99,60 @@ def cases(quick: bool = False):
     return out
 
 
-def pair_cost_ratios(N, H=8, D=64, window=256, repeats=3, backend="cpu"):
+def pair_cost_ratios(N, H=8, D=64, window=256, rounds=3, calls=5, backend="cpu"):
     """Sparse time per allowed pair over dense time per pair, on the same backend.
 
-    Dense and sparse calls are interleaved (each repeat times dense then every
-    pattern) and the fastest of each is compared: on a shared machine the
-    minimum is the least disturbed estimate of the cost.  Returns ``{pattern: (ratio,
-    density, sparse seconds, dense seconds)}``.
+    ``rounds`` rounds, each timing one dense call and then ``calls`` calls of
+    every pattern, so that both see the same machine; the ratio compares
+    medians.  A dense call at ``N = 16384`` runs for seconds and so averages
+    over the machine's noise; a sparse call runs for a fraction of a second,
+    and its median over ``rounds * calls`` calls is its typical time (the
+    minimum would favour it).  Returns ``{pattern: (ratio, density, sparse
+    seconds, dense seconds)}`` (medians).
     """
-    from attnnb import attention, sparse_attention
+    from attnnb import attention, patterns, sparse_attention
 
     q, k, v = data(N, H, D)
     pats = bench_patterns(N, window)
     for p in pats.values():
         p.blocks()
     # compile and warm up on a small slice
-    attention(q[:, :, :128], k[:, :, :128], v[:, :, :128], backend=backend)
-    from attnnb import patterns
-
-    sparse_attention(q[:, :, :128], k[:, :, :128], v[:, :, :128], patterns.local(128, 8),
-                     backend=backend)
+    qs, ks, vs = (x[:, :, :128] for x in (q, k, v))
+    attention(qs, ks, vs, backend=backend)
+    sparse_attention(qs, ks, vs, patterns.local(128, 8), backend=backend)
     times = {"dense": []} | {name: [] for name in pats}
-    for _ in range(repeats):
+    for _ in range(rounds):
         t = time.perf_counter()
         attention(q, k, v, backend=backend)
         times["dense"].append(time.perf_counter() - t)
         for name, p in pats.items():
-            t = time.perf_counter()
-            sparse_attention(q, k, v, p, backend=backend)
-            times[name].append(time.perf_counter() - t)
-    dense = min(times["dense"])
+            for _ in range(calls):
+                t = time.perf_counter()
+                sparse_attention(q, k, v, p, backend=backend)
+                times[name].append(time.perf_counter() - t)
+    dense = float(np.median(times["dense"]))
     result = {}
     for name, p in pats.items():
-        ts = min(times[name])
+        ts = float(np.median(times[name]))
         result[name] = ((ts / p.nnz) / (dense / (N * N)), p.density, ts, dense)
     return result
 
 
 def main(argv=None):
+    """``python -m attnnb.benches.sparse [--quick] [--threads T]``: the per-pair ratios."""
     argv = sys.argv[1:] if argv is None else argv
     size = QUICK if "--quick" in argv else FULL
-    repeats = 3 if "--quick" in argv else 2
-    print(f"N={size['N']} H={size['H']} D={size['D']} fp32, cpu, best of {repeats}")
+    if "--threads" in argv:
+        import numba
+
+        numba.set_num_threads(int(argv[argv.index("--threads") + 1]))
+    rounds = 3
+    from numba import get_num_threads
+
+    print(f"N={size['N']} H={size['H']} D={size['D']} fp32, cpu, {get_num_threads()} threads, "
+          f"medians of {rounds} dense and {rounds * 5} sparse calls, interleaved")
     for name, (ratio, density, ts, dense) in pair_cost_ratios(
-            size["N"], size["H"], size["D"], size["window"], repeats).items():
+            size["N"], size["H"], size["D"], size["window"], rounds).items():
         print(f"{name:28s} density {density:.4f}  sparse {ts:8.3f} s  dense {dense:8.3f} s  "
               f"speed-up {dense / ts:6.1f}x  time per pair / dense's: {ratio:.2f}")
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from ._exp import exp_shifted
 from ._jit import inner
-from ._tiles import view2d
+from ._tiles import values_product, view2d
 
 
 @inner
@@ -64,16 +64,16 @@ def rectified_weights(S1, S2, lse1, lse2, lam, P_flat, P2_flat):
 
 @inner
 def add_weighted_values(P, vh, j0, v_finite, acc, T_flat):
-    """``acc += P @ vh[j0:j0+nk]``; with a non-finite value tile, zero weights are skipped."""
+    """``acc += P @ vh[j0:j0+nk]``; with a non-finite value tile, zero weights are skipped.
+
+    The finite case is the online softmax's register-blocked product
+    (:func:`~attnnb.cpu._tiles.values_product`); ``P`` and ``acc`` C-contiguous.
+    """
     nq, nk = P.shape
     dv = acc.shape[1]
     vt = vh[j0 : j0 + nk]
     if v_finite:
-        T = view2d(T_flat, nq, dv)
-        np.dot(P, vt, T)
-        for r in range(nq):
-            for c in range(dv):
-                acc[r, c] += T[r, c]
+        values_product(P, vh, j0, acc, T_flat)
     else:
         for r in range(nq):
             for c in range(nk):

@@ -20,15 +20,15 @@ from ._jit import inner, kernel, launch, wide_vectors
 from ._streams import add_weighted_values, finish_weighted_rows, rectified_weights
 from ._tiles import (
     SOFTMAX,
+    SWEEP_TILE_Q,
     TILE_K,
-    TILE_Q,
     finish_rows,
+    key_tiles,
     modify_logits,
     online_update,
+    prepare_key_tile,
     scaled_rows,
     tile_logits_t,
-    transposed_keys,
-    value_tiles_finite,
 )
 from .attention import kernel_arguments
 
@@ -42,7 +42,7 @@ def masked_logits(qs, kh, i0, j0, nk, diag, bias_bh, has_bias, mask_bh, has_mask
                   has_ks, S_flat):
     """One component's modified logits for one key tile (``-inf`` outside the allowed set).
 
-    ``kh`` is the component's keys transposed per key tile (:func:`transposed_keys`).
+    ``kh`` is the component's keys transposed per key tile (:func:`key_tiles`).
     """
     S = tile_logits_t(qs, kh, j0, nk, S_flat)
     modify_logits(S, S, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b, has_ks,
@@ -73,34 +73,34 @@ def sweep_pair(qs1, qs2, k1h, k2h, vh, v_ok, i0, last, diag, bias_bh, has_bias, 
 
 
 @kernel
-def diff_kernel(q, kt, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                mode, v_ok, out):
-    """One task per (batch, head pair, query tile); see the module docstring.
-
-    ``kt`` holds the keys transposed per key tile (:func:`transposed_keys`).
-    """
+def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
+                mode, out):
+    """One task per (batch, head pair, query tile); see the module docstring."""
     B, H2, Lq, D = q.shape
-    Hk2, Lk, Dv = kt.shape[1], v.shape[2], v.shape[3]
+    Hk2, Lk, Dv = k.shape[1], v.shape[2], v.shape[3]
     H = H2 // 2
     group = H // (Hk2 // 2)
-    n_qt = (Lq + TILE_Q - 1) // TILE_Q
+    n_qt = (Lq + SWEEP_TILE_Q - 1) // SWEEP_TILE_Q
     n_kt = (Lk + TILE_K - 1) // TILE_K
     diag = Lk - Lq if causal else Lk  # j > i + diag is masked; Lk disables it
     no_values = np.zeros((Lk, 0), q.dtype)
     no_values_ok = np.zeros(n_kt, np.bool_)
+    kt, v_ok = key_tiles(k, v)  # both components of value head g: key heads 2g, 2g + 1
+    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
+        prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * H * n_qt):
         wide_vectors()
         b = task // (H * n_qt)
         h = (task // n_qt) % H
-        i0 = (task % n_qt) * TILE_Q
-        nq = min(TILE_Q, Lq - i0)
+        i0 = (task % n_qt) * SWEEP_TILE_Q
+        nq = min(SWEEP_TILE_Q, Lq - i0)
         g = h // group
         k1h, k2h, vh = kt[b, 2 * g], kt[b, 2 * g + 1], v[b, g]
-        q1_flat = np.empty(TILE_Q * D, q.dtype)
-        q2_flat = np.empty(TILE_Q * D, q.dtype)
-        S1_flat = np.empty(TILE_Q * TILE_K, q.dtype)
-        P_flat = np.empty(TILE_Q * TILE_K, q.dtype)
-        T_flat = np.empty(TILE_Q * Dv, q.dtype)
+        q1_flat = np.empty(SWEEP_TILE_Q * D, q.dtype)
+        q2_flat = np.empty(SWEEP_TILE_Q * D, q.dtype)
+        S1_flat = np.empty(SWEEP_TILE_Q * TILE_K, q.dtype)
+        P_flat = np.empty(SWEEP_TILE_Q * TILE_K, q.dtype)
+        T_flat = np.empty(SWEEP_TILE_Q * Dv, q.dtype)
         m1 = np.full(nq, -np.inf, q.dtype)
         m2 = np.full(nq, -np.inf, q.dtype)
         l1 = np.zeros(nq, q.dtype)
@@ -136,8 +136,8 @@ def diff_kernel(q, kt, v, lam, scale, bias, has_bias, mask, has_mask, logks, has
             finish_rows(none1, m1, l1, SOFTMAX, none1, lse1)  # LSEs only: -inf empty, NaN
             finish_rows(none2, m2, l2, SOFTMAX, none2, lse2)
             acc = np.zeros((nq, Dv), q.dtype)
-            S2_flat = np.empty(TILE_Q * TILE_K, q.dtype)
-            P2_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+            S2_flat = np.empty(SWEEP_TILE_Q * TILE_K, q.dtype)
+            P2_flat = np.empty(SWEEP_TILE_Q * TILE_K, q.dtype)
             for t in range(last):
                 j0 = t * TILE_K
                 nk = min(TILE_K, Lk - j0)
@@ -171,8 +171,7 @@ def diff_attention(problem, lam, mode="difference"):
     if out.size == 0:
         return out
     bias, mask, logks = kernel_arguments(problem)
-    launch(diff_kernel, q, transposed_keys(k), v, lam, q.dtype.type(problem.scale), bias,
+    launch(diff_kernel, q, k, v, lam, q.dtype.type(problem.scale), bias,
            problem.bias is not None, mask, problem.mask is not None, logks,
-           problem.log_key_size is not None, problem.causal, MODE_CODES[mode],
-           value_tiles_finite(v), out)
+           problem.log_key_size is not None, problem.causal, MODE_CODES[mode], out)
     return out

@@ -21,29 +21,30 @@ from ._tiles import (
     TILE_K,
     TILE_Q,
     finish_rows,
+    key_tiles,
     modify_logits,
     online_update,
+    prepare_key_tile,
     scaled_rows,
     tile_logits_t,
-    transposed_keys,
-    value_tiles_finite,
 )
 from .attention import kernel_arguments
 
 
 @kernel
-def sparse_kernel(q, kt, v, scale, bias, mask, logks, has_ks, normalizer, p_heads, indptr,
-                  indices, tile_ptr, tile_idx, tile_full, v_ok, out, lse):
+def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads, indptr,
+                  indices, tile_ptr, tile_idx, tile_full, out, lse):
     """``p_heads`` is the pattern's head count (1: shared by all query heads).
 
-    ``kt`` holds the keys transposed per key tile (:func:`transposed_keys`) for the
-    register-blocked ``Q K^T``; ``bias`` and ``mask`` are the dense kernel's
-    placeholders (never read).
+    ``bias`` and ``mask`` are the dense kernel's placeholders (never read).
     """
     B, Hq, Lq, D = q.shape
     Hk, Lk, Dv = v.shape[1], v.shape[2], v.shape[3]
     group = Hq // Hk
     n_qt = (Lq + TILE_Q - 1) // TILE_Q
+    kt, v_ok = key_tiles(k, v)
+    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
+        prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * Hq * n_qt):
         wide_vectors()
         b = task // (Hq * n_qt)
@@ -62,7 +63,6 @@ def sparse_kernel(q, kt, v, scale, bias, mask, logks, has_ks, normalizer, p_head
         F_flat = np.empty(TILE_Q * TILE_K, q.dtype)
         T_flat = np.empty(TILE_Q * Dv, q.dtype)
         cursor = np.empty(nq, np.int64)
-        keep = np.empty(TILE_K, q.dtype)
         for r in range(nq):
             cursor[r] = indptr[row0 + r]
         m = np.full(nq, -np.inf, q.dtype)
@@ -80,7 +80,7 @@ def sparse_kernel(q, kt, v, scale, bias, mask, logks, has_ks, normalizer, p_head
                 for r in range(nq):
                     cursor[r] += nk
             else:
-                csr_tile_mask(S, indptr, indices, row0, j0, cursor, keep)
+                csr_tile_mask(S, indptr, indices, row0, j0, cursor)
             F = F_flat[: nq * nk].reshape((nq, nk)) if normalizer == RELU_EXPM1 else S
             modify_logits(S, F, i0, j0, Lk, bias[0, 0], False, mask[0, 0], False, logks[b],
                           has_ks, normalizer)
@@ -98,8 +98,8 @@ def sparse_attention(problem, pattern):
         return out, lse
     bias, mask, logks = kernel_arguments(problem)
     layout = pattern.blocks(TILE_Q, TILE_K)
-    launch(sparse_kernel, q, transposed_keys(k), v, q.dtype.type(problem.scale), bias, mask, logks,
+    launch(sparse_kernel, q, k, v, q.dtype.type(problem.scale), bias, mask, logks,
            problem.log_key_size is not None, NORMALIZER_CODES[problem.normalizer],
            pattern.n_heads, pattern.indptr, pattern.indices, layout.tile_ptr,
-           layout.tile_idx, layout.tile_full, value_tiles_finite(v), out, lse)
+           layout.tile_idx, layout.tile_full, out, lse)
     return out, lse

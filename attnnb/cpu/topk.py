@@ -14,26 +14,26 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._jit import kernel, launch
+from ._jit import kernel, launch, wide_vectors
 from ._sparse_tiles import row_threshold, select_tile
 from ._tiles import (
     SOFTMAX,
     TILE_K,
     TILE_Q,
     finish_rows,
+    key_tiles,
     modify_logits,
     online_update,
+    prepare_key_tile,
     scaled_rows,
-    tile_logits,
-    value_tiles_finite,
+    tile_logits_t,
     view2d,
 )
 from .attention import kernel_arguments
 
 
 @kernel
-def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top_k, v_ok,
-                out, lse):
+def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top_k, out, lse):
     """One task per (batch, query head, query tile); ``bias`` is a placeholder."""
     B, Hq, Lq, D = q.shape
     Hk, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -41,13 +41,17 @@ def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top
     n_qt = (Lq + TILE_Q - 1) // TILE_Q
     n_kt = (Lk + TILE_K - 1) // TILE_K
     diag = Lk - Lq if causal else Lk
+    kt, v_ok = key_tiles(k, v)
+    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
+        prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * Hq * n_qt):
+        wide_vectors()
         b = task // (Hq * n_qt)
         h = (task // n_qt) % Hq
         i0 = (task % n_qt) * TILE_Q
         nq = min(TILE_Q, Lq - i0)
         g = h // group
-        kh, vh = k[b, g], v[b, g]
+        kth, vh = kt[b, g], v[b, g]
         q_flat = np.empty(TILE_Q * D, q.dtype)
         S_flat = np.empty(TILE_Q * TILE_K, q.dtype)
         P_flat = np.empty(TILE_Q * TILE_K, q.dtype)
@@ -68,7 +72,7 @@ def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top
         for t in range(last):
             j0 = t * TILE_K
             nk = min(TILE_K, Lk - j0)
-            S = tile_logits(qs, kh, j0, nk, S_flat)
+            S = tile_logits_t(qs, kth, j0, nk, S_flat)
             modify_logits(S, S, i0, j0, diag, bias[0, 0], False, mask[b, h], has_mask,
                           logks[b], has_ks, SOFTMAX)
             R[:, j0 : j0 + nk] = S
@@ -95,5 +99,5 @@ def topk_attention(problem, top_k):
     bias, mask, logks = kernel_arguments(problem)
     launch(topk_kernel, q, k, v, q.dtype.type(problem.scale), bias, mask,
            problem.mask is not None, logks, problem.log_key_size is not None, problem.causal,
-           int(top_k), value_tiles_finite(v), out, lse)
+           int(top_k), out, lse)
     return out, lse
