@@ -7,8 +7,8 @@ in *which* key tiles they visit and how they combine results; the loops
 that touch every score live here, once:
 
 * :func:`tile_logits_t`    -- ``S = q_tile @ k_tile.T`` (q pre-scaled) from the
-  head's keys transposed tile by tile (:func:`key_tiles`,
-  :func:`prepare_key_tile`), register-blocked
+  head's keys transposed tile by tile (:func:`prepare_key_tile`, into
+  :func:`attnnb.cpu._scratch.key_tile_buffers`), register-blocked
 * :func:`modify_logits`    -- bias, element masks, causal diagonal,
   ``relu_expm1``'s factor, ``log(key_size)``
 * :func:`online_update`    -- running max / sum, ``acc = acc * alpha + P @ v_tile``
@@ -76,7 +76,7 @@ def tile_logits_t(qs, kth, j0, nk, S_flat):
     """``S = qs @ K[j0:j0+nk].T`` as an ``(nq, nk)`` view of ``S_flat``.
 
     ``kth`` is this head's keys transposed tile by tile, ``(n_tiles, D,
-    TILE_K)`` C-contiguous (one slice of :func:`key_tiles`' ``kt``; ``j0`` a
+    TILE_K)`` C-contiguous (one slice of :func:`prepare_key_tile`'s ``kt``; ``j0`` a
     multiple of ``TILE_K``); ``qs`` is ``(nq, D)`` C-contiguous.
     Register-blocked (:mod:`attnnb.cpu._blocks`), no BLAS: full tiles take
     4 x 64 blocks, the rest single rows.  Each key tile is one contiguous
@@ -347,26 +347,16 @@ def tile_is_finite(v, b, h, j0):
 
 
 @inner
-def key_tiles(k, v):
-    """Scratch for a kernel's prologue: ``(kt, v_ok)``, filled by :func:`prepare_key_tile`.
-
-    ``kt``: ``(B, Hk, n_tiles, D, TILE_K)``, the keys ``k (B, Hk, Lk, D)``
-    transposed tile by tile for :func:`tile_logits_t`; ``v_ok``: ``(B, Hv,
-    n_tiles)`` bool, True where value tile ``t`` of ``v (B, Hv, Lk, Dv)`` is
-    all finite (:func:`online_update` then takes the fast product).
-    ``n_tiles = ceil(Lk / TILE_K)``.
-    """
-    B, Hk, Lk, D = k.shape
-    n_kt = (Lk + TILE_K - 1) // TILE_K
-    return np.empty((B, Hk, n_kt, D, TILE_K), k.dtype), np.empty((B, v.shape[1], n_kt),
-                                                                  np.bool_)
-
-
-@inner
 def prepare_key_tile(k, v, kt, v_ok, task):
     """Task ``task`` of ``kt.shape[0] * kt.shape[1] * kt.shape[2]`` in a kernel's
     prologue (a ``prange`` before its main loop): transpose one key tile and
     check the matching value tile.
+
+    ``kt``: ``(B, Hk, n_tiles, D, TILE_K)``, the keys ``k (B, Hk, Lk, D)``
+    transposed tile by tile for :func:`tile_logits_t`; ``v_ok``: ``(B, Hv,
+    n_tiles)`` bool, set True where value tile ``t`` of ``v (B, Hv, Lk, Dv)``
+    is all finite (:func:`online_update` then takes the fast product).  The
+    host passes both from :func:`attnnb.cpu._scratch.key_tile_buffers`.
 
     ``k`` may hold a whole multiple ``r`` of ``v``'s heads (the differential
     kernel's two components per value head): key head ``g`` then checks value

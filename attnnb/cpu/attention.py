@@ -6,12 +6,12 @@ import numpy as np
 from numba import prange
 
 from ._jit import kernel, launch, wide_vectors
+from ._scratch import key_tile_buffers
 from ._tiles import (
     NORMALIZER_CODES,
     SWEEP_TILE_Q,
     TILE_K,
     finish_rows,
-    key_tiles,
     modify_logits,
     online_update,
     prepare_key_tile,
@@ -22,7 +22,7 @@ from ._tiles import (
 
 @kernel
 def attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                     normalizer, out, lse):
+                     normalizer, kt, v_ok, out, lse):
     """One task per (batch, query head, query tile); see :mod:`attnnb.cpu._tiles`.
 
     With ``causal`` the sweep stops at the last key tile the tile's last
@@ -35,7 +35,6 @@ def attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_
     n_qt = (Lq + SWEEP_TILE_Q - 1) // SWEEP_TILE_Q
     n_kt = (Lk + TILE_K - 1) // TILE_K
     diag = Lk - Lq if causal else Lk  # j > i + diag is masked; Lk disables it
-    kt, v_ok = key_tiles(k, v)
     for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
         prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * Hq * n_qt):
@@ -98,8 +97,9 @@ def attention(problem):
     if out.size == 0 and lse.size == 0:
         return out, lse
     bias, mask, logks = kernel_arguments(problem)
-    launch(attention_kernel, q, k, v, q.dtype.type(problem.scale), bias,
-           problem.bias is not None, mask, problem.mask is not None, logks,
-           problem.log_key_size is not None, problem.causal,
-           NORMALIZER_CODES[problem.normalizer], out, lse)
+    with key_tile_buffers(k, v) as (kt, v_ok):
+        launch(attention_kernel, q, k, v, q.dtype.type(problem.scale), bias,
+               problem.bias is not None, mask, problem.mask is not None, logks,
+               problem.log_key_size is not None, problem.causal,
+               NORMALIZER_CODES[problem.normalizer], kt, v_ok, out, lse)
     return out, lse

@@ -17,13 +17,13 @@ import numpy as np
 from numba import prange
 
 from ._jit import inner, kernel, launch, wide_vectors
+from ._scratch import key_tile_buffers
 from ._streams import add_weighted_values, finish_weighted_rows, rectified_weights
 from ._tiles import (
     SOFTMAX,
     SWEEP_TILE_Q,
     TILE_K,
     finish_rows,
-    key_tiles,
     modify_logits,
     online_update,
     prepare_key_tile,
@@ -42,7 +42,7 @@ def masked_logits(qs, kh, i0, j0, nk, diag, bias_bh, has_bias, mask_bh, has_mask
                   has_ks, S_flat):
     """One component's modified logits for one key tile (``-inf`` outside the allowed set).
 
-    ``kh`` is the component's keys transposed per key tile (:func:`key_tiles`).
+    ``kh`` is the component's keys transposed per key tile (:func:`prepare_key_tile`).
     """
     S = tile_logits_t(qs, kh, j0, nk, S_flat)
     modify_logits(S, S, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b, has_ks,
@@ -74,7 +74,7 @@ def sweep_pair(qs1, qs2, k1h, k2h, vh, v_ok, i0, last, diag, bias_bh, has_bias, 
 
 @kernel
 def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                mode, out):
+                mode, kt, v_ok, out):
     """One task per (batch, head pair, query tile); see the module docstring."""
     B, H2, Lq, D = q.shape
     Hk2, Lk, Dv = k.shape[1], v.shape[2], v.shape[3]
@@ -85,7 +85,6 @@ def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_
     diag = Lk - Lq if causal else Lk  # j > i + diag is masked; Lk disables it
     no_values = np.zeros((Lk, 0), q.dtype)
     no_values_ok = np.zeros(n_kt, np.bool_)
-    kt, v_ok = key_tiles(k, v)  # both components of value head g: key heads 2g, 2g + 1
     for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
         prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * H * n_qt):
@@ -171,7 +170,10 @@ def diff_attention(problem, lam, mode="difference"):
     if out.size == 0:
         return out
     bias, mask, logks = kernel_arguments(problem)
-    launch(diff_kernel, q, k, v, lam, q.dtype.type(problem.scale), bias,
-           problem.bias is not None, mask, problem.mask is not None, logks,
-           problem.log_key_size is not None, problem.causal, MODE_CODES[mode], out)
+    # kt holds both components of value head g: key heads 2g and 2g + 1
+    with key_tile_buffers(k, v) as (kt, v_ok):
+        launch(diff_kernel, q, k, v, lam, q.dtype.type(problem.scale), bias,
+               problem.bias is not None, mask, problem.mask is not None, logks,
+               problem.log_key_size is not None, problem.causal, MODE_CODES[mode], kt, v_ok,
+               out)
     return out

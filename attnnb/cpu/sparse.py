@@ -14,6 +14,7 @@ import numpy as np
 from numba import prange
 
 from ._jit import kernel, launch, wide_vectors
+from ._scratch import key_tile_buffers
 from ._sparse_tiles import csr_tile_mask
 from ._tiles import (
     NORMALIZER_CODES,
@@ -21,7 +22,6 @@ from ._tiles import (
     TILE_K,
     TILE_Q,
     finish_rows,
-    key_tiles,
     modify_logits,
     online_update,
     prepare_key_tile,
@@ -33,7 +33,7 @@ from .attention import kernel_arguments
 
 @kernel
 def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads, indptr,
-                  indices, tile_ptr, tile_idx, tile_full, out, lse):
+                  indices, tile_ptr, tile_idx, tile_full, kt, v_ok, out, lse):
     """``p_heads`` is the pattern's head count (1: shared by all query heads).
 
     ``bias`` and ``mask`` are the dense kernel's placeholders (never read).
@@ -42,7 +42,6 @@ def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads
     Hk, Lk, Dv = v.shape[1], v.shape[2], v.shape[3]
     group = Hq // Hk
     n_qt = (Lq + TILE_Q - 1) // TILE_Q
-    kt, v_ok = key_tiles(k, v)
     for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
         prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * Hq * n_qt):
@@ -98,8 +97,9 @@ def sparse_attention(problem, pattern):
         return out, lse
     bias, mask, logks = kernel_arguments(problem)
     layout = pattern.blocks(TILE_Q, TILE_K)
-    launch(sparse_kernel, q, k, v, q.dtype.type(problem.scale), bias, mask, logks,
-           problem.log_key_size is not None, NORMALIZER_CODES[problem.normalizer],
-           pattern.n_heads, pattern.indptr, pattern.indices, layout.tile_ptr,
-           layout.tile_idx, layout.tile_full, out, lse)
+    with key_tile_buffers(k, v) as (kt, v_ok):
+        launch(sparse_kernel, q, k, v, q.dtype.type(problem.scale), bias, mask, logks,
+               problem.log_key_size is not None, NORMALIZER_CODES[problem.normalizer],
+               pattern.n_heads, pattern.indptr, pattern.indices, layout.tile_ptr,
+               layout.tile_idx, layout.tile_full, kt, v_ok, out, lse)
     return out, lse

@@ -15,13 +15,13 @@ import numpy as np
 from numba import prange
 
 from ._jit import kernel, launch, wide_vectors
+from ._scratch import key_tile_buffers
 from ._sparse_tiles import row_threshold, select_tile
 from ._tiles import (
     SOFTMAX,
     TILE_K,
     TILE_Q,
     finish_rows,
-    key_tiles,
     modify_logits,
     online_update,
     prepare_key_tile,
@@ -33,7 +33,8 @@ from .attention import kernel_arguments
 
 
 @kernel
-def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top_k, out, lse):
+def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top_k, kt, v_ok,
+                out, lse):
     """One task per (batch, query head, query tile); ``bias`` is a placeholder."""
     B, Hq, Lq, D = q.shape
     Hk, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -41,7 +42,6 @@ def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top
     n_qt = (Lq + TILE_Q - 1) // TILE_Q
     n_kt = (Lk + TILE_K - 1) // TILE_K
     diag = Lk - Lq if causal else Lk
-    kt, v_ok = key_tiles(k, v)
     for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
         prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * Hq * n_qt):
@@ -97,7 +97,8 @@ def topk_attention(problem, top_k):
     if out.size == 0 and lse.size == 0:
         return out, lse
     bias, mask, logks = kernel_arguments(problem)
-    launch(topk_kernel, q, k, v, q.dtype.type(problem.scale), bias, mask,
-           problem.mask is not None, logks, problem.log_key_size is not None, problem.causal,
-           int(top_k), out, lse)
+    with key_tile_buffers(k, v) as (kt, v_ok):
+        launch(topk_kernel, q, k, v, q.dtype.type(problem.scale), bias, mask,
+               problem.mask is not None, logks, problem.log_key_size is not None,
+               problem.causal, int(top_k), kt, v_ok, out, lse)
     return out, lse
