@@ -46,21 +46,11 @@ class SparseAttention:
         self._sparse()
 
     def track_pair_cost_ratio(self, backend, pattern):
-        """Sparse seconds per allowed pair / dense seconds per pair (lower is better)."""
-        import time
+        """Sparse seconds per allowed pair / dense seconds per pair (lower is better):
+        medians of interleaved calls, as ``python -m attnnb.benches.sparse``."""
+        from attnnb.benches.sparse import pair_cost_ratios
 
-        from attnnb import attention
-
-        attention(self.q[:, :, :64], self.k[:, :, :64], self.v[:, :, :64], backend=backend)
-        dense, sparse = [], []
-        for _ in range(2):
-            t = time.perf_counter()
-            attention(self.q, self.k, self.v, backend=backend)
-            dense.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            self._sparse()
-            sparse.append(time.perf_counter() - t)
-        return (min(sparse) / self.pattern.nnz) / (min(dense) / (N * N))
+        return pair_cost_ratios(N, H, D, rounds=2, calls=3, backend=backend)[pattern][0]
 
     track_pair_cost_ratio.unit = "ratio"
 

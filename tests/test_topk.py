@@ -95,7 +95,7 @@ def test_top_k_at_least_allowed_is_masked_attention(rng, backend):
 
 
 @pytest.mark.parametrize("backend", HOST_BACKENDS)
-@pytest.mark.parametrize("top_k", [3, 7, 60])  # small ones take the heap path, large quickselect
+@pytest.mark.parametrize("top_k", [3, 6, 7, 60])  # 6 = 100 // 16: as many chunks as top_k
 def test_exactly_top_k_kept_among_equal_keys(backend, top_k):
     # all keys identical: every weight ties, so the lowest top_k indices are kept
     q = np.ones((1, 4, 2))
@@ -146,3 +146,40 @@ def test_validation():
     with pytest.raises(ValueError, match="key_size"):
         attnnb.topk_attention(q, k, v, 2, key_size=np.zeros(5))
     assert attnnb.topk_attention(q, k, v, np.int64(2)).shape == (2, 5, 4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 300), top_k=st.integers(0, 40),
+       levels=st.integers(1, 50), masked=st.floats(0.0, 1.0), nan=st.booleans())
+def test_row_threshold_selects_like_a_sort(seed, n, top_k, levels, masked, nan):
+    # the CPU selection on its own: few distinct values (ties), -inf keys, NaN; both the
+    # chunk-bound path (n // 16 >= top_k) and the unbounded one
+    from attnnb.cpu._sparse_tiles import row_threshold
+
+    rng = np.random.default_rng(seed)
+    row = rng.integers(0, levels, n).astype(np.float32)
+    row[rng.random(n) < masked] = -np.inf
+    if nan and n:
+        row[rng.integers(n)] = np.nan
+    thr, cut = row_threshold(row, n, top_k, np.empty(max(n, 1), np.float32))
+    j = np.arange(n)
+    chosen = (row > thr) | np.isnan(row) | ((row == thr) & (j <= cut))
+    allowed = row > -np.inf
+    if np.isnan(row).any():
+        expected = allowed | np.isnan(row)
+    else:
+        order = sorted(np.flatnonzero(allowed), key=lambda i: (-row[i], i))
+        expected = np.zeros(n, bool)
+        expected[order[:top_k]] = True
+    np.testing.assert_array_equal(chosen & (allowed | np.isnan(row)), expected)
+
+
+def test_row_threshold_when_the_chunk_maxima_are_exactly_the_top_k():
+    # the bound's candidates are then exactly top_k keys: the threshold is their minimum
+    from attnnb.cpu._sparse_tiles import row_threshold
+
+    row = np.zeros(32, np.float32)
+    row[3], row[20] = 10.0, 9.0
+    thr, cut = row_threshold(row, 32, 2, np.empty(32, np.float32))
+    chosen = (row > thr) | ((row == thr) & (np.arange(32) <= cut))
+    np.testing.assert_array_equal(np.flatnonzero(chosen), [3, 20])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._exp import maxnum
 from ._jit import inner
 
 
@@ -102,52 +103,32 @@ def kth_smallest(a, n, k):
     return a[k]
 
 
-@inner
-def _sift_down(h, n, i):
-    """Restore the min-heap property of ``h[:n]`` below position ``i``."""
-    x = h[i]
-    while True:
-        c = 2 * i + 1
-        if c >= n:
-            break
-        if c + 1 < n and h[c + 1] < h[c]:
-            c += 1
-        if h[c] >= x:
-            break
-        h[i] = h[c]
-        i = c
-    h[i] = x
+# Keys per group in the top-k threshold's first pass.
+GROUP = 16
 
 
 @inner
-def kth_largest_heap(row, n, k, heap):
-    """``(k-th largest of the finite-or-inf values > -inf in row[:n], their count)``.
+def group_bound(row, n, top_k, buf):
+    """A lower bound of the ``top_k``-th largest of ``row[:n]``, or ``-inf``.
 
-    One pass with a min-heap of the ``k`` largest values seen (``heap`` holds
-    ``k`` slots): most values lose a single comparison against the heap's
-    root, so for ``k << n`` this costs about one read per key.  Returns
-    ``count = -1`` when a NaN is met.  Equal values are kept as a multiset,
-    so the root is exactly the ``k``-th largest.
+    Splits the first ``GROUP * m`` keys (``m = n // GROUP``) into ``m`` groups
+    ``{c, c + m, c + 2m, ...}`` and returns the ``top_k``-th largest of the
+    groups' maxima: those ``top_k`` maxima are ``top_k`` distinct keys at or
+    above it, so the row's ``top_k``-th largest is too.  Strided groups make
+    the maxima an element-wise max of ``GROUP`` contiguous runs (vectorised);
+    the selection then touches ``m`` values.  ``-inf`` (no bound) when
+    ``m < top_k``.  NaN is ignored here (LLVM's ``maxnum``); :func:`row_threshold`
+    checks for it first.  ``buf`` is scratch of ``m`` values.
     """
-    ninf = -np.inf
-    cnt = 0
-    for j in range(n):
-        x = row[j]
-        if x != x:
-            return ninf, -1
-        if x > ninf:
-            if cnt < k:
-                heap[cnt] = x
-                cnt += 1
-                if cnt == k:
-                    for i in range(k // 2 - 1, -1, -1):
-                        _sift_down(heap, k, i)
-            else:
-                cnt += 1
-                if x > heap[0]:
-                    heap[0] = x
-                    _sift_down(heap, k, 0)
-    return heap[0], cnt
+    m = n // GROUP
+    if m < top_k or top_k == 0:
+        return -np.inf
+    buf[:m] = row[:m]
+    for i in range(1, GROUP):
+        o = i * m
+        for c in range(m):
+            buf[c] = maxnum(buf[c], row[o + c])
+    return kth_smallest(buf, m, m - top_k)
 
 
 @inner
@@ -159,38 +140,35 @@ def row_threshold(row, n, top_k, buf):
     keys when more than ``top_k`` are allowed, ties to the lower index.
     With at most ``top_k`` allowed keys every one is kept (``thr = -inf``,
     ``cut = -1``); ``top_k = 0`` keeps nothing; a row holding a NaN keeps
-    everything (``cut = n``) so that the NaN propagates.  ``buf`` is ``O(n)``
-    scratch.  Small ``top_k`` (up to ``n / 16``) use a heap, larger ones a
-    quickselect over a copy of the allowed values.
+    everything (``cut = n``) so that the NaN propagates.  ``buf`` is scratch
+    of at least ``n`` values.
+
+    :func:`group_bound` gives a lower bound of the answer; one branch-free
+    pass keeps the allowed values at or above it (usually a small multiple
+    of ``top_k``) and a quickselect among those finds the threshold.  The
+    passes over the whole row are vectorised or branch-free: a heap of the
+    ``top_k`` largest, branching on every key, cost 11 cycles a key.
     """
     ninf = -np.inf
+    nans = 0
+    for j in range(n):
+        nans += row[j] != row[j]
+    if nans:
+        return ninf, n
     if top_k == 0:
-        for j in range(n):
-            if row[j] != row[j]:
-                return ninf, n
         return np.inf, -1
-    if 16 * top_k <= n:
-        thr, cnt = kth_largest_heap(row, n, top_k, buf)
-        if cnt < 0:
-            return ninf, n
-        if cnt <= top_k:
-            return ninf, -1
-    else:
-        cnt = 0
-        for j in range(n):
-            x = row[j]
-            if x != x:
-                return ninf, n
-            if x > ninf:
-                buf[cnt] = x
-                cnt += 1
-        if cnt <= top_k:
-            return ninf, -1
-        thr = kth_smallest(buf, cnt, cnt - top_k)
+    lower = group_bound(row, n, top_k, buf)
+    cnt = 0
+    for j in range(n):  # compaction without a branch: store always, advance when kept
+        x = row[j]
+        buf[cnt] = x
+        cnt += (x >= lower) & (x > ninf)
+    if lower == ninf and cnt <= top_k:  # cnt counts every allowed key: keep them all
+        return ninf, -1
+    thr = kth_smallest(buf, cnt, cnt - top_k)  # with a bound, cnt >= top_k by construction
     need = top_k
     for j in range(n):
-        if row[j] > thr:
-            need -= 1
+        need -= row[j] > thr
     for j in range(n):
         if row[j] == thr:
             need -= 1
