@@ -55,6 +55,22 @@ NORMALIZER_CODES = {"softmax": SOFTMAX, "softmax1": SOFTMAX1, "relu_expm1": RELU
 
 
 @inner
+def task_rows(task, n_heads, n_qt, tile_q, Lq):
+    """``(b, h, qt, i0, nq)`` of one task of ``B * n_heads * n_qt`` (batch-major, then
+    head, then query tile ``qt``): its query rows are ``i0 : i0 + nq``."""
+    qt = task % n_qt
+    i0 = qt * tile_q
+    return task // (n_heads * n_qt), (task // n_qt) % n_heads, qt, i0, min(tile_q, Lq - i0)
+
+
+@inner
+def key_tiles_seen(i0, nq, diag, n_kt):
+    """Key tiles ``0 .. last - 1`` that rows ``i0 : i0 + nq`` may see: all ``n_kt``,
+    or with a causal limit (``j > i + diag`` masked) those up to the last row's limit."""
+    return min(n_kt, max(0, (i0 + nq - 1 + diag) // TILE_K + 1))
+
+
+@inner
 def view2d(flat, rows, cols):
     """A ``(rows, cols)`` C-contiguous view of the start of a flat scratch buffer."""
     return flat[: rows * cols].reshape((rows, cols))

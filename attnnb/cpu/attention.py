@@ -12,10 +12,12 @@ from ._tiles import (
     SWEEP_TILE_Q,
     TILE_K,
     finish_rows,
+    key_tiles_seen,
     modify_logits,
     online_update,
     prepare_key_tile,
     scaled_rows,
+    task_rows,
     tile_logits_t,
 )
 
@@ -39,10 +41,7 @@ def attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_
         prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * Hq * n_qt):
         wide_vectors()
-        b = task // (Hq * n_qt)
-        h = (task // n_qt) % Hq
-        i0 = (task % n_qt) * SWEEP_TILE_Q
-        nq = min(SWEEP_TILE_Q, Lq - i0)
+        b, h, _, i0, nq = task_rows(task, Hq, n_qt, SWEEP_TILE_Q, Lq)
         g = h // group
         kth, vh = kt[b, g], v[b, g]
         q_flat = np.empty(SWEEP_TILE_Q * D, q.dtype)
@@ -54,9 +53,7 @@ def attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_
         l = np.zeros(nq, q.dtype)
         acc = np.zeros((nq, Dv), q.dtype)
         qs = scaled_rows(q[b, h], i0, nq, scale, q_flat)
-        last = n_kt
-        if causal:
-            last = min(n_kt, max(0, (i0 + nq - 1 + diag) // TILE_K + 1))
+        last = key_tiles_seen(i0, nq, diag, n_kt)
         for t in range(last):
             j0 = t * TILE_K
             nk = min(TILE_K, Lk - j0)

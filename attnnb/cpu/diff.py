@@ -24,10 +24,12 @@ from ._tiles import (
     SWEEP_TILE_Q,
     TILE_K,
     finish_rows,
+    key_tiles_seen,
     modify_logits,
     online_update,
     prepare_key_tile,
     scaled_rows,
+    task_rows,
     tile_logits_t,
 )
 from .attention import kernel_arguments
@@ -89,10 +91,7 @@ def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_
         prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * H * n_qt):
         wide_vectors()
-        b = task // (H * n_qt)
-        h = (task // n_qt) % H
-        i0 = (task % n_qt) * SWEEP_TILE_Q
-        nq = min(SWEEP_TILE_Q, Lq - i0)
+        b, h, _, i0, nq = task_rows(task, H, n_qt, SWEEP_TILE_Q, Lq)
         g = h // group
         k1h, k2h, vh = kt[b, 2 * g], kt[b, 2 * g + 1], v[b, g]
         q1_flat = np.empty(SWEEP_TILE_Q * D, q.dtype)
@@ -108,9 +107,7 @@ def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_
         lse2 = np.empty(nq, q.dtype)
         qs1 = scaled_rows(q[b, 2 * h], i0, nq, scale, q1_flat)
         qs2 = scaled_rows(q[b, 2 * h + 1], i0, nq, scale, q2_flat)
-        last = n_kt
-        if causal:
-            last = min(n_kt, max(0, (i0 + nq - 1 + diag) // TILE_K + 1))
+        last = key_tiles_seen(i0, nq, diag, n_kt)
         rows = out[b, h, i0 : i0 + nq]
         lam_rows = lam[b, h, i0 : i0 + nq]
         bias_bh, mask_bh, logks_b = bias[b, h], mask[b, h], logks[b]

@@ -26,6 +26,7 @@ from ._tiles import (
     online_update,
     prepare_key_tile,
     scaled_rows,
+    task_rows,
     tile_logits_t,
 )
 from .attention import kernel_arguments
@@ -46,11 +47,7 @@ def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads
         prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * Hq * n_qt):
         wide_vectors()
-        b = task // (Hq * n_qt)
-        h = (task // n_qt) % Hq
-        qt = task % n_qt
-        i0 = qt * TILE_Q
-        nq = min(TILE_Q, Lq - i0)
+        b, h, qt, i0, nq = task_rows(task, Hq, n_qt, TILE_Q, Lq)
         g = h // group
         ph = h if p_heads > 1 else 0
         row0 = ph * Lq + i0  # CSR row of the tile's first query

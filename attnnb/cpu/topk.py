@@ -22,10 +22,12 @@ from ._tiles import (
     TILE_K,
     TILE_Q,
     finish_rows,
+    key_tiles_seen,
     modify_logits,
     online_update,
     prepare_key_tile,
     scaled_rows,
+    task_rows,
     tile_logits_t,
     view2d,
 )
@@ -46,10 +48,7 @@ def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top
         prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * Hq * n_qt):
         wide_vectors()
-        b = task // (Hq * n_qt)
-        h = (task // n_qt) % Hq
-        i0 = (task % n_qt) * TILE_Q
-        nq = min(TILE_Q, Lq - i0)
+        b, h, _, i0, nq = task_rows(task, Hq, n_qt, TILE_Q, Lq)
         g = h // group
         kth, vh = kt[b, g], v[b, g]
         q_flat = np.empty(TILE_Q * D, q.dtype)
@@ -64,9 +63,7 @@ def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top
         l = np.zeros(nq, q.dtype)
         acc = np.zeros((nq, Dv), q.dtype)
         qs = scaled_rows(q[b, h], i0, nq, scale, q_flat)
-        last = n_kt
-        if causal:
-            last = min(n_kt, max(0, (i0 + nq - 1 + diag) // TILE_K + 1))
+        last = key_tiles_seen(i0, nq, diag, n_kt)
         n_seen = min(Lk, last * TILE_K)  # keys beyond the causal limit of the whole tile
         # pass 1: logits of every allowed key, then each row's threshold
         for t in range(last):
