@@ -8,7 +8,9 @@ two element-level selections that dense attention does not need:
 * :func:`row_threshold` and :func:`select_tile` -- top-k: find a row's
   threshold (the ``top_k``-th largest modified logit and, among keys equal
   to it, the last index kept so that ties go to the lower key index), then
-  mask a tile down to exactly the selected keys.
+  mask a tile down to exactly the selected keys;
+* :func:`gather_selected` -- top-k's second pass when few keys are kept:
+  the softmax over each row's selected keys, reading only their values.
 
 Masked entries are set to ``-inf`` *before* :func:`~attnnb.cpu._tiles.modify_logits`
 and :func:`~attnnb.cpu._tiles.online_update` run, which treat ``-inf`` as
@@ -16,6 +18,8 @@ and :func:`~attnnb.cpu._tiles.online_update` run, which treat ``-inf`` as
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -192,3 +196,49 @@ def select_tile(R, j0, nk, thr, cut, S):
             s = src[x]
             keep = (s > t) | (s != s) | ((s == t) & (x <= c))
             dst[x] = s if keep else ninf
+
+
+@inner
+def gather_selected(R, n, thr, cut, vh, sel, m, l, acc):
+    """Softmax of each row of ``R[:, :n]`` over the keys :func:`row_threshold` selected.
+
+    Sets the task's state for :func:`~attnnb.cpu._tiles.finish_rows`: ``m[r]``
+    (the row's largest selected logit; ``-inf`` when none, NaN for a row
+    holding a NaN, i.e. ``cut[r] == n``), ``l[r] = sum exp(s - m)`` and
+    ``acc[r] = sum exp(s - m) * vh[j]`` over the selected ``j``.  Reads one
+    value row per selected key, so it costs ``O(n + top_k * Dv)`` per row
+    against the tiled sweep's ``O(n * Dv)``.  Zero weights (underflow) skip
+    their value, as the tiled sweep does for a non-finite value tile.
+    ``sel`` is integer scratch of at least ``n``; ``acc`` starts at zero.
+    """
+    nq = R.shape[0]
+    dv = acc.shape[1]
+    for r in range(nq):
+        t = thr[r]
+        c = cut[r]
+        if c >= n:  # a NaN logit: the row is NaN
+            m[r] = np.nan
+            continue
+        row = R[r]
+        cnt = 0
+        mx = -np.inf
+        for j in range(n):
+            s = row[j]
+            if s > t or (s == t and j <= c):
+                sel[cnt] = j
+                cnt += 1
+                mx = max(mx, s)
+        m[r] = mx
+        if mx == -np.inf:  # nothing selected (top_k = 0, or no allowed key)
+            continue
+        total = 0.0
+        a = acc[r]
+        for x in range(cnt):
+            j = sel[x]
+            p = math.exp(row[j] - mx)
+            total += p
+            if p != 0.0:
+                vj = vh[j]
+                for d in range(dv):
+                    a[d] += p * vj[d]
+        l[r] = total

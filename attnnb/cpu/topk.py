@@ -3,10 +3,13 @@
 Pass 1 computes the tile's rows of modified logits (``s + log key_size``,
 ``-inf`` outside the mask / causal limit) into an ``(TILE_Q, Lk)`` scratch
 (O(Lk) per task, never ``Lq x Lk``) and finds each row's threshold with a
-selection (:func:`~attnnb.cpu._sparse_tiles.row_threshold`).  Pass 2 sweeps
-the same key tiles, masking each down to the selected keys, through the
-shared online softmax.  Pass 2 reads the logits pass 1 stored, so the keys
-it keeps are exactly the ``top_k`` that pass 1 counted.
+selection (:func:`~attnnb.cpu._sparse_tiles.row_threshold`).  Pass 2 reads
+the logits pass 1 stored, so the keys it keeps are exactly the ``top_k``
+that pass 1 counted.  When a row keeps few of the keys it sees (at most
+1 / ``GATHER_BELOW``), pass 2 reads only the selected keys' values
+(:func:`~attnnb.cpu._sparse_tiles.gather_selected`); otherwise it sweeps the
+same key tiles, masked down to the selected keys, through the shared online
+softmax.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from numba import prange
 
 from ._jit import kernel, launch, wide_vectors
 from ._scratch import key_tile_buffers
-from ._sparse_tiles import row_threshold, select_tile
+from ._sparse_tiles import gather_selected, row_threshold, select_tile
 from ._tiles import (
     SOFTMAX,
     TILE_K,
@@ -32,6 +35,10 @@ from ._tiles import (
     view2d,
 )
 from .attention import kernel_arguments
+
+# Pass 2 gathers the selected keys' values (gather_selected) when a row keeps at most
+# 1 / GATHER_BELOW of the keys it sees; otherwise it sweeps the tiles.
+GATHER_BELOW = 8
 
 
 @kernel
@@ -75,13 +82,17 @@ def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top
             R[:, j0 : j0 + nk] = S
         for r in range(nq):
             thr[r], cut[r] = row_threshold(R[r], n_seen, top_k, buf)
-        # pass 2: the masked sweep over the same tiles
-        for t in range(last):
-            j0 = t * TILE_K
-            nk = min(TILE_K, Lk - j0)
-            S = view2d(S_flat, nq, nk)
-            select_tile(R, j0, nk, thr, cut, S)
-            online_update(S, S, m, l, acc, P_flat, T_flat, vh, j0, v_ok[b, g, t], SOFTMAX)
+        # pass 2: few keys kept per row: read just their values; many: the masked sweep
+        # over the same tiles, through the shared online softmax
+        if GATHER_BELOW * top_k <= n_seen:
+            gather_selected(R, n_seen, thr, cut, vh, np.empty(n_seen, np.int64), m, l, acc)
+        else:
+            for t in range(last):
+                j0 = t * TILE_K
+                nk = min(TILE_K, Lk - j0)
+                S = view2d(S_flat, nq, nk)
+                select_tile(R, j0, nk, thr, cut, S)
+                online_update(S, S, m, l, acc, P_flat, T_flat, vh, j0, v_ok[b, g, t], SOFTMAX)
         finish_rows(acc, m, l, SOFTMAX, out[b, h, i0 : i0 + nq], lse[b, h, i0 : i0 + nq])
 
 
