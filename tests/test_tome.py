@@ -641,21 +641,6 @@ def test_inf_in_metric_gives_a_nan_row_on_every_backend(rng):
     assert ref.src_idx[0, 0] == 1 and ref.dst_idx[0, 0] == 0
 
 
-def test_blas_threads_restored():
-    from attnnb.cpu import _blas
-
-    found = _blas._find()
-    if found is None:
-        pytest.skip("SciPy's OpenBLAS not found")
-    get, _ = found
-    before = get()
-    with _blas.single_threaded_blas():
-        assert get() == 1
-        with _blas.single_threaded_blas():
-            assert get() == 1
-        assert get() == 1
-    assert get() == before
-
 
 def test_concurrent_threads_match_a_lone_call(rng):
     from concurrent.futures import ThreadPoolExecutor

@@ -1,9 +1,10 @@
 """Token Merging on the ``cpu`` backend (Numba).
 
 * :func:`match`: cosine similarity of every A token with every B token,
-  swept in ``TILE_A x TILE_B`` tiles (``np.dot``, i.e. BLAS) with a running
-  row maximum, so no ``Ta x Tb`` matrix exists (Stable Diffusion's 2048 x
-  2048 per image included); then a stable descending sort of the row maxima.
+  swept in ``TILE_A x 64`` tiles with the attention kernels' register-blocked
+  product (:func:`~attnnb.cpu._tiles.tile_logits_t`) and a running row
+  maximum, so no ``Ta x Tb`` matrix exists (Stable Diffusion's 2048 x 2048
+  per image included); then a stable descending sort of the row maxima.
 * :func:`merge`: a segmented reduction; each output token gathers its
   members from a per-batch counting sort of ``slot``, so threads never
   write to the same row and the result does not depend on scheduling.
@@ -18,11 +19,10 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._blas import single_threaded_blas
-from ._jit import inner, kernel, launch
+from ._jit import inner, kernel, launch, wide_vectors
+from ._tiles import TILE_K, tile_logits_t
 
 TILE_A = 256  # A rows per task
-TILE_B = 256  # B tokens per similarity tile
 TILE_OUT = 32  # output tokens per merge task
 MODE_CODES = {"mean": 0, "sum": 1, "amax": 2}
 
@@ -134,9 +134,9 @@ def match_kernel(metric, a_idx, b_idx, class_token, distill_token, node_max, nod
     B, _, C = metric.shape
     Ta, Tb = a_idx.shape[1], b_idx.shape[1]
     a_shared, b_shared = a_idx.shape[0] == 1, b_idx.shape[0] == 1
-    # B is stored transposed in (C, tb) tiles: np.dot with a C-ordered right
-    # operand ran 3x faster than with a transposed view
-    tb = min(TILE_B, Tb)
+    # B is stored transposed in (C, TILE_K) tiles, the layout of the attention
+    # kernels' keys, for the register-blocked product tile_logits_t
+    tb = TILE_K
     n_bt = (Tb + tb - 1) // tb
     ua = np.empty((B, Ta, C), metric.dtype)
     ubt = np.zeros((B, n_bt, C, tb), metric.dtype)
@@ -155,11 +155,11 @@ def match_kernel(metric, a_idx, b_idx, class_token, distill_token, node_max, nod
     # 2. running row max over B tiles; one task per (batch, A tile)
     n_at = (Ta + TILE_A - 1) // TILE_A
     for task in prange(B * n_at):
+        wide_vectors()
         b = task // n_at
         i0 = (task % n_at) * TILE_A
         na = min(TILE_A, Ta - i0)
         S_flat = np.empty(TILE_A * tb, metric.dtype)
-        S = S_flat[: na * tb].reshape((na, tb))
         at = ua[b][i0:i0 + na]
         mx = node_max[b]
         ix = node_idx[b]
@@ -169,9 +169,11 @@ def match_kernel(metric, a_idx, b_idx, class_token, distill_token, node_max, nod
         if class_token and i0 == 0 and na == 1:
             continue
         for t in range(n_bt):
-            np.dot(at, ubt[b, t], S)
-            _fold_tile(S, na, min(tb, Tb - t * tb), i0, t * tb, class_token, distill_token,
-                       mx, ix)
+            # a whole tile even at the end: the padding columns are zeros (the fast
+            # 4 x 64 blocks instead of row by row), and the fold stops at nb
+            S = tile_logits_t(at, ubt[b], t * tb, tb, S_flat)
+            nb = min(tb, Tb - t * tb)
+            _fold_tile(S, na, nb, i0, t * tb, class_token, distill_token, mx, ix)
     # 3. NaN rows, then the edges best first: a stable sort of -max (NaN first, -inf last)
     for b in prange(B):
         _settle_nan(a_nan[b], b_nan[b], class_token, distill_token, node_max[b], node_idx[b])
@@ -189,10 +191,9 @@ def match(metric, a_idx, b_idx, class_token, distill_token):
     node_max = np.empty((B, Ta), metric.dtype)
     node_idx = np.empty((B, Ta), np.int64)
     order = np.empty((B, Ta), np.int64)
-    with single_threaded_blas():
-        launch(match_kernel, metric, np.ascontiguousarray(a_idx, np.int64),
-               np.ascontiguousarray(b_idx, np.int64), bool(class_token), bool(distill_token),
-               node_max, node_idx, order)
+    launch(match_kernel, metric, np.ascontiguousarray(a_idx, np.int64),
+           np.ascontiguousarray(b_idx, np.int64), bool(class_token), bool(distill_token),
+           node_max, node_idx, order)
     return node_max, node_idx, order
 
 
