@@ -64,6 +64,24 @@ def task_rows(task, n_heads, n_qt, tile_q, Lq):
 
 
 @inner
+def task_scratch(q, rows, dv):
+    """One task's flat scratch for ``rows`` query rows, in ``q``'s dtype:
+    ``(q_flat, S_flat, P_flat, F_flat, T_flat)`` for the scaled queries
+    (``rows * D``), the logits, the weights, ``relu_expm1``'s factors (``rows *
+    TILE_K`` each) and the value products (``rows * dv``)."""
+    d, dt = q.shape[-1], q.dtype
+    return (np.empty(rows * d, dt), np.empty(rows * TILE_K, dt), np.empty(rows * TILE_K, dt),
+            np.empty(rows * TILE_K, dt), np.empty(rows * dv, dt))
+
+
+@inner
+def online_state(q, nq, dv):
+    """``(m, l, acc)`` before the first key tile: running shift ``-inf``, sum 0,
+    accumulator ``(nq, dv)`` zeros, in ``q``'s dtype (see :func:`online_update`)."""
+    return np.full(nq, -np.inf, q.dtype), np.zeros(nq, q.dtype), np.zeros((nq, dv), q.dtype)
+
+
+@inner
 def key_tiles_seen(i0, nq, diag, n_kt):
     """Key tiles ``0 .. last - 1`` that rows ``i0 : i0 + nq`` may see: all ``n_kt``,
     or with a causal limit (``j > i + diag`` masked) those up to the last row's limit."""

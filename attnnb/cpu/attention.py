@@ -14,10 +14,12 @@ from ._tiles import (
     finish_rows,
     key_tiles_seen,
     modify_logits,
+    online_state,
     online_update,
     prepare_key_tile,
     scaled_rows,
     task_rows,
+    task_scratch,
     tile_logits_t,
 )
 
@@ -44,14 +46,8 @@ def attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_
         b, h, _, i0, nq = task_rows(task, Hq, n_qt, SWEEP_TILE_Q, Lq)
         g = h // group
         kth, vh = kt[b, g], v[b, g]
-        q_flat = np.empty(SWEEP_TILE_Q * D, q.dtype)
-        S_flat = np.empty(SWEEP_TILE_Q * TILE_K, q.dtype)
-        P_flat = np.empty(SWEEP_TILE_Q * TILE_K, q.dtype)
-        F_flat = np.empty(SWEEP_TILE_Q * TILE_K, q.dtype)
-        T_flat = np.empty(SWEEP_TILE_Q * Dv, q.dtype)
-        m = np.full(nq, -np.inf, q.dtype)
-        l = np.zeros(nq, q.dtype)
-        acc = np.zeros((nq, Dv), q.dtype)
+        q_flat, S_flat, P_flat, F_flat, T_flat = task_scratch(q, SWEEP_TILE_Q, Dv)
+        m, l, acc = online_state(q, nq, Dv)
         qs = scaled_rows(q[b, h], i0, nq, scale, q_flat)
         last = key_tiles_seen(i0, nq, diag, n_kt)
         for t in range(last):
@@ -85,12 +81,17 @@ def kernel_arguments(problem):
     return bias, mask, logks
 
 
+def empty_outputs(problem):
+    """``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)`` to fill, in the compute dtype."""
+    B, Hq, _, Lq, _, _, Dv = problem.shape
+    dt = problem.q.dtype
+    return np.empty((B, Hq, Lq, Dv), dt), np.empty((B, Hq, Lq), dt)
+
+
 def attention(problem):
     """Run dense attention of a canonical problem; returns ``(out, lse)``."""
     q, k, v = problem.q, problem.k, problem.v
-    B, Hq, _, Lq, Lk, _, Dv = problem.shape
-    out = np.empty((B, Hq, Lq, Dv), q.dtype)
-    lse = np.empty((B, Hq, Lq), q.dtype)
+    out, lse = empty_outputs(problem)
     if out.size == 0 and lse.size == 0:
         return out, lse
     bias, mask, logks = kernel_arguments(problem)

@@ -26,10 +26,12 @@ from ._tiles import (
     finish_rows,
     key_tiles_seen,
     modify_logits,
+    online_state,
     online_update,
     prepare_key_tile,
     scaled_rows,
     task_rows,
+    task_scratch,
     tile_logits_t,
 )
 from .attention import kernel_arguments
@@ -94,15 +96,12 @@ def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_
         b, h, _, i0, nq = task_rows(task, H, n_qt, SWEEP_TILE_Q, Lq)
         g = h // group
         k1h, k2h, vh = kt[b, 2 * g], kt[b, 2 * g + 1], v[b, g]
-        q1_flat = np.empty(SWEEP_TILE_Q * D, q.dtype)
+        q1_flat, S1_flat, P_flat, _, T_flat = task_scratch(q, SWEEP_TILE_Q, Dv)
         q2_flat = np.empty(SWEEP_TILE_Q * D, q.dtype)
-        S1_flat = np.empty(SWEEP_TILE_Q * TILE_K, q.dtype)
-        P_flat = np.empty(SWEEP_TILE_Q * TILE_K, q.dtype)
-        T_flat = np.empty(SWEEP_TILE_Q * Dv, q.dtype)
-        m1 = np.full(nq, -np.inf, q.dtype)
-        m2 = np.full(nq, -np.inf, q.dtype)
-        l1 = np.zeros(nq, q.dtype)
-        l2 = np.zeros(nq, q.dtype)
+        # the rectified mode's first pass keeps only the running max and sum: no values
+        width = Dv if mode == DIFFERENCE else 0
+        m1, l1, acc1 = online_state(q, nq, width)
+        m2, l2, acc2 = online_state(q, nq, width)
         lse1 = np.empty(nq, q.dtype)
         lse2 = np.empty(nq, q.dtype)
         qs1 = scaled_rows(q[b, 2 * h], i0, nq, scale, q1_flat)
@@ -112,8 +111,6 @@ def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_
         lam_rows = lam[b, h, i0 : i0 + nq]
         bias_bh, mask_bh, logks_b = bias[b, h], mask[b, h], logks[b]
         if mode == DIFFERENCE:
-            acc1 = np.zeros((nq, Dv), q.dtype)
-            acc2 = np.zeros((nq, Dv), q.dtype)
             sweep_pair(qs1, qs2, k1h, k2h, vh, v_ok[b, g], i0, last, diag, bias_bh, has_bias,
                        mask_bh, has_mask, logks_b, has_ks, m1, l1, acc1, m2, l2, acc2, S1_flat,
                        P_flat, T_flat)
@@ -124,13 +121,11 @@ def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_
                 for c in range(Dv):
                     rows[r, c] -= lam_rows[r] * o2[r, c]
         else:
-            none1 = np.zeros((nq, 0), q.dtype)
-            none2 = np.zeros((nq, 0), q.dtype)
             sweep_pair(qs1, qs2, k1h, k2h, no_values, no_values_ok, i0, last, diag, bias_bh,
-                       has_bias, mask_bh, has_mask, logks_b, has_ks, m1, l1, none1, m2, l2,
-                       none2, S1_flat, P_flat, T_flat)
-            finish_rows(none1, m1, l1, SOFTMAX, none1, lse1)  # LSEs only: -inf empty, NaN
-            finish_rows(none2, m2, l2, SOFTMAX, none2, lse2)
+                       has_bias, mask_bh, has_mask, logks_b, has_ks, m1, l1, acc1, m2, l2,
+                       acc2, S1_flat, P_flat, T_flat)
+            finish_rows(acc1, m1, l1, SOFTMAX, acc1, lse1)  # LSEs only: -inf empty, NaN
+            finish_rows(acc2, m2, l2, SOFTMAX, acc2, lse2)
             acc = np.zeros((nq, Dv), q.dtype)
             S2_flat = np.empty(SWEEP_TILE_Q * TILE_K, q.dtype)
             P2_flat = np.empty(SWEEP_TILE_Q * TILE_K, q.dtype)

@@ -23,13 +23,15 @@ from ._tiles import (
     TILE_Q,
     finish_rows,
     modify_logits,
+    online_state,
     online_update,
     prepare_key_tile,
     scaled_rows,
     task_rows,
+    task_scratch,
     tile_logits_t,
 )
-from .attention import kernel_arguments
+from .attention import empty_outputs, kernel_arguments
 
 
 @kernel
@@ -53,17 +55,11 @@ def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads
         row0 = ph * Lq + i0  # CSR row of the tile's first query
         tr = ph * n_qt + qt  # block-layout row of this query tile
         kth, vh = kt[b, g], v[b, g]
-        q_flat = np.empty(TILE_Q * D, q.dtype)
-        S_flat = np.empty(TILE_Q * TILE_K, q.dtype)
-        P_flat = np.empty(TILE_Q * TILE_K, q.dtype)
-        F_flat = np.empty(TILE_Q * TILE_K, q.dtype)
-        T_flat = np.empty(TILE_Q * Dv, q.dtype)
+        q_flat, S_flat, P_flat, F_flat, T_flat = task_scratch(q, TILE_Q, Dv)
         cursor = np.empty(nq, np.int64)
         for r in range(nq):
             cursor[r] = indptr[row0 + r]
-        m = np.full(nq, -np.inf, q.dtype)
-        l = np.zeros(nq, q.dtype)
-        acc = np.zeros((nq, Dv), q.dtype)
+        m, l, acc = online_state(q, nq, Dv)
         qs = scaled_rows(q[b, h], i0, nq, scale, q_flat)
         for p in range(tile_ptr[tr], tile_ptr[tr + 1]):
             t = tile_idx[p]
@@ -87,9 +83,7 @@ def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads
 def sparse_attention(problem, pattern):
     """Attention of a canonical problem over ``pattern``; returns ``(out, lse)``."""
     q, k, v = problem.q, problem.k, problem.v
-    B, Hq, _, Lq, Lk, _, Dv = problem.shape
-    out = np.empty((B, Hq, Lq, Dv), q.dtype)
-    lse = np.empty((B, Hq, Lq), q.dtype)
+    out, lse = empty_outputs(problem)
     if out.size == 0 and lse.size == 0:
         return out, lse
     bias, mask, logks = kernel_arguments(problem)

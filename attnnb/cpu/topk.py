@@ -27,14 +27,16 @@ from ._tiles import (
     finish_rows,
     key_tiles_seen,
     modify_logits,
+    online_state,
     online_update,
     prepare_key_tile,
     scaled_rows,
     task_rows,
+    task_scratch,
     tile_logits_t,
     view2d,
 )
-from .attention import kernel_arguments
+from .attention import empty_outputs, kernel_arguments
 
 # Pass 2 gathers the selected keys' values (gather_selected) when a row keeps at most
 # 1 / GATHER_BELOW of the keys it sees; otherwise it sweeps the tiles.
@@ -58,17 +60,12 @@ def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top
         b, h, _, i0, nq = task_rows(task, Hq, n_qt, TILE_Q, Lq)
         g = h // group
         kth, vh = kt[b, g], v[b, g]
-        q_flat = np.empty(TILE_Q * D, q.dtype)
-        S_flat = np.empty(TILE_Q * TILE_K, q.dtype)
-        P_flat = np.empty(TILE_Q * TILE_K, q.dtype)
-        T_flat = np.empty(TILE_Q * Dv, q.dtype)
+        q_flat, S_flat, P_flat, _, T_flat = task_scratch(q, TILE_Q, Dv)
         R = view2d(np.empty(TILE_Q * Lk, q.dtype), nq, Lk)
         buf = np.empty(Lk, q.dtype)
         thr = np.empty(nq, q.dtype)
         cut = np.empty(nq, np.int64)
-        m = np.full(nq, -np.inf, q.dtype)
-        l = np.zeros(nq, q.dtype)
-        acc = np.zeros((nq, Dv), q.dtype)
+        m, l, acc = online_state(q, nq, Dv)
         qs = scaled_rows(q[b, h], i0, nq, scale, q_flat)
         last = key_tiles_seen(i0, nq, diag, n_kt)
         n_seen = min(Lk, last * TILE_K)  # keys beyond the causal limit of the whole tile
@@ -99,9 +96,7 @@ def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top
 def topk_attention(problem, top_k):
     """Top-k softmax attention of a canonical problem; returns ``(out, lse)``."""
     q, k, v = problem.q, problem.k, problem.v
-    B, Hq, _, Lq, Lk, _, Dv = problem.shape
-    out = np.empty((B, Hq, Lq, Dv), q.dtype)
-    lse = np.empty((B, Hq, Lq), q.dtype)
+    out, lse = empty_outputs(problem)
     if out.size == 0 and lse.size == 0:
         return out, lse
     bias, mask, logks = kernel_arguments(problem)
