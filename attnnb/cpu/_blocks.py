@@ -12,8 +12,8 @@ do not overlap), indices from ``range`` (no wraparound selects) and the
 Both products have the form ``C[ROWS, COLS] = A[ROWS, n] @ B[n, COLS]``
 with ``B`` read row by row:
 
-* logits:  ``S = Q @ K^T`` reads ``B = K^T``, the head's keys transposed once
-  per call (:func:`attnnb.cpu._tiles.transposed_keys`);
+* logits:  ``S = Q @ K^T`` reads ``B = K^T``, the head's keys transposed tile
+  by tile once per call (:func:`attnnb.cpu._tiles.prepare_key_tile`);
 * values:  ``T = P @ V`` reads ``B = V`` as stored.
 """
 
