@@ -29,13 +29,19 @@ _modules_seen = -1
 _stamp: tuple | None = None
 
 
+# Backend-neutral modules whose code or constants the kernels compile in.
+_NEUTRAL = ("_codes.py", "_selection.py")
+
+
 def package_stamp() -> tuple:
-    """``(name, mtime, size)`` of every module of this package, sorted by name."""
+    """``(name, mtime, size)`` of every module of this package and of the neutral
+    modules the kernels compile in (:data:`_NEUTRAL`), sorted by name."""
+    paths = [os.path.join(_DIR, name) for name in os.listdir(_DIR) if name.endswith(".py")]
+    paths += [os.path.join(os.path.dirname(_DIR), name) for name in _NEUTRAL]
     stamp = []
-    for name in sorted(os.listdir(_DIR)):
-        if name.endswith(".py"):
-            st = os.stat(os.path.join(_DIR, name))
-            stamp.append((name, st.st_mtime, st.st_size))
+    for path in sorted(paths, key=os.path.basename):
+        st = os.stat(path)
+        stamp.append((os.path.basename(path), st.st_mtime, st.st_size))
     return tuple(stamp)
 
 

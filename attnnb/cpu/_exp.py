@@ -59,7 +59,7 @@ def exp_shifted_sum(src, dst, shift, n):
     raise NotImplementedError  # only callable from Numba code
 
 
-@overload(exp_shifted_sum, jit_options={"fastmath": FASTMATH})
+@overload(exp_shifted_sum, jit_options={"fastmath": FASTMATH, "forceinline": True})
 def _exp_shifted_sum_impl(src, dst, shift, n):
     def impl(src, dst, shift, n):
         return exp_shifted_sum_at(src, 0, dst, 0, shift, n)
@@ -96,7 +96,7 @@ def _exp_f32(x0):
     return ZERO if x0 < EXP_MIN else p * two_n + (x0 - x0)
 
 
-@register_jitable(fastmath=FASTMATH)
+@register_jitable(fastmath=FASTMATH, forceinline=True)
 def _exp_f32_loop(src, s0, dst, d0, shift, n):
     wide_vectors()
     sh = np.float32(shift)
@@ -122,7 +122,7 @@ def exp_tile_accumulate(src, dst, m, l, nq):
     raise NotImplementedError  # only callable from Numba code
 
 
-@overload(exp_tile_accumulate, jit_options={"fastmath": FASTMATH})
+@overload(exp_tile_accumulate, jit_options={"fastmath": FASTMATH, "forceinline": True})
 def _exp_tile_accumulate_impl(src, dst, m, l, nq):
     if src.dtype == types.float32:
 
@@ -170,7 +170,7 @@ def exp_shifted_sum_at(src, s0, dst, d0, shift, n):
     raise NotImplementedError
 
 
-@overload(exp_shifted_sum_at, jit_options={"fastmath": FASTMATH})
+@overload(exp_shifted_sum_at, jit_options={"fastmath": FASTMATH, "forceinline": True})
 def _exp_shifted_sum_at_impl(src, s0, dst, d0, shift, n):
     if src.dtype == types.float32:
 
@@ -198,7 +198,7 @@ def exp_shifted(src, dst, shift, n):
     raise NotImplementedError  # only callable from Numba code
 
 
-@overload(exp_shifted, jit_options={"fastmath": FASTMATH})
+@overload(exp_shifted, jit_options={"fastmath": FASTMATH, "forceinline": True})
 def _exp_shifted_impl(src, dst, shift, n):
     def impl(src, dst, shift, n):
         exp_shifted_sum(src, dst, shift, n)

@@ -23,6 +23,7 @@ import math
 
 import numpy as np
 
+from .. import _selection
 from ._exp import maxnum
 from ._jit import inner
 
@@ -74,37 +75,9 @@ def csr_tile_mask(S, indptr, indices, row0, j0, cursor):
         row[c:] = ninf
 
 
-@inner
-def kth_smallest(a, n, k):
-    """The ``k``-th smallest (0-based) of ``a[:n]`` (no NaN), reordering ``a[:n]`` in place.
-
-    Quickselect with a median-of-three pivot and Hoare partitioning (which
-    also keeps runs of equal values cheap): expected O(n).
-    """
-    lo = 0
-    hi = n - 1
-    while hi > lo:
-        mid = (lo + hi) // 2
-        x, y, z = a[lo], a[mid], a[hi]
-        pivot = max(min(x, y), min(max(x, y), z))
-        i = lo
-        j = hi
-        while i <= j:
-            while a[i] < pivot:
-                i += 1
-            while a[j] > pivot:
-                j -= 1
-            if i <= j:
-                a[i], a[j] = a[j], a[i]
-                i += 1
-                j -= 1
-        if k <= j:
-            hi = j
-        elif k >= i:
-            lo = i
-        else:
-            return a[k]
-    return a[k]
+# the selection rules shared with the cuda backend (attnnb/_selection.py)
+kth_smallest = inner(_selection.kth_smallest)
+tie_cut = inner(_selection.tie_cut)
 
 
 # Keys per group in the top-k threshold's first pass.
@@ -171,15 +144,7 @@ def row_threshold(row, n, top_k, buf):
     if lower == ninf and cnt <= top_k:  # cnt counts every allowed key: keep them all
         return ninf, -1
     thr = kth_smallest(buf, cnt, cnt - top_k)  # with a bound, cnt >= top_k by construction
-    need = top_k
-    for j in range(n):
-        need -= row[j] > thr
-    for j in range(n):
-        if row[j] == thr:
-            need -= 1
-            if need == 0:
-                return thr, j
-    return thr, n  # not reached: `need` ties exist by construction
+    return thr, tie_cut(row, n, top_k, thr)
 
 
 @inner

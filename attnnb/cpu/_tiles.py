@@ -27,6 +27,7 @@ import math
 
 import numpy as np
 
+from .._codes import RELU_EXPM1, SOFTMAX1
 from ._blocks import COLS, ROWS, U, gemm_block, gemm_row
 from ._exp import exp_shifted_sum_at, exp_tile_accumulate, maxnum
 from ._jit import blocks, inner, wide_vectors
@@ -48,10 +49,6 @@ SWEEP_TILE_Q = 128
 # far from float32 overflow.
 LAZY = 8.0
 
-SOFTMAX = 0
-SOFTMAX1 = 1
-RELU_EXPM1 = 2
-NORMALIZER_CODES = {"softmax": SOFTMAX, "softmax1": SOFTMAX1, "relu_expm1": RELU_EXPM1}
 
 
 @inner

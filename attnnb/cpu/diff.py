@@ -16,11 +16,12 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._jit import inner, kernel, launch, wide_vectors
-from ._scratch import key_tile_buffers
+from .._codes import DIFF_MODE_CODES, DIFFERENCE, SOFTMAX
+from ._host import run_sweep
+from ._jit import inner, kernel, wide_vectors
 from ._streams import add_weighted_values, finish_weighted_rows, rectified_weights
+from ._task import sweep_geometry
 from ._tiles import (
-    SOFTMAX,
     SWEEP_TILE_Q,
     TILE_K,
     finish_rows,
@@ -33,12 +34,8 @@ from ._tiles import (
     task_rows,
     task_scratch,
     tile_logits_t,
+    view2d,
 )
-from .attention import kernel_arguments
-
-DIFFERENCE = 0
-RECTIFIED = 1
-MODE_CODES = {"difference": DIFFERENCE, "rectified": RECTIFIED}
 
 
 @inner
@@ -55,38 +52,38 @@ def masked_logits(qs, kh, i0, j0, nk, diag, bias_bh, has_bias, mask_bh, has_mask
 
 
 @inner
-def sweep_pair(qs1, qs2, k1h, k2h, vh, v_ok, i0, last, diag, bias_bh, has_bias, mask_bh,
-               has_mask, logks_b, has_ks, m1, l1, acc1, m2, l2, acc2, S_flat, P_flat, T_flat):
+def sweep_pair(qs, kh, vh, v_ok, i0, last, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b,
+               has_ks, m, l, acc, S_flat, P_flat, T_flat):
     """Online softmax of both streams over key tiles ``0..last-1``, sharing each value tile.
 
-    The two streams take turns on each key tile (one score buffer, the value
-    tile still in cache for the second).  With zero-width ``vh``/``acc`` (and
+    ``qs``, ``kh``, ``m``, ``l``, ``acc`` are pairs (stream 1, stream 2).  The
+    two streams take turns on each key tile (one score buffer, the value tile
+    still in cache for the second).  With zero-width ``vh``/``acc`` (and
     ``v_ok`` False) only the running max and sum are kept: the LSE pass of
-    the rectified mode.
+    the rectified mode.  Each shared loop has one call site, indexed by the
+    stream, so that the kernel holds one inlined copy of it, not four.
     """
     Lk = vh.shape[0]
     for t in range(last):
         j0 = t * TILE_K
         nk = min(TILE_K, Lk - j0)
-        S = masked_logits(qs1, k1h, i0, j0, nk, diag, bias_bh, has_bias, mask_bh, has_mask,
-                          logks_b, has_ks, S_flat)
-        online_update(S, S, m1, l1, acc1, P_flat, T_flat, vh, j0, v_ok[t], SOFTMAX)
-        S = masked_logits(qs2, k2h, i0, j0, nk, diag, bias_bh, has_bias, mask_bh, has_mask,
-                          logks_b, has_ks, S_flat)
-        online_update(S, S, m2, l2, acc2, P_flat, T_flat, vh, j0, v_ok[t], SOFTMAX)
+        for c in range(2):
+            S = masked_logits(qs[c], kh[c], i0, j0, nk, diag, bias_bh, has_bias, mask_bh,
+                              has_mask, logks_b, has_ks, S_flat)
+            online_update(S, S, m[c], l[c], acc[c], P_flat, T_flat, vh, j0, v_ok[t], SOFTMAX)
 
 
 @kernel
-def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                mode, kt, v_ok, out):
-    """One task per (batch, head pair, query tile); see the module docstring."""
-    B, H2, Lq, D = q.shape
-    Hk2, Lk, Dv = k.shape[1], v.shape[2], v.shape[3]
-    H = H2 // 2
-    group = H // (Hk2 // 2)
-    n_qt = (Lq + SWEEP_TILE_Q - 1) // SWEEP_TILE_Q
-    n_kt = (Lk + TILE_K - 1) // TILE_K
-    diag = Lk - Lq if causal else Lk  # j > i + diag is masked; Lk disables it
+def diff_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
+                causal, lam, mode, out, lse):
+    """One task per (batch, head pair, query tile); see the module docstring.
+
+    Leading arguments as every tiled kernel's (:mod:`attnnb.cpu._host`);
+    ``lse`` is not written (differential attention has no single LSE).
+    """
+    # pairs of query heads share pairs of key heads: the group size is the same
+    B, H2, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, SWEEP_TILE_Q, causal)
+    H, D = H2 // 2, q.shape[3]
     no_values = np.zeros((Lk, 0), q.dtype)
     no_values_ok = np.zeros(n_kt, np.bool_)
     for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
@@ -110,32 +107,37 @@ def diff_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks, has_
         rows = out[b, h, i0 : i0 + nq]
         lam_rows = lam[b, h, i0 : i0 + nq]
         bias_bh, mask_bh, logks_b = bias[b, h], mask[b, h], logks[b]
-        if mode == DIFFERENCE:
-            sweep_pair(qs1, qs2, k1h, k2h, vh, v_ok[b, g], i0, last, diag, bias_bh, has_bias,
-                       mask_bh, has_mask, logks_b, has_ks, m1, l1, acc1, m2, l2, acc2, S1_flat,
-                       P_flat, T_flat)
-            o2 = np.empty((nq, Dv), q.dtype)
-            finish_rows(acc1, m1, l1, SOFTMAX, rows, lse1)
-            finish_rows(acc2, m2, l2, SOFTMAX, o2, lse2)
+        difference = mode == DIFFERENCE
+        # one call of each shared loop for both modes (see sweep_pair)
+        sweep_pair((qs1, qs2), (k1h, k2h), vh if difference else no_values,
+                   v_ok[b, g] if difference else no_values_ok, i0, last, diag, bias_bh,
+                   has_bias, mask_bh, has_mask, logks_b, has_ks, (m1, m2), (l1, l2),
+                   (acc1, acc2), S1_flat, P_flat, T_flat)
+        # difference: o1 into the output rows, o2 aside; rectified: the LSEs only
+        # (-inf on an empty row, NaN), the accumulators are zero-width
+        o2 = np.empty((nq, Dv if difference else 0), q.dtype)
+        finished = (rows if difference else acc1, o2 if difference else acc2)
+        pairs = ((acc1, m1, l1, lse1), (acc2, m2, l2, lse2))
+        for c in range(2):
+            acc_c, m_c, l_c, lse_c = pairs[c]
+            finish_rows(acc_c, m_c, l_c, SOFTMAX, finished[c], lse_c)
+        if difference:
             for r in range(nq):  # empty rows of map 2 are zeros, and lam is finite
                 for c in range(Dv):
                     rows[r, c] -= lam_rows[r] * o2[r, c]
         else:
-            sweep_pair(qs1, qs2, k1h, k2h, no_values, no_values_ok, i0, last, diag, bias_bh,
-                       has_bias, mask_bh, has_mask, logks_b, has_ks, m1, l1, acc1, m2, l2,
-                       acc2, S1_flat, P_flat, T_flat)
-            finish_rows(acc1, m1, l1, SOFTMAX, acc1, lse1)  # LSEs only: -inf empty, NaN
-            finish_rows(acc2, m2, l2, SOFTMAX, acc2, lse2)
             acc = np.zeros((nq, Dv), q.dtype)
             S2_flat = np.empty(SWEEP_TILE_Q * TILE_K, q.dtype)
             P2_flat = np.empty(SWEEP_TILE_Q * TILE_K, q.dtype)
+            qs, kh, S_flats = (qs1, qs2), (k1h, k2h), (S1_flat, S2_flat)
             for t in range(last):
                 j0 = t * TILE_K
                 nk = min(TILE_K, Lk - j0)
-                S1 = masked_logits(qs1, k1h, i0, j0, nk, diag, bias_bh, has_bias, mask_bh,
-                                   has_mask, logks_b, has_ks, S1_flat)
-                S2 = masked_logits(qs2, k2h, i0, j0, nk, diag, bias_bh, has_bias, mask_bh,
-                                   has_mask, logks_b, has_ks, S2_flat)
+                for c in range(2):
+                    masked_logits(qs[c], kh[c], i0, j0, nk, diag, bias_bh, has_bias, mask_bh,
+                                  has_mask, logks_b, has_ks, S_flats[c])
+                S1 = view2d(S1_flat, nq, nk)
+                S2 = view2d(S2_flat, nq, nk)
                 P = rectified_weights(S1, S2, lse1, lse2, lam_rows, P_flat, P2_flat)
                 add_weighted_values(P, vh, j0, v_ok[b, g, t], acc, T_flat)
             finish_weighted_rows(acc, lse1, lse2, rows)
@@ -156,16 +158,6 @@ def diff_attention(problem, lam, mode="difference"):
     -------
     out : ``(B, H, Lq, Dv)`` in the compute dtype.
     """
-    q, k, v = problem.q, problem.k, problem.v
-    B, H2, _, Lq, _, _, Dv = problem.shape
-    out = np.empty((B, H2 // 2, Lq, Dv), q.dtype)
-    if out.size == 0:
-        return out
-    bias, mask, logks = kernel_arguments(problem)
-    # kt holds both components of value head g: key heads 2g and 2g + 1
-    with key_tile_buffers(k, v) as (kt, v_ok):
-        launch(diff_kernel, q, k, v, lam, q.dtype.type(problem.scale), bias,
-               problem.bias is not None, mask, problem.mask is not None, logks,
-               problem.log_key_size is not None, problem.causal, MODE_CODES[mode], kt, v_ok,
-               out)
+    out, _ = run_sweep(diff_kernel, problem, lam, DIFF_MODE_CODES[mode],
+                       out_heads=problem.shape[1] // 2)
     return out

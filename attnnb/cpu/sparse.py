@@ -13,54 +13,46 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._jit import kernel, launch, wide_vectors
-from ._scratch import key_tile_buffers
+from .._codes import NORMALIZER_CODES, RELU_EXPM1
+from ._host import run_sweep
+from ._jit import kernel, wide_vectors
 from ._sparse_tiles import csr_tile_mask
+from ._task import query_task, sweep_geometry
 from ._tiles import (
-    NORMALIZER_CODES,
-    RELU_EXPM1,
     TILE_K,
     TILE_Q,
     finish_rows,
     modify_logits,
-    online_state,
     online_update,
     prepare_key_tile,
-    scaled_rows,
-    task_rows,
-    task_scratch,
     tile_logits_t,
+    view2d,
 )
-from .attention import empty_outputs, kernel_arguments
 
 
 @kernel
-def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads, indptr,
-                  indices, tile_ptr, tile_idx, tile_full, kt, v_ok, out, lse):
-    """``p_heads`` is the pattern's head count (1: shared by all query heads).
+def sparse_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
+                  causal, normalizer, p_heads, indptr, indices, tile_ptr, tile_idx, tile_full,
+                  out, lse):
+    """Leading arguments as every tiled kernel's (:mod:`attnnb.cpu._host`); ``bias``,
+    ``mask`` and ``causal`` are never read (a pattern carries the whole allowed set).
 
-    ``bias`` and ``mask`` are the dense kernel's placeholders (never read).
+    ``p_heads`` is the pattern's head count (1: shared by all query heads).
     """
-    B, Hq, Lq, D = q.shape
-    Hk, Lk, Dv = v.shape[1], v.shape[2], v.shape[3]
-    group = Hq // Hk
-    n_qt = (Lq + TILE_Q - 1) // TILE_Q
+    B, Hq, Lq, Lk, Dv, group, n_qt, _, _ = sweep_geometry(q, k, v, TILE_Q, False)
     for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
         prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * Hq * n_qt):
         wide_vectors()
-        b, h, qt, i0, nq = task_rows(task, Hq, n_qt, TILE_Q, Lq)
+        (b, h, qt, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat, F_flat,
+         T_flat) = query_task(task, q, kt, v, scale, TILE_Q, group, n_qt)
         g = h // group
         ph = h if p_heads > 1 else 0
         row0 = ph * Lq + i0  # CSR row of the tile's first query
         tr = ph * n_qt + qt  # block-layout row of this query tile
-        kth, vh = kt[b, g], v[b, g]
-        q_flat, S_flat, P_flat, F_flat, T_flat = task_scratch(q, TILE_Q, Dv)
         cursor = np.empty(nq, np.int64)
         for r in range(nq):
             cursor[r] = indptr[row0 + r]
-        m, l, acc = online_state(q, nq, Dv)
-        qs = scaled_rows(q[b, h], i0, nq, scale, q_flat)
         for p in range(tile_ptr[tr], tile_ptr[tr + 1]):
             t = tile_idx[p]
             j0 = t * TILE_K
@@ -73,7 +65,7 @@ def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads
                     cursor[r] += nk
             else:
                 csr_tile_mask(S, indptr, indices, row0, j0, cursor)
-            F = F_flat[: nq * nk].reshape((nq, nk)) if normalizer == RELU_EXPM1 else S
+            F = view2d(F_flat, nq, nk) if normalizer == RELU_EXPM1 else S
             modify_logits(S, F, i0, j0, Lk, bias[0, 0], False, mask[0, 0], False, logks[b],
                           has_ks, normalizer)
             online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_ok[b, g, t], normalizer)
@@ -82,15 +74,7 @@ def sparse_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer, p_heads
 
 def sparse_attention(problem, pattern):
     """Attention of a canonical problem over ``pattern``; returns ``(out, lse)``."""
-    q, k, v = problem.q, problem.k, problem.v
-    out, lse = empty_outputs(problem)
-    if out.size == 0 and lse.size == 0:
-        return out, lse
-    bias, mask, logks = kernel_arguments(problem)
     layout = pattern.blocks(TILE_Q, TILE_K)
-    with key_tile_buffers(k, v) as (kt, v_ok):
-        launch(sparse_kernel, q, k, v, q.dtype.type(problem.scale), bias, mask, logks,
-               problem.log_key_size is not None, NORMALIZER_CODES[problem.normalizer],
-               pattern.n_heads, pattern.indptr, pattern.indices, layout.tile_ptr,
-               layout.tile_idx, layout.tile_full, kt, v_ok, out, lse)
-    return out, lse
+    return run_sweep(sparse_kernel, problem, NORMALIZER_CODES[problem.normalizer],
+                     pattern.n_heads, pattern.indptr, pattern.indices, layout.tile_ptr,
+                     layout.tile_idx, layout.tile_full)

@@ -17,26 +17,22 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._jit import kernel, launch, wide_vectors
-from ._scratch import key_tile_buffers
+from .._codes import SOFTMAX
+from ._host import run_sweep
+from ._jit import kernel, wide_vectors
 from ._sparse_tiles import gather_selected, row_threshold, select_tile
+from ._task import query_task, sweep_geometry
 from ._tiles import (
-    SOFTMAX,
     TILE_K,
     TILE_Q,
     finish_rows,
     key_tiles_seen,
     modify_logits,
-    online_state,
     online_update,
     prepare_key_tile,
-    scaled_rows,
-    task_rows,
-    task_scratch,
     tile_logits_t,
     view2d,
 )
-from .attention import empty_outputs, kernel_arguments
 
 # Pass 2 gathers the selected keys' values (gather_selected) when a row keeps at most
 # 1 / GATHER_BELOW of the keys it sees; otherwise it sweeps the tiles.
@@ -44,29 +40,22 @@ GATHER_BELOW = 8
 
 
 @kernel
-def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top_k, kt, v_ok,
-                out, lse):
-    """One task per (batch, query head, query tile); ``bias`` is a placeholder."""
-    B, Hq, Lq, D = q.shape
-    Hk, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    group = Hq // Hk
-    n_qt = (Lq + TILE_Q - 1) // TILE_Q
-    n_kt = (Lk + TILE_K - 1) // TILE_K
-    diag = Lk - Lq if causal else Lk
+def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
+                causal, top_k, out, lse):
+    """One task per (batch, query head, query tile); leading arguments as every tiled
+    kernel's (:mod:`attnnb.cpu._host`), ``bias`` a placeholder (never read)."""
+    B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
     for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
         prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * Hq * n_qt):
         wide_vectors()
-        b, h, _, i0, nq = task_rows(task, Hq, n_qt, TILE_Q, Lq)
+        (b, h, _, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat, _,
+         T_flat) = query_task(task, q, kt, v, scale, TILE_Q, group, n_qt)
         g = h // group
-        kth, vh = kt[b, g], v[b, g]
-        q_flat, S_flat, P_flat, _, T_flat = task_scratch(q, TILE_Q, Dv)
         R = view2d(np.empty(TILE_Q * Lk, q.dtype), nq, Lk)
         buf = np.empty(Lk, q.dtype)
         thr = np.empty(nq, q.dtype)
         cut = np.empty(nq, np.int64)
-        m, l, acc = online_state(q, nq, Dv)
-        qs = scaled_rows(q[b, h], i0, nq, scale, q_flat)
         last = key_tiles_seen(i0, nq, diag, n_kt)
         n_seen = min(Lk, last * TILE_K)  # keys beyond the causal limit of the whole tile
         # pass 1: logits of every allowed key, then each row's threshold
@@ -95,13 +84,4 @@ def topk_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal, top
 
 def topk_attention(problem, top_k):
     """Top-k softmax attention of a canonical problem; returns ``(out, lse)``."""
-    q, k, v = problem.q, problem.k, problem.v
-    out, lse = empty_outputs(problem)
-    if out.size == 0 and lse.size == 0:
-        return out, lse
-    bias, mask, logks = kernel_arguments(problem)
-    with key_tile_buffers(k, v) as (kt, v_ok):
-        launch(topk_kernel, q, k, v, q.dtype.type(problem.scale), bias, mask,
-               problem.mask is not None, logks, problem.log_key_size is not None,
-               problem.causal, int(top_k), kt, v_ok, out, lse)
-    return out, lse
+    return run_sweep(topk_kernel, problem, int(top_k))

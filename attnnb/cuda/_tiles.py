@@ -36,10 +36,7 @@ from types import SimpleNamespace
 import numpy as np
 from numba import cuda
 
-SOFTMAX = 0
-SOFTMAX1 = 1
-RELU_EXPM1 = 2
-NORMALIZER_CODES = {"softmax": SOFTMAX, "softmax1": SOFTMAX1, "relu_expm1": RELU_EXPM1}
+from .._codes import RELU_EXPM1, SOFTMAX1
 
 SHARED_BYTES = 48 * 1024  # static shared memory per block on every CUDA GPU
 

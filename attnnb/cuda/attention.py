@@ -10,8 +10,9 @@ import numba
 import numpy as np
 from numba import cuda
 
+from .._codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
-from ._tiles import NORMALIZER_CODES, cached_kernel, device_functions, tiles_for
+from ._tiles import cached_kernel, device_functions, tiles_for
 
 
 def build_dense(dtype, d, dv, tq, tk):

@@ -17,12 +17,9 @@ import numba
 import numpy as np
 from numba import cuda
 
+from .._codes import DIFF_MODE_CODES, RECTIFIED, SOFTMAX
 from ._arrays import device_problem, finish
-from ._tiles import SOFTMAX, cached_kernel, device_functions, tiles_for
-
-DIFFERENCE = 0
-RECTIFIED = 1
-MODE_CODES = {"difference": DIFFERENCE, "rectified": RECTIFIED}
+from ._tiles import cached_kernel, device_functions, tiles_for
 
 
 def build_diff(dtype, d, dv, tq, tk):
@@ -153,7 +150,7 @@ def diff_attention(problem, lam, mode="difference"):
             np.ascontiguousarray(lam))
         kernel[(B * H, (Lq + tq - 1) // tq), tq](
             a.q, a.k, a.v, lam_d, a.dtype.type(problem.scale), a.bias, a.has_bias, a.mask,
-            a.has_mask, a.logks, a.has_ks, problem.causal, MODE_CODES[mode], out)
+            a.has_mask, a.logks, a.has_ks, problem.causal, DIFF_MODE_CODES[mode], out)
     return finish(a, out)[0]
 
 

@@ -19,9 +19,10 @@ import numba
 import numpy as np
 from numba import cuda
 
-from ..cpu._sparse_tiles import kth_smallest as cpu_kth_smallest
+from .. import _selection
+from .._codes import SOFTMAX
 from ._arrays import device_problem, finish, outputs
-from ._tiles import SOFTMAX, cached_kernel, device_functions, tiles_for
+from ._tiles import cached_kernel, device_functions, tiles_for
 
 SCRATCH_ELEMENTS = 1 << 24  # per launch: 64 MiB in float32
 
@@ -43,8 +44,9 @@ def build_topk(dtype, d, dv, tq, tk):
     load_rows, start_row, row_logits = f.load_rows, f.start_row, f.row_logits
     modify_row, online_row, finish_row = f.modify_row, f.online_row, f.finish_row
 
-    # the CPU backend's quickselect, compiled as a device function: one algorithm
-    kth_smallest = cuda.jit(device=True)(cpu_kth_smallest.py_func)
+    # the selection rules the cpu backend compiles too (attnnb/_selection.py)
+    kth_smallest = cuda.jit(device=True)(_selection.kth_smallest)
+    tie_cut = cuda.jit(device=True)(_selection.tie_cut)
 
     @cuda.jit(device=True)
     def row_threshold(row, n, top_k, buf):
@@ -69,16 +71,7 @@ def build_topk(dtype, d, dv, tq, tk):
         if top_k == 0:
             return PINF, -1
         thr = kth_smallest(buf, cnt, cnt - top_k)
-        need = top_k
-        for j in range(n):
-            if row[j] > thr:
-                need -= 1
-        for j in range(n):
-            if row[j] == thr:
-                need -= 1
-                if need == 0:
-                    return thr, j
-        return thr, n
+        return thr, tie_cut(row, n, top_k, thr)
 
     def topk_attention_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal,
                               top_k, qt0, R, buf, out, lse):

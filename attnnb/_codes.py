@@ -1,0 +1,23 @@
+"""Integer codes that the public names of modes become before a kernel sees them.
+
+Kernels on every backend branch on small integers, not strings; this leaf
+module (no imports) is the one place where each code is defined, so that the
+``cpu`` and ``cuda`` backends cannot disagree on what ``2`` means.
+"""
+
+# attention(normalizer=...): how a row's weights are normalised (docs/contract.md §1)
+SOFTMAX = 0
+SOFTMAX1 = 1
+RELU_EXPM1 = 2
+NORMALIZER_CODES = {"softmax": SOFTMAX, "softmax1": SOFTMAX1, "relu_expm1": RELU_EXPM1}
+
+# diff_attention(mode=...)
+DIFFERENCE = 0
+RECTIFIED = 1
+DIFF_MODE_CODES = {"difference": DIFFERENCE, "rectified": RECTIFIED}
+
+# Matching.merge(mode=...) in Token Merging
+MERGE_MEAN = 0
+MERGE_SUM = 1
+MERGE_AMAX = 2
+MERGE_MODE_CODES = {"mean": MERGE_MEAN, "sum": MERGE_SUM, "amax": MERGE_AMAX}

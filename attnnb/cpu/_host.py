@@ -1,0 +1,72 @@
+"""The host side shared by the tiled CPU kernels: outputs, placeholders, key tiles, launch.
+
+Every tiled kernel (dense, sparse, top-k, differential) takes the same
+leading arguments, in this order, followed by its own and then the outputs::
+
+    kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
+           causal, *own, out, lse)
+
+``kt`` and ``v_ok`` are the per-call key-tile buffers
+(:func:`attnnb.cpu._scratch.key_tile_buffers`, filled by the kernel's first
+``prange``); ``bias``, ``mask`` and ``logks`` are always arrays (placeholders
+when absent, so that calls with and without them share one compiled
+kernel), with ``has_*`` saying whether they are real.  :func:`run_sweep` is
+the one place that builds them, allocates the outputs and launches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._jit import launch
+from ._scratch import key_tile_buffers
+
+
+def _dummy_pairwise(dtype):
+    # Shaped so that Numba types it like a real broadcast mask or bias (readonly, layout
+    # 'A'): calls with and without a mask then share one compiled kernel.
+    return np.broadcast_to(np.zeros((), dtype), (1, 1, 2, 2))
+
+
+def score_arguments(problem):
+    """``(bias, mask, logks)`` for the kernel: real arrays or typed placeholders."""
+    dt = problem.q.dtype
+    bias = problem.bias if problem.bias is not None else _dummy_pairwise(dt)
+    mask = problem.mask if problem.mask is not None else _dummy_pairwise(np.bool_)
+    if problem.log_key_size is not None:
+        logks = problem.log_key_size
+    else:
+        logks = np.zeros((1, 1), dt)
+    return bias, mask, logks
+
+
+def run_sweep(kernel_fn, problem, *own, out_heads=None):
+    """Launch a tiled kernel on a canonical problem; returns ``(out, lse)``.
+
+    Parameters
+    ----------
+    kernel_fn : a kernel with the leading arguments of this module's docstring.
+    problem : :class:`~attnnb._validate.Problem` (``q (B, Hq, Lq, D)``,
+        ``k (B, Hk, Lk, D)``, ``v (B, Hk, Lk, Dv)``).
+    *own : the kernel's own arguments, passed between ``causal`` and ``out``.
+    out_heads : int, optional
+        Heads of the output when not ``Hq`` (differential attention: ``Hq / 2``).
+
+    Returns
+    -------
+    out : ``(B, out_heads, Lq, Dv)`` and lse : ``(B, out_heads, Lq)``, in the
+        compute dtype (a kernel that has no LSE leaves ``lse`` unwritten).
+    """
+    q, k, v = problem.q, problem.k, problem.v
+    B, Hq, _, Lq, _, _, Dv = problem.shape
+    heads = Hq if out_heads is None else out_heads
+    out = np.empty((B, heads, Lq, Dv), q.dtype)
+    lse = np.empty((B, heads, Lq), q.dtype)
+    if out.size == 0 and lse.size == 0:
+        return out, lse
+    bias, mask, logks = score_arguments(problem)
+    with key_tile_buffers(k, v) as (kt, v_ok):
+        launch(kernel_fn, q, k, v, kt, v_ok, q.dtype.type(problem.scale), bias,
+               problem.bias is not None, mask, problem.mask is not None, logks,
+               problem.log_key_size is not None, problem.causal, *own, out, lse)
+    return out, lse
