@@ -756,30 +756,91 @@ def from_scipy(m) -> Pattern:
     return Pattern(c.indptr, c.indices, c.shape)
 
 
-def _block_layout(p: Pattern, tile_q: int, tile_k: int) -> BlockLayout:
+# Entries of the CSR per pass of :func:`_block_layout`: its temporaries are a few
+# arrays of this length (about 2 MiB in all), whatever the pattern's size.
+_BLOCK_CHUNK = 1 << 16
+
+
+def _block_layout(p: Pattern, tile_q: int, tile_k: int, chunk: int = _BLOCK_CHUNK) -> BlockLayout:
+    """The :class:`BlockLayout` of ``p`` for ``tile_q x tile_k`` tiles.
+
+    Every allowed pair ``(r, j)`` (CSR row ``r = h * Lq + i``) lies in block
+    ``code = (h * n_qt + i // tile_q) * n_kt + j // tile_k``; the layout lists
+    the blocks with at least one pair, in increasing ``code``, and a block is
+    full when it holds ``rows_in * cols_in`` pairs (a row never repeats a key).
+
+    The CSR is read in passes of ``chunk`` entries, so the temporary memory
+    is ``O(chunk + rows + tiles)``, not ``O(nnz)`` (at ``Lq = 65536`` with a
+    causal window of 256, 16.8 M pairs, counting them all at once took 705 MiB).
+    Entries come in CSR order, so block codes never decrease from one query
+    tile row to the next: only the last tile row of a pass can continue in
+    the next one, and its partial counts are carried over and merged.
+
+    Parameters
+    ----------
+    p : Pattern
+    tile_q, tile_k : int >= 1
+    chunk : int >= 1
+        Entries per pass (tests make it small to cross many pass boundaries).
+    """
     Lq, Lk = p.shape
     H = p.n_heads
     n_qt, n_kt = -(-Lq // tile_q), -(-Lk // tile_k)
-    rows = p._rows()
-    h, i = rows // max(Lq, 1), rows % max(Lq, 1)
-    qt_row = h * n_qt + i // tile_q
-    code = qt_row * n_kt + p.indices // tile_k
-    n_blocks = H * n_qt * n_kt
-    if n_blocks <= max(1 << 24, 4 * code.size):
-        counts = np.bincount(code, minlength=n_blocks)
-        present = np.flatnonzero(counts)
-        counts = counts[present]
-    else:  # a huge, very sparse tile grid: sort instead of counting every block
-        present, counts = np.unique(code, return_counts=True)
-    qt, kt = present // n_kt, present % n_kt
+    indptr, indices = p.indptr, p.indices
+    nnz = indices.size
+    closed_codes, closed_counts = [], []  # blocks of finished tile rows, in code order
+    open_codes = open_counts = np.zeros(0, np.int64)  # the tile row a pass may continue
+    for e0 in range(0, nnz, chunk):
+        e1 = min(e0 + chunk, nnz)
+        # CSR rows r0 .. r1 - 1 hold entries e0 .. e1 - 1 (empty rows between included)
+        r0 = int(np.searchsorted(indptr, e0, side="right")) - 1
+        r1 = int(np.searchsorted(indptr, e1, side="left"))
+        lengths = np.diff(np.clip(indptr[r0:r1 + 1], e0, e1))
+        rows = np.arange(r0, r1, dtype=np.int64)
+        qt_row = rows // Lq * n_qt + rows % Lq // tile_q  # tile row (h * n_qt + t) of each
+        first = int(qt_row[0])
+        span = (int(qt_row[-1]) - first + 1) * n_kt
+        local = (np.repeat(qt_row - first, lengths) * n_kt
+                 + indices[e0:e1] // tile_k)
+        if span <= 4 * chunk:  # few blocks in reach: count them all
+            counts = np.bincount(local, minlength=span)
+            codes = np.flatnonzero(counts)
+            counts = counts[codes]
+        else:  # a sparse stretch spread over many tile rows: sort instead
+            codes, counts = np.unique(local, return_counts=True)
+        codes += first * n_kt
+        if open_codes.size and codes[0] // n_kt == open_codes[0] // n_kt:
+            k = int(np.searchsorted(codes, (codes[0] // n_kt + 1) * n_kt))
+            merged, merged_counts = _sum_counts(open_codes, open_counts, codes[:k], counts[:k])
+            codes = np.concatenate([merged, codes[k:]])
+            counts = np.concatenate([merged_counts, counts[k:]])
+        elif open_codes.size:
+            closed_codes.append(open_codes)
+            closed_counts.append(open_counts)
+        k = int(np.searchsorted(codes, codes[-1] // n_kt * n_kt))
+        closed_codes.append(codes[:k])
+        closed_counts.append(counts[:k])
+        open_codes, open_counts = codes[k:], counts[k:]
+    present = np.concatenate(closed_codes + [open_codes])
+    counts = np.concatenate(closed_counts + [open_counts])
+    qt, kt = present // max(n_kt, 1), present % max(n_kt, 1)
     t = qt % max(n_qt, 1)
     rows_in = np.minimum(tile_q, Lq - t * tile_q)
     cols_in = np.minimum(tile_k, Lk - kt * tile_k)
     full = counts == rows_in * cols_in
     tile_ptr = np.zeros(H * n_qt + 1, np.int64)
     np.cumsum(np.bincount(qt, minlength=H * n_qt), out=tile_ptr[1:])
+    kt = kt.astype(np.int32)
     for a in (tile_ptr, kt, full):
         a.flags.writeable = False
-    kt = kt.astype(np.int32)
-    kt.flags.writeable = False
     return BlockLayout(tile_q, tile_k, n_qt, n_kt, tile_ptr, kt, full)
+
+
+def _sum_counts(a_codes, a_counts, b_codes, b_counts):
+    """Union of two sorted unique code arrays, adding the counts of codes in both."""
+    codes = np.concatenate([a_codes, b_codes])
+    order = np.argsort(codes, kind="stable")
+    codes = codes[order]
+    counts = np.concatenate([a_counts, b_counts])[order]
+    starts = np.flatnonzero(np.concatenate([[True], codes[1:] != codes[:-1]]))
+    return codes[starts], np.add.reduceat(counts, starts)

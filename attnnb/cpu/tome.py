@@ -16,39 +16,56 @@ Semantics (ties, NaN, protected tokens) are those of
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import prange
 
+from .._codes import MERGE_AMAX, MERGE_MEAN, MERGE_MODE_CODES
 from ._jit import inner, kernel, launch, wide_vectors
 from ._tiles import TILE_K, tile_logits_t
 
 TILE_A = 256  # A rows per task
 TILE_OUT = 32  # output tokens per merge task
-MODE_CODES = {"mean": 0, "sum": 1, "amax": 2}
 
 
-@inner
+# Not ``inner``: under the project's fastmath flags LLVM may reorder the sum of
+# squares (reassoc), fuse it into FMAs (contract) and turn ``x / norm`` into
+# ``x * (1 / norm)`` (arcp), which rounds a one-channel row ``x / |x|`` to
+# 1 - 1 ulp where the reference gets exactly 1, and so breaks ties that the
+# reference keeps.  ``fastmath=False`` must be explicit: a jitted callee that
+# leaves it unset inherits its caller's flags.  Fast-math flags belong to
+# instructions, so these stay strict when LLVM inlines this into the kernel.
+@numba.njit(cache=True, nogil=True, forceinline=True, fastmath=False)
 def _unit_row(src, dst):
-    """``dst = src / ||src||``, norm accumulated in float64; True when ``dst`` holds a NaN.
+    """``dst = src / sqrt(sum(src ** 2))``; True when ``dst`` holds a NaN.
 
-    A zero row gives NaN (``0 / 0``), as ``metric / metric.norm()`` does; so
-    does a row with an Inf or NaN (its norm is not finite).  Any other row
-    has entries in ``[-1, 1]``, so a similarity is NaN exactly when one of
-    its two rows is a NaN row.
+    The formula and operation order of :func:`attnnb.reference.tome.cosine_rows`
+    (squares summed channel by channel in float64, one square root, one true
+    division per entry, no fused or reordered operations), so a float64 row
+    is normalised bit for bit as the reference does.
+
+    A zero norm gives a NaN row (``0 / 0`` in the reference; a nonzero row
+    whose squares all underflow, ``|x| < 1e-154``, gives ``x / 0 = inf``
+    there instead).  An Inf or NaN entry gives a NaN entry (``inf / inf``,
+    ``x / nan``).  Any other entry lies in ``[-1, 1]`` (``0`` when the sum of
+    squares overflows to ``inf``, as in the reference), so a similarity is
+    NaN exactly when one of its two rows holds a NaN.
     """
     acc = 0.0
     for c in range(src.shape[0]):
         v = np.float64(src[c])
         acc += v * v
     norm = np.sqrt(acc)
-    if norm == 0.0 or not np.isfinite(norm):
+    if norm == 0.0:
         for c in range(src.shape[0]):
             dst[c] = np.nan
         return True
-    inv = 1.0 / norm
+    nan = False
     for c in range(src.shape[0]):
-        dst[c] = src[c] * inv
-    return False
+        y = np.float64(src[c]) / norm
+        dst[c] = y
+        nan = nan or y != y
+    return nan
 
 
 @inner
@@ -230,7 +247,7 @@ def merge_kernel(x, slot, n_out, mode, out):
                 acc[c] = row[c]
             for m in range(start + 1, stop):
                 row = xb[members[s, m]]
-                if mode == 2:
+                if mode == MERGE_AMAX:
                     for c in range(C):
                         v = np.float64(row[c])
                         if v > acc[c] or v != v:
@@ -239,7 +256,7 @@ def merge_kernel(x, slot, n_out, mode, out):
                     for c in range(C):
                         acc[c] += row[c]
             dst = out[b, o]
-            if mode == 0:
+            if mode == MERGE_MEAN:
                 count = np.float64(stop - start)
                 for c in range(C):
                     dst[c] = acc[c] / count
@@ -251,7 +268,8 @@ def merge_kernel(x, slot, n_out, mode, out):
 def merge(x, slot, n_out, mode):
     """See :func:`attnnb.reference.tome.merge`; accumulates in float64, returns ``x``'s dtype."""
     out = np.empty((x.shape[0], n_out, x.shape[2]), x.dtype)
-    launch(merge_kernel, x, np.ascontiguousarray(slot, np.int64), n_out, MODE_CODES[mode], out)
+    launch(merge_kernel, x, np.ascontiguousarray(slot, np.int64), n_out, MERGE_MODE_CODES[mode],
+           out)
     return out
 
 

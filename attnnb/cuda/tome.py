@@ -5,7 +5,9 @@
   (the dot products of :mod:`attnnb.cuda._tiles`' ``row_logits``) with a
   running first maximum, so no ``Ta x Tb`` matrix exists.  The edges'
   stable descending order (``O(Ta log Ta)``, small next to the
-  ``O(Ta Tb C)`` similarities) is sorted on the host.
+  ``O(Ta Tb C)`` similarities) is sorted on the host by
+  :func:`attnnb._tome_order.descending_order` (not the oracle's own copy,
+  so that comparing with ``reference`` also tests the ordering).
 * :func:`merge`: a segmented reduction, one block per output token and a
   thread per channel; the members of every output token come from a
   counting sort of ``slot`` done on the host, so no two threads write the
@@ -27,9 +29,10 @@ import numba
 import numpy as np
 from numba import cuda
 
+from .._codes import MERGE_AMAX, MERGE_MEAN, MERGE_MODE_CODES
+from .._tome_order import descending_order
 from ._tiles import TILE_Q, cached_kernel, device_functions, tiles_for
 
-MODE_CODES = {"mean": 0, "sum": 1, "amax": 2}
 ROW_THREADS = 128  # threads over the channels of one token (merge, unmerge)
 
 
@@ -124,12 +127,12 @@ def build_merge(dtype):
             acc = CAST(x[b, members[s, start], c])
             for p in range(start + 1, stop):
                 v = CAST(x[b, members[s, p], c])
-                if mode == 2:
+                if mode == MERGE_AMAX:
                     if v > acc or v != v:
                         acc = v
                 else:
                     acc += v
-            if mode == 0:
+            if mode == MERGE_MEAN:
                 acc = acc / CAST(stop - start)
             out[b, o, c] = acc
 
@@ -170,8 +173,6 @@ def match(metric, a_idx, b_idx, class_token, distill_token):
 
     Returns host arrays ``(node_max, node_idx, order)``.
     """
-    from ..reference.tome import descending_order
-
     dtype = np.dtype(metric.dtype)
     B, _, C = metric.shape
     Ta = a_idx.shape[1]
@@ -214,7 +215,7 @@ def merge(x, slot, n_out, mode):
         kernel = _kernel("merge", build_merge, dtype)
         kernel[(n_out, B), min(ROW_THREADS, C)](
             cuda.to_device(np.ascontiguousarray(x)), cuda.to_device(indptr),
-            cuda.to_device(members), MODE_CODES[mode], out)
+            cuda.to_device(members), MERGE_MODE_CODES[mode], out)
     return out.copy_to_host()
 
 

@@ -17,11 +17,30 @@ import numpy as np
 def cosine_rows(x):
     """Rows of ``x`` (float64) divided by their Euclidean norm, as the reference does.
 
-    A zero row gives NaN (``0 / 0``), as ``metric / metric.norm()`` does.
+    Parameters
+    ----------
+    x : array ``(..., C)``
+
+    Returns
+    -------
+    float64 ``(..., C)``: ``x / sqrt(x[..., 0]**2 + x[..., 1]**2 + ...)``.
+
+    Notes
+    -----
+    The squares are summed channel by channel, left to right, and every entry
+    is divided by the norm, as the ``cpu`` kernel does, so that both give the
+    same float64 unit rows.  (``np.linalg.norm`` sums pairwise, and
+    ``x * (1 / norm)`` rounds a one-channel ``x / |x|`` to one ulp below 1 for
+    some ``x``; either would make the backends break differently ties that
+    are exact only in exact arithmetic.)  A zero row gives NaN (``0 / 0``), as
+    ``metric / metric.norm()`` does.
     """
     x = np.asarray(x, dtype=np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        squares = np.zeros(x.shape[:-1] + (1,))
+        for c in range(x.shape[-1]):
+            squares += x[..., c:c + 1] * x[..., c:c + 1]
+        return x / np.sqrt(squares)
 
 
 def descending_order(values):
