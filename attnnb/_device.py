@@ -26,7 +26,7 @@ import functools
 
 import numpy as np
 
-from ._validate import _user_full_shape, broadcast_pairwise, is_device_array, log_key_sizes
+from ._checks import _user_full_shape, broadcast_pairwise, is_device_array, log_key_sizes
 
 
 def compact(x: np.ndarray) -> np.ndarray:

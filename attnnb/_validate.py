@@ -17,28 +17,13 @@ from typing import Any
 
 import numpy as np
 
-NORMALIZERS = ("softmax", "softmax1", "relu_expm1")
+from ._checks import broadcast_pairwise, is_device_array, log_key_sizes
 
+# The checks the device path shares live in a leaf module, so that _device
+# (imported lazily below, as it needs numba-cuda) never imports this one.
+from ._codes import NORMALIZER_CODES
 
-def is_device_array(x: Any) -> bool:
-    """True when ``x`` is a CUDA device array (CuPy, PyTorch CUDA, Numba, simulator).
-
-    Imports ``numba.cuda`` only when ``x`` looks like a device array, so that
-    host-only use never pays for (or fails on) the CUDA import.
-    """
-    if isinstance(x, np.ndarray) or x is None:
-        return False
-    if not (hasattr(x, "__cuda_array_interface__") or hasattr(x, "__cuda_ndarray__")):
-        return False
-    try:
-        from numba import cuda
-    except Exception:  # pragma: no cover - numba-cuda missing
-        return False
-    check = getattr(cuda, "is_cuda_array", None)  # the simulator has none
-    if check is not None and check(x):
-        return True
-    # Numba device arrays, also the simulator's (which lack the interface)
-    return bool(getattr(x, "__cuda_ndarray__", False))
+NORMALIZERS = tuple(NORMALIZER_CODES)  # the public names; the kernels see the codes
 
 
 def float_dtype_of(name: str, dtype: np.dtype) -> np.dtype:
@@ -245,6 +230,10 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
             f"{v_name} must have as many keys as {k_name}: {v_name} {tuple(va.shape)} has "
             f"{va.shape[-2]}, {k_name} {tuple(ka.shape)} has {ka.shape[-2]}"
         )
+    if head_pairs and not squeeze:
+        # before v's head count, which is only meaningful once k holds whole pairs
+        _check_even_heads(q_name, qa.shape, "query pairs 2h, 2h+1")
+        _check_even_heads(k_name, ka.shape, "key pairs 2g, 2g+1")
     # with head pairs, v has one head per key pair (2g, 2g+1)
     if not squeeze and va.shape[-3] * (2 if head_pairs else 1) != ka.shape[-3]:
         raise ValueError(
@@ -257,11 +246,6 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
     if not squeeze:
         Hq, Hk = qa.shape[-3], ka.shape[-3]
         if head_pairs:
-            for name, H in ((q_name, Hq), (k_name, Hk)):
-                if H % 2:
-                    raise ValueError(
-                        f"{name} must have an even number of heads (pairs 2h, 2h+1); got {H}"
-                    )
             Hq, Hk = Hq // 2, Hk // 2
         if Hk == 0 or Hq % Hk:
             raise ValueError(
@@ -283,6 +267,13 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
     return out[0], out[1], out[2], batch, squeeze, out_dtype, all(on_dev)
 
 
+def _check_even_heads(name, shape, pairs):
+    """Differential attention: ``name``'s head axis must hold whole pairs of heads."""
+    if shape[-3] % 2:
+        raise ValueError(f"{name} must have an even number of heads ({pairs}); got "
+                         f"{shape[-3]} heads in shape {tuple(shape)}")
+
+
 def _kernel_ready(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """C-contiguous, writeable (never written) array in ``dtype``; copies only if needed.
 
@@ -291,66 +282,6 @@ def _kernel_ready(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """
     out = np.ascontiguousarray(a, dtype=dtype)
     return out if out.flags.writeable else out.copy()
-
-
-def _user_full_shape(batch_shape, squeeze, Hq, Lq, Lk):
-    return batch_shape + ((Lq, Lk) if squeeze else (Hq, Lq, Lk))
-
-
-def broadcast_pairwise(name, x, batch_shape, squeeze, B, Hq, Lq, Lk, dtype):
-    """Broadcast a mask or bias to the canonical ``(B, Hq, Lq, Lk)`` as a view.
-
-    The cast to ``dtype`` happens on the user's (unbroadcast) shape, so a
-    ``(Lk,)`` key-padding mask never grows to ``Lq * Lk``.
-    """
-    if x is None:
-        return None
-    arr = np.asarray(x)
-    if dtype == np.bool_:
-        if arr.dtype != np.bool_:
-            raise TypeError(f"{name} must be a boolean array (True = may attend); "
-                            f"got dtype {arr.dtype}")
-    else:
-        if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
-            raise TypeError(f"{name} must be a real numeric array; got dtype {arr.dtype}")
-        arr = arr.astype(dtype, copy=False)
-    full = _user_full_shape(batch_shape, squeeze, Hq, Lq, Lk)
-    try:
-        view = np.broadcast_to(arr, full)
-    except ValueError:
-        raise ValueError(
-            f"{name} of shape {arr.shape} cannot be broadcast to {full} "
-            "(batch..., heads, queries, keys)"
-        ) from None
-    return view.reshape(B, Hq, Lq, Lk) if view.size else np.zeros((B, Hq, Lq, Lk), arr.dtype)
-
-
-def log_key_sizes(key_size, batch_shape, squeeze, B, Lk, dtype):
-    """Check ``key_size`` (positive, broadcastable to ``(*batch, Lk)``); return its log.
-
-    The result is a ``(B, Lk)`` array in the compute dtype.
-    """
-    if key_size is None:
-        return None
-    arr = np.asarray(key_size)
-    if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
-        raise TypeError(f"key_size must be a real numeric array; got dtype {arr.dtype}")
-    if arr.ndim >= 1 and arr.shape[-1] == 1 and arr.ndim == len(batch_shape) + 2:
-        arr = arr[..., 0]  # accept ToMe's (B, N, 1) size layout
-    full = batch_shape + (Lk,)
-    try:
-        view = np.broadcast_to(arr, full)
-    except ValueError:
-        raise ValueError(
-            f"key_size of shape {arr.shape} cannot be broadcast to {full} (batch..., keys)"
-        ) from None
-    with np.errstate(invalid="ignore"):
-        bad = ~(arr > 0)
-    if np.any(bad):
-        raise ValueError("key_size must be positive (and not NaN) everywhere; "
-                         f"got minimum {np.nanmin(arr) if arr.size else None}")
-    logs = np.log(view.astype(np.float64)).astype(dtype)
-    return np.ascontiguousarray(logs.reshape(B, Lk))
 
 
 def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=False,

@@ -22,9 +22,11 @@ import math
 import numpy as np
 
 from . import _dispatch
+from ._checks import where_first
+from ._codes import DIFF_MODE_CODES
 from ._validate import attention_problem, compute_dtypes, float_dtype_of, is_device_array
 
-MODES = ("difference", "rectified")
+MODES = tuple(DIFF_MODE_CODES)  # the public names; the kernels see the codes
 
 __all__ = ["diff_attention", "lambda_init", "reparam_lambda", "subln", "MODES"]
 
@@ -127,8 +129,11 @@ def lambda_rows(lam, batch_shape, B, H, Lq, dtype):
             f"lam of shape {arr.shape} cannot be broadcast to {full} (batch..., pairs, queries); "
             "pass per-head values as shape (H, 1)"
         ) from None
-    if not np.isfinite(arr).all():
-        raise ValueError("lam must be finite everywhere")
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        # say where: a NaN lam usually comes from one diverged head of a reparam_lambda
+        value = arr[bad][0] if arr.ndim else arr[()]
+        raise ValueError(f"lam must be finite everywhere; got {value} {where_first(bad)}")
     return np.ascontiguousarray(view.astype(dtype).reshape(B, H, Lq))
 
 

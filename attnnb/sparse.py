@@ -22,8 +22,14 @@ def _check_pattern(pattern, Lq: int, Lk: int, Hq: int) -> Pattern:
 
 
 def _check_top_k(top_k) -> int:
+    """``top_k`` as a Python int >= 0: an int, a NumPy integer or a 0-d integer array."""
     if isinstance(top_k, bool) or not hasattr(top_k, "__index__"):
         raise TypeError(f"top_k must be an integer; got {type(top_k).__name__} {top_k!r}")
+    shape = tuple(getattr(top_k, "shape", ()))
+    if shape:  # a 1-element array has __index__ but NumPy refuses to convert it
+        raise TypeError(f"top_k must be an integer (an int or a 0-d integer array); got "
+                        f"{type(top_k).__name__} of shape {shape} and dtype "
+                        f"{getattr(top_k, 'dtype', '?')}")
     top_k = int(top_k.__index__())
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0; got {top_k}")

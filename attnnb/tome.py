@@ -48,6 +48,19 @@ Precision: the ``reference`` backend computes similarities in float64; the
 the reference code does), so on float32 data two similarities closer than
 about ``1e-7`` may be ordered differently by the two backends.  Merges
 accumulate in float64 and return the dtype of ``x`` (float16 in, float16 out).
+
+Float64 ties: every backend normalises a metric row the same way, ``x /
+sqrt(x_0**2 + x_1**2 + ...)`` with the squares summed channel by channel and
+a true division per entry, so with one channel (a similarity is then a single
+product of two unit values, exactly ``+-1``) ``reference``, ``cpu`` and
+``cuda`` find the same similarities and break every tie the same way.  With
+two or more channels the similarities are dot products summed in different
+orders on different backends (BLAS in ``reference``, fused multiply-adds in
+register-blocked tiles on ``cpu``, a multiply-add loop per thread on
+``cuda``, whose compiler may also fuse the sum of squares), so two
+similarities that are equal only in exact arithmetic (tokens ``a`` and
+``3 a`` against the same ``b``, say) can come out one ulp apart and be taken
+in a different order, or matched to a different B token, on two backends.
 """
 
 from __future__ import annotations
@@ -58,6 +71,7 @@ from collections.abc import Callable
 import numpy as np
 
 from . import _dispatch
+from ._codes import MERGE_MODE_CODES
 from ._validate import check_bool, compute_dtypes, host_float_array, is_device_array
 
 __all__ = [
@@ -71,7 +85,7 @@ __all__ = [
     "random_bipartite_soft_matching",
 ]
 
-MODES = ("mean", "sum", "amax")
+MODES = tuple(MERGE_MODE_CODES)  # the public names; the kernels see the codes
 
 
 # ---------------------------------------------------------------------------
@@ -108,13 +122,28 @@ def _metric(metric, backend):
     return np.ascontiguousarray(arr, dtype=comp), _dispatch.choose_backend(backend, False)
 
 
-def _tokens(name, x, batch, n, matching_kind):
+def _rng(seed):
+    """``numpy.random.default_rng(seed)``, with an error that names ``seed``."""
+    try:
+        return np.random.default_rng(seed)
+    except (TypeError, ValueError) as exc:
+        # NumPy's own message speaks of SeedSequence entropy, not of this argument
+        error = TypeError if isinstance(exc, TypeError) else ValueError
+        raise error(
+            "seed must be None, a non-negative int (or a sequence of them), or a "
+            "numpy.random.SeedSequence, BitGenerator or Generator; got "
+            f"{type(seed).__name__} {seed!r}"
+        ) from None
+
+
+def _tokens(name, x, batch, n, why, channels="C"):
+    """Check that ``x`` is a ``(batch, n, channels)`` float array; ``why`` says what for."""
     arr = host_float_array(name, x)
     if arr.ndim != 3:
-        raise ValueError(f"{name} must be 3-D (B, N, C); got shape {arr.shape}")
+        raise ValueError(f"{name} must be 3-D (B, N, {channels}); got shape {arr.shape}")
     if arr.shape[0] != batch or arr.shape[1] != n:
-        raise ValueError(f"{name} must have shape ({batch}, {n}, C) to match the "
-                         f"{matching_kind} matching's metric; got {arr.shape}")
+        raise ValueError(f"{name} must have shape ({batch}, {n}, {channels}) {why}; "
+                         f"got {arr.shape}")
     return arr
 
 
@@ -218,6 +247,10 @@ class Matching:
         return (f"Matching({self.kind}, B={self.batch}, N={self.n_in} -> {self.n_out}, "
                 f"r={self.r})")
 
+    def _merge_input(self) -> str:
+        """What a merge input must match, for error messages."""
+        return f"to match the {self.kind} matching's metric"
+
     def merge(self, x, mode="mean", *, backend=None):
         """Merge the tokens of ``x`` as matched.
 
@@ -239,7 +272,7 @@ class Matching:
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
-        arr = _tokens("x", x, self.batch, self.n_in, self.kind)
+        arr = _tokens("x", x, self.batch, self.n_in, self._merge_input())
         _, out_dtype = compute_dtypes(arr.dtype)
         if self.is_identity:
             return arr.astype(out_dtype, copy=True)
@@ -259,7 +292,10 @@ class Matching:
         -------
         array ``(B, n_kept, C)`` in the dtype of ``x``, in the original token order.
         """
-        arr = _tokens("x", x, self.batch, self.n_out, self.kind)
+        # unmerge takes merge's output, not the metric's tokens: say so
+        why = (f"for unmerge: the {self.n_out} tokens merge returns for this {self.kind} "
+               f"matching of {self.n_in} tokens")
+        arr = _tokens("x", x, self.batch, self.n_out, why)
         _, out_dtype = compute_dtypes(arr.dtype)
         if self.is_identity:
             return arr.astype(out_dtype, copy=True)
@@ -396,16 +432,18 @@ def random_bipartite_soft_matching(metric, r, *, seed=None, backend=None) -> Mat
         Tokens to remove, clamped to ``N - 1`` (the reference does not clamp
         and fails there); ``r <= 0`` changes nothing.
     seed : None, int, or numpy.random.Generator
-        Passed to ``numpy.random.default_rng``.
+        Passed to ``numpy.random.default_rng``; anything it refuses is a
+        ``TypeError`` or ``ValueError`` naming ``seed``.
     backend : str, optional
     """
     metric, backend = _metric(metric, backend)
     r = _int("r", r)
+    rng = _rng(seed)  # checked even when r leaves nothing to draw
     B, N, _ = metric.shape
     r = min(r, N - 1)
     if r <= 0:
         return Matching.identity("random", B, N, backend)
-    perm = np.argsort(np.random.default_rng(seed).random((B, N)), axis=1, kind="stable")
+    perm = np.argsort(rng.random((B, N)), axis=1, kind="stable")
     a_idx = np.ascontiguousarray(perm[:, :r])
     b_idx = np.ascontiguousarray(perm[:, r:])
     return _select("random", metric, a_idx, b_idx, r, backend, merge_all=True)
@@ -436,7 +474,8 @@ def bipartite_soft_matching_random2d(metric, w, h, sx, sy, r, *, no_rand=False, 
     no_rand : bool
         Use the top-left token of every cell (deterministic).
     seed : None, int, or numpy.random.Generator
-        For ``numpy.random.default_rng`` (in place of ``torch.randint``).
+        For ``numpy.random.default_rng`` (in place of ``torch.randint``);
+        checked like any other argument, even when ``no_rand`` ignores it.
     backend : str, optional
 
     Returns
@@ -451,6 +490,7 @@ def bipartite_soft_matching_random2d(metric, w, h, sx, sy, r, *, no_rand=False, 
     sx, sy = _int("sx", sx, 1), _int("sy", sy, 1)
     r = _int("r", r)
     no_rand = check_bool("no_rand", no_rand)
+    rng = _rng(seed)  # checked even when no_rand or r leaves nothing to draw
     B, N, _ = metric.shape
     if N != w * h:
         raise ValueError(f"metric has N = {N} tokens but w * h = {w} * {h} = {w * h}")
@@ -463,7 +503,7 @@ def bipartite_soft_matching_random2d(metric, w, h, sx, sy, r, *, no_rand=False, 
     if no_rand:
         pick = np.zeros((hsy, wsx), np.int64)
     else:
-        pick = np.random.default_rng(seed).integers(sy * sx, size=(hsy, wsx))
+        pick = rng.integers(sy * sx, size=(hsy, wsx))
     rows = np.arange(hsy)[:, None] * sy + pick // sx
     cols = np.arange(wsx)[None, :] * sx + pick % sx
     is_dst = np.zeros((h, w), bool)
@@ -546,6 +586,10 @@ def merge_source(matching, x, source=None):
             raise ValueError(f"x must be 3-D (B, N, C); got shape {x.shape}")
         n, t = x.shape[:2]
         source = np.broadcast_to(np.eye(t, dtype=x.dtype), (n, t, t))
+    elif isinstance(matching, Matching):
+        # checked here, as merge would name its own argument x
+        source = _tokens("source", source, matching.batch, matching.n_in,
+                         matching._merge_input(), channels="N0")
     return merge(source, mode="amax")
 
 

@@ -1,0 +1,137 @@
+"""Checks shared by the host (``_validate``) and device (``_device``) argument paths.
+
+A leaf module: it imports NumPy and, only when handed a device array,
+``numba.cuda``; never another module of the package.  Both ``_validate`` and
+``_device`` import from here, so neither needs the other at import time.
+
+Every error names the argument, what was received and what was expected.
+Nothing here writes to its inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def is_device_array(x: Any) -> bool:
+    """True when ``x`` is a CUDA device array (CuPy, PyTorch CUDA, Numba, simulator).
+
+    Imports ``numba.cuda`` only when ``x`` looks like a device array, so that
+    host-only use never pays for (or fails on) the CUDA import.
+    """
+    if isinstance(x, np.ndarray) or x is None:
+        return False
+    if not (hasattr(x, "__cuda_array_interface__") or hasattr(x, "__cuda_ndarray__")):
+        return False
+    try:
+        from numba import cuda
+    except Exception:  # pragma: no cover - numba-cuda missing
+        return False
+    check = getattr(cuda, "is_cuda_array", None)  # the simulator has none
+    if check is not None and check(x):
+        return True
+    # Numba device arrays, also the simulator's (which lack the interface)
+    return bool(getattr(x, "__cuda_ndarray__", False))
+
+
+def where_first(bad: np.ndarray) -> str:
+    """Where the first True entry of ``bad`` sits, for an error message.
+
+    Parameters
+    ----------
+    bad : bool array
+        Must hold at least one True entry.
+
+    Returns
+    -------
+    str
+        ``"at index (i, j) of shape (m, n)"``, the index in the array's own
+        shape (C order), or ``"(scalar)"`` for a 0-d array.
+    """
+    if bad.ndim == 0:
+        return "(scalar)"
+    flat = int(np.flatnonzero(bad.reshape(-1))[0])
+    index = tuple(int(i) for i in np.unravel_index(flat, bad.shape))
+    return f"at index {index} of shape {bad.shape}"
+
+
+def _user_full_shape(batch_shape, squeeze, Hq, Lq, Lk):
+    return batch_shape + ((Lq, Lk) if squeeze else (Hq, Lq, Lk))
+
+
+def broadcast_pairwise(name, x, batch_shape, squeeze, B, Hq, Lq, Lk, dtype):
+    """Broadcast a mask or bias to the canonical ``(B, Hq, Lq, Lk)`` as a view.
+
+    The cast to ``dtype`` happens on the user's (unbroadcast) shape, so a
+    ``(Lk,)`` key-padding mask never grows to ``Lq * Lk``.
+    """
+    if x is None:
+        return None
+    arr = np.asarray(x)
+    if dtype == np.bool_:
+        if arr.dtype != np.bool_:
+            raise TypeError(f"{name} must be a boolean array (True = may attend); "
+                            f"got dtype {arr.dtype}")
+    else:
+        if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
+            raise TypeError(f"{name} must be a real numeric array; got dtype {arr.dtype}")
+        arr = arr.astype(dtype, copy=False)
+    full = _user_full_shape(batch_shape, squeeze, Hq, Lq, Lk)
+    try:
+        view = np.broadcast_to(arr, full)
+    except ValueError:
+        raise ValueError(
+            f"{name} of shape {arr.shape} cannot be broadcast to {full} "
+            "(batch..., heads, queries, keys)"
+        ) from None
+    return view.reshape(B, Hq, Lq, Lk) if view.size else np.zeros((B, Hq, Lq, Lk), arr.dtype)
+
+
+def _check_key_size_values(arr: np.ndarray) -> None:
+    """Reject a ``key_size`` holding NaN, an infinity, zero or a negative entry.
+
+    A size of ``+inf`` would give ``log(key_size) = inf`` logits, on which
+    the backends' running maxima disagree, so it is refused with the rest.
+    The message reports the first offending entry, in the user's shape.
+    """
+    with np.errstate(invalid="ignore"):
+        bad = ~((arr > 0) & (arr < np.inf))  # NaN fails both comparisons
+    if not np.any(bad):
+        return
+    where = where_first(bad)
+    value = arr[bad][0] if arr.ndim else arr[()]
+    if np.isnan(value):
+        raise ValueError("key_size must be finite and positive everywhere; it holds NaN "
+                         f"{where}")
+    if value > 0:
+        raise ValueError("key_size must be finite and positive everywhere; it holds inf "
+                         f"{where}")
+    raise ValueError("key_size must be positive (and finite) everywhere; got "
+                     f"{float(value)} {where}")
+
+
+def log_key_sizes(key_size, batch_shape, squeeze, B, Lk, dtype):
+    """Check ``key_size`` (positive, finite, broadcastable to ``(*batch, Lk)``); return its log.
+
+    The result is a ``(B, Lk)`` array in the compute dtype.
+    """
+    if key_size is None:
+        return None
+    user = np.asarray(key_size)
+    if user.dtype.kind not in "fiu" or user.dtype == np.bool_:
+        raise TypeError(f"key_size must be a real numeric array; got dtype {user.dtype}")
+    arr = user
+    if arr.ndim >= 1 and arr.shape[-1] == 1 and arr.ndim == len(batch_shape) + 2:
+        arr = arr[..., 0]  # accept ToMe's (B, N, 1) size layout
+    full = batch_shape + (Lk,)
+    try:
+        view = np.broadcast_to(arr, full)
+    except ValueError:
+        raise ValueError(
+            f"key_size of shape {arr.shape} cannot be broadcast to {full} (batch..., keys)"
+        ) from None
+    _check_key_size_values(user)  # on the user's array, so the index is in its shape
+    logs = np.log(view.astype(np.float64)).astype(dtype)
+    return np.ascontiguousarray(logs.reshape(B, Lk))
