@@ -1,5 +1,5 @@
 """attention(): every host backend against the float64 reference, and the reference
-against a literal transcription of the contract (SPEC §1), on awkward shapes."""
+against a literal transcription of the contract (docs/contract.md §1), on awkward shapes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The command line (SPEC §4): info, check, bench hand-off, exit statuses."""
+"""The command line (docs/contract.md §4): info, check, bench hand-off, exit statuses."""
 
 from __future__ import annotations
 

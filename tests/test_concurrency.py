@@ -1,4 +1,4 @@
-"""Threads, fork and the on-disk kernel cache (SPEC §1 "Concurrency"; issue 2 item 8).
+"""Threads, fork and the on-disk kernel cache (docs/contract.md §1.11, §1.13; issue 2 item 8).
 
 Numba's threading layers fail differently: GNU OpenMP kills a child forked
 after a parallel call, workqueue aborts on concurrent launches from Python

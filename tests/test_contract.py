@@ -1,4 +1,4 @@
-"""The input contract of attention() (SPEC §1): errors name the argument, inputs are
+"""The input contract of attention() (docs/contract.md §1): errors name the argument, inputs are
 never written, NaN stays in its own rows, odd layouts and foreign arrays work."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Backend selection (SPEC §3): backend=, ATTNNB_BACKEND, use_backend, auto, errors."""
+"""Backend selection (docs/contract.md §3): backend=, ATTNNB_BACKEND, use_backend, auto, errors."""
 
 from __future__ import annotations
 

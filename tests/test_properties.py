@@ -1,4 +1,4 @@
-"""Property tests (hypothesis) for the invariants of SPEC §1 on every host backend."""
+"""Property tests (hypothesis) for the invariants of docs/contract.md §1 on every host backend."""
 
 from __future__ import annotations
 
