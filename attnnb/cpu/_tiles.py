@@ -266,12 +266,32 @@ def online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer)
     on its own and then added (:func:`values_product`).
 
     When the value tile holds NaN or Inf (``v_finite`` False) the product
-    skips zero weights, so a masked key never reaches a row, even as NaN.
+    skips zero weights, so a masked key never reaches a row, even as NaN;
+    and a rescaling whose factor underflows to 0 clears the accumulator
+    rather than multiply it: a value behind a weight that has underflowed
+    leaves no trace (the rule in :mod:`attnnb.reference._common`).
+
+    For ``relu_expm1`` the weight is ``exp(S) * F`` with ``F = 1 - exp(-s)``,
+    about ``s`` for a tiny logit.  A factor below ``2**-40`` is folded into the
+    logit (``S += log F``, ``F = 1``), so that the shift follows the largest
+    weight within ``40 ln 2 + LAZY`` even when every positive logit of a row
+    is tiny: otherwise the row's weights, sum and products are subnormal and
+    lose their digits (and ``1 / l`` overflows).  Larger factors keep the
+    cheaper product.
     """
     nq, nk = S.shape
     dv = acc.shape[1]
     s = S.reshape(nq * nk)
     P = view2d(P_flat, nq, nk)
+    if normalizer == RELU_EXPM1:
+        for r in range(nq):
+            frow = F[r]
+            srow = S[r]
+            for c in range(nk):
+                f = frow[c]
+                if f < 9.094947017729282e-13 and f > 0.0:  # 2**-40; F = 0: not counted
+                    srow[c] += math.log(f)
+                    frow[c] = 1.0
     # per row: the max, and the shift m[r] it moves (lazily)
     full = nk == COLS
     if full:  # the row maxima go to the start of P_flat, written over below
@@ -291,8 +311,13 @@ def online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer)
             alpha = math.exp(mo - mx)
             l[r] *= alpha
             arow = acc[r]
-            for c in range(dv):
-                arow[c] *= alpha
+            if alpha == 0.0:
+                # the earlier weights all underflow to 0, and so do their terms, Inf or
+                # NaN values included (multiplying would make 0 * inf = NaN)
+                arow[:] = 0.0
+            else:
+                for c in range(dv):
+                    arow[c] *= alpha
             m[r] = mx
     # the weights and their sums: a whole tile per call where it is full
     if full and normalizer != RELU_EXPM1:
@@ -334,8 +359,21 @@ def finish_rows(acc, m, l, normalizer, out_rows, lse_rows):
     Rows whose allowed set is empty, or whose weights sum to zero, get zeros
     and ``lse = -inf``; rows that met a NaN logit get NaN.  For ``softmax1``
     ``Z = l + exp(-m)`` (the ``+1`` in units of ``exp(m)``); the LSE excludes it.
+
+    ``Z`` may be out of reach of a plain ``acc * (1 / Z)``.  ``softmax1``'s
+    ``exp(-m)`` overflows for very negative logits, so ``acc / Z`` is taken as
+    ``(acc / l) * sigmoid(lse)``: in that order, and in two passes, so that
+    the fast-math reassociation cannot form ``sigmoid(lse) / l`` (subnormal
+    when ``m`` is).  ``relu_expm1``'s ``l`` would be tiny when all the row's
+    positive logits are (``phi(s) ~ s``); :func:`online_update` keeps it
+    near 1, and should a sum below ``4 / finfo.max`` (where ``1 / l``
+    overflows) still arrive, the power of two of ``l`` is divided out of
+    ``acc`` exactly (``frexp`` / ``ldexp``) before the reciprocal.  The test
+    is on ``l``, not on ``1 / l``: under the fast-math flags LLVM may
+    evaluate ``1 / l`` in ``l``'s dtype whatever its Numba type.
     """
     nq, dv = acc.shape
+    l_min = 4.0 / np.finfo(l.dtype).max
     for r in range(nq):
         if m[r] != m[r]:
             out_rows[r, :] = np.nan
@@ -345,12 +383,22 @@ def finish_rows(acc, m, l, normalizer, out_rows, lse_rows):
             lse_rows[r] = -np.inf
         else:
             z = l[r]
-            if normalizer == SOFTMAX1:
-                z += math.exp(-m[r])
+            lse = m[r] + math.log(z)
+            lse_rows[r] = lse
+            if z < l_min:  # relu_expm1 only: the softmax sums are >= 1
+                mant, ex = math.frexp(z)
+                inv = 1.0 / mant
+                for c in range(dv):
+                    out_rows[r, c] = math.ldexp(acc[r, c], -ex) * inv
+                continue
             inv = 1.0 / z
             for c in range(dv):
                 out_rows[r, c] = acc[r, c] * inv
-            lse_rows[r] = m[r] + math.log(l[r])
+            if normalizer == SOFTMAX1:  # 1 / (l + e^-m) = sigmoid(lse) / l, stably
+                a = math.exp(-abs(lse))
+                sig = 1.0 / (1.0 + a) if lse >= 0.0 else a / (1.0 + a)
+                for c in range(dv):
+                    out_rows[r, c] *= sig
 
 
 @inner

@@ -151,6 +151,8 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
     ONE = dtype.type(1)
     NINF = dtype.type(-np.inf)
     NAN = dtype.type(np.nan)
+    F_FOLD = dtype.type(2.0**-40)  # relu_expm1 factors below this go into the logit
+    L_MIN = dtype.type(4 / np.finfo(dtype).max)  # below this, 1 / l would overflow
     index = cuda.jit(device=True)(index_or_zero)
     tiles_seen = cuda.jit(device=True)(key_tiles_seen)
     views = cuda.jit(device=True)(row_views)
@@ -247,11 +249,26 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
         the running ``sum exp(s - m) v``.  The tile's ``p @ v`` is summed on
         its own before it is added (``acc = acc * alpha + t``): one long
         chain over all keys loses accuracy.  Zero weights are skipped, so a
-        key outside the allowed set never reaches the row, even as NaN.
+        key outside the allowed set never reaches the row, even as NaN; and
+        when ``alpha`` underflows to 0 the accumulator is cleared rather than
+        multiplied, so a value behind a weight that underflowed leaves no
+        trace (the rule in :mod:`attnnb.reference._common`).
         ``S`` is overwritten with the weights ``p``.
+
+        For ``relu_expm1`` a factor ``F = 1 - exp(-s)`` below ``2**-40`` (a
+        tiny logit, ``F ~ s``) is folded into the logit (``S += log F``,
+        ``F = 1``), so that the running max follows the largest weight even
+        when all of a row's positive logits are tiny: otherwise the weights,
+        their sum and products are subnormal and lose their digits.
         """
         if m != m:
             return m, l
+        if normalizer == RELU_EXPM1:
+            for c in range(nk):
+                f = F[c]
+                if f < F_FOLD and f > ZERO:  # F = 0: a key that does not count
+                    S[c] += math.log(f)
+                    F[c] = ONE
         mx = m
         seen_nan = False
         for c in range(nk):
@@ -273,7 +290,8 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
             S[c] = p
             total += p
         for e in range(acc.shape[0]):
-            acc[e] *= alpha
+            # alpha = 0: the earlier weights underflowed; 0 * inf would be NaN
+            acc[e] = ZERO if alpha == ZERO else acc[e] * alpha
         add_weighted_row(S, nk, Vs, acc)
         return mx, l * alpha + total
 
@@ -303,7 +321,11 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
         Empty rows (no allowed key, or weights summing to zero) get zeros and
         ``-inf``; rows that met a NaN logit get NaN.  For ``softmax1``
         ``Z = l + exp(-m)`` (the ``+1`` in units of ``exp(m)``); the LSE
-        excludes it.
+        excludes it.  ``acc / Z`` is taken as ``(acc / l) * sigmoid(lse)``,
+        which neither overflows ``exp(-m)`` nor goes through a subnormal
+        ``exp(m)`` for very negative logits.  A sum ``l`` below
+        ``4 / finfo.max`` (where ``1 / l`` would overflow; :func:`online_row`
+        keeps ``relu_expm1``'s sums away from it) is divided by directly.
         """
         dv = out_row.shape[0]
         if m != m:
@@ -314,16 +336,22 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
             for e in range(dv):
                 out_row[e] = ZERO
             return NINF
-        if normalizer != SOFTMAX1:
+        lse = m + math.log(l)
+        if normalizer == SOFTMAX1:  # 1 / (l + e^-m) = sigmoid(lse) / l, stably
+            a = math.exp(-abs(lse))
+            sig = ONE / (ONE + a) if lse >= ZERO else a / (ONE + a)
             inv = ONE / l
-        elif m < ZERO:  # 1 / (l + e^-m) without overflowing e^-m: 0 when e^m underflows
-            em = math.exp(m)
-            inv = em / (l * em + ONE)
-        else:
-            inv = ONE / (l + math.exp(-m))
+            for e in range(dv):  # acc / l first: sigmoid(lse) / l can be subnormal
+                out_row[e] = (acc[e] * inv) * sig
+            return lse
+        if l < L_MIN:
+            for e in range(dv):
+                out_row[e] = acc[e] / l
+            return lse
+        inv = ONE / l
         for e in range(dv):
             out_row[e] = acc[e] * inv
-        return m + math.log(l)
+        return lse
 
     return SimpleNamespace(
         CAST=CAST, ZERO=ZERO, NINF=NINF, NAN=NAN, index=index, tiles_seen=tiles_seen,

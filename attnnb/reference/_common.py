@@ -1,4 +1,35 @@
-"""Shared pieces of the float64 reference: scores, allowed sets, normalizers."""
+"""Shared pieces of the float64 reference: scores, allowed sets, normalizers.
+
+Non-finite numbers follow these rules, on every backend (the contract's §1
+leaves the details to the implementation; these are the choices):
+
+* **Logits.** A NaN or Inf in ``q`` or ``k`` (or a non-finite ``bias``) reaches
+  a row through its logits ``s[i, j]``, over the row's allowed set only.  A
+  NaN or ``+inf`` logit makes the row NaN: output and LSE (PyTorch's softmax
+  gives NaN for a ``+inf`` logit too: ``inf - inf``).  A ``-inf`` logit is a
+  weight of exactly zero, as a ``-inf`` bias is; a row whose allowed logits
+  are all ``-inf`` is an empty row (zeros, ``lse = -inf``).
+* **Values.** A value enters a row only through a nonzero weight.  A key
+  outside the row's allowed set (mask, causal limit, pattern, top-k
+  selection) and an allowed key whose weight is zero never affect the row,
+  even if its value is NaN or Inf.  A weight is zero for a ``-inf`` logit,
+  for ``relu_expm1``'s logits ``<= 0``, and when it underflows: when
+  ``w[i, j]`` is below the smallest normal number of the compute dtype
+  (about ``e^-87.3`` in float32, ``e^-708.4`` in float64; a ``-1e4`` bias,
+  say).  The output is then the limit for a vanishing weight.  PyTorch's
+  ``softmax(s) @ v`` gives NaN instead (``0 * inf``).  A nonzero weight,
+  however small, carries a NaN or Inf value into the output columns where
+  it sits: ``w * inf = inf``, and ``inf - inf`` or ``0 * inf`` is NaN.  The
+  weights and the LSE never depend on ``v``.  Close to the underflow
+  threshold (within a factor of about ``Lk * e^8`` either way, more when the
+  row's largest logit lies in a later key tile than the key) the backends'
+  exponentials and running maxima may round a weight to zero or not
+  differently.
+* **Differential attention** (``mode="difference"``) forms each map's output
+  under these rules and then ``o1 - lam * o2``, as the reference
+  implementation's two attention calls do: an Inf value that both maps
+  attend gives NaN (``inf - lam * inf``).
+"""
 
 from __future__ import annotations
 
@@ -50,6 +81,15 @@ def normalize(s, allowed, log_key_size=None, normalizer="softmax"):
     w : float64 ``(B, H, Lq, Lk)``, zero outside the allowed set and on empty rows.
     lse : float64 ``(B, H, Lq)``, ``log sum_j key_size[j] * phi(s[i, j])``; ``-inf`` on
         empty rows.
+
+    Notes
+    -----
+    A NaN or ``+inf`` among a row's counted logits makes the whole row NaN
+    (``w`` and ``lse``); a ``-inf`` logit is a zero weight (see the module
+    docstring).  The normaliser may be tiny (``relu_expm1`` with tiny positive
+    logits: ``phi(s) ~ s``) and the weights are still ``e / z``.  For
+    ``softmax1`` the weights are ``(e / z) * sigmoid(lse)``, which equals
+    ``e / (z + e^-m)`` without overflowing ``e^-m`` for very negative logits.
     """
     t = s if log_key_size is None else s + log_key_size.astype(np.float64)[:, None, None, :]
     if normalizer == "relu_expm1":
@@ -61,37 +101,45 @@ def normalize(s, allowed, log_key_size=None, normalizer="softmax"):
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         m = np.max(t, axis=-1, keepdims=True) if t.shape[-1] else np.full(
             t.shape[:-1] + (1,), -np.inf)
-        m_safe = np.where(np.isneginf(m), 0.0, m)
+        # a NaN logit, or a +inf one (its weight is inf / inf), spoils its row only
+        nan_row = np.isnan(m) | np.isposinf(m)
+        m_safe = np.where(np.isfinite(m), m, 0.0)
         e = np.where(counted, np.exp(t - m_safe), 0.0)
         if normalizer == "relu_expm1":
             e = e * np.where(counted, -np.expm1(-s), 0.0)
         z = e.sum(axis=-1, keepdims=True)
-        lse = (m_safe + np.log(z))[..., 0]
-        denom = z + np.exp(-m_safe) if normalizer == "softmax1" else z
-        w = np.where(z > 0, e / np.where(z > 0, denom, 1.0), 0.0)
-    lse = np.where(z[..., 0] > 0, lse, -np.inf)
-    # NaN anywhere in a row's counted logits propagates to that row only
-    w = np.where(np.isnan(m), np.nan, w)
-    lse = np.where(np.isnan(m[..., 0]), np.nan, lse)
+        lse = m_safe + np.log(z)
+        w = np.where(z > 0, e / np.where(z > 0, z, 1.0), 0.0)
+        if normalizer == "softmax1":
+            a = np.exp(-np.abs(lse))  # sigmoid(lse) = 1 / (1 + e^-lse), stably
+            w = w * np.where(lse >= 0, 1.0 / (1.0 + a), a / (1.0 + a))
+    lse = np.where(z > 0, lse, -np.inf)[..., 0]
+    w = np.where(nan_row, np.nan, w)
+    lse = np.where(nan_row[..., 0], np.nan, lse)
     return w, lse
 
 
-def apply_weights(w, v, allowed):
-    """``w @ v`` where keys outside a row's allowed set never contribute.
+def apply_weights(w, v, allowed, dtype=None):
+    """``w @ v`` where a value enters a row only through a nonzero weight.
 
-    With finite values this is a plain matmul; when ``v`` holds NaN or Inf,
-    each row only sums its allowed keys, so a non-finite value reaches only
-    the rows that may attend it.
+    With finite values this is a plain matmul.  When ``v`` holds NaN or Inf,
+    each row sums only the keys it counts: allowed, and, given the compute
+    dtype ``dtype``, with a weight that does not underflow in it
+    (``|w| >= finfo(dtype).tiny``; NaN weights, on NaN rows, count).  So a
+    non-finite value reaches only the rows that weight it, and there only its
+    own columns (module docstring).  Without ``dtype`` every allowed key
+    counts, whatever its weight.
     """
     v = v.astype(np.float64)
     if np.isfinite(v).all():
         return np.matmul(w, v)
+    counts = allowed if dtype is None else allowed & ~(np.abs(w) < np.finfo(dtype).tiny)
     B, H, Lq, _ = w.shape
     out = np.zeros((B, H, Lq, v.shape[-1]))
-    with np.errstate(invalid="ignore"):  # 0 * inf = NaN is the propagation we want
+    with np.errstate(invalid="ignore"):  # inf - inf = NaN is the propagation we want
         for b in range(B):
             for h in range(H):
                 for i in range(Lq):
-                    sel = allowed[b, h, i]
+                    sel = counts[b, h, i]
                     out[b, h, i] = w[b, h, i, sel] @ v[b, h, sel]
     return out

@@ -29,5 +29,5 @@ def attention(problem):
     """
     w, lse, allowed = attention_weights(problem)
     v = expand_kv_heads(problem.v, problem.q.shape[1])
-    out = apply_weights(w, v, allowed)
+    out = apply_weights(w, v, allowed, problem.compute_dtype)
     return out, np.asarray(lse)

@@ -17,6 +17,25 @@ def pair_key_heads(h_pairs: int, hk_pairs: int) -> np.ndarray:
     return 2 * g[:, None] + np.arange(2)[None, :]
 
 
+def diff_maps(problem):
+    """The two softmax maps of a canonical problem, in float64.
+
+    Returns ``(A1, A2, allowed)``: float64 ``(B, H, Lq, Lk)`` each (zero outside
+    the allowed set and on empty rows, NaN on NaN rows) and the boolean allowed
+    set.  ``problem`` is as for :func:`diff_weights`.
+    """
+    B, H2, Hk2, Lq, Lk, _, _ = problem.shape
+    H = H2 // 2
+    heads = pair_key_heads(H, Hk2 // 2)
+    allowed = allowed_set((B, H, Lq, Lk), problem.mask, problem.causal)
+    maps = []
+    for c in range(2):
+        s = logits(problem.q[:, c::2], problem.k[:, heads[:, c]], problem.scale, problem.bias)
+        a, _ = normalize(s, allowed, problem.log_key_size, "softmax")
+        maps.append(a)
+    return maps[0], maps[1], allowed
+
+
 def diff_weights(problem, lam, mode="difference"):
     """The differential weights of a canonical problem, in float64.
 
@@ -33,23 +52,31 @@ def diff_weights(problem, lam, mode="difference"):
         keys outside the allowed set and on empty rows.
     allowed : bool ``(B, H, Lq, Lk)``
     """
-    B, H2, Hk2, Lq, Lk, _, _ = problem.shape
-    H = H2 // 2
-    heads = pair_key_heads(H, Hk2 // 2)
-    allowed = allowed_set((B, H, Lq, Lk), problem.mask, problem.causal)
-    maps = []
-    for c in range(2):
-        s = logits(problem.q[:, c::2], problem.k[:, heads[:, c]], problem.scale, problem.bias)
-        a, _ = normalize(s, allowed, problem.log_key_size, "softmax")
-        maps.append(a)
-    w = maps[0] - np.asarray(lam, np.float64)[..., None] * maps[1]
+    a1, a2, allowed = diff_maps(problem)
+    w = a1 - np.asarray(lam, np.float64)[..., None] * a2
     if mode == "rectified":
         w = np.maximum(w, 0.0)  # NaN rows stay NaN
     return w, allowed
 
 
 def diff_attention(problem, lam, mode="difference"):
-    """Differential attention of a canonical problem; float64 ``(B, H, Lq, Dv)``."""
-    w, allowed = diff_weights(problem, lam, mode)
-    v = expand_kv_heads(problem.v, w.shape[1])
-    return apply_weights(w, v, allowed)
+    """Differential attention of a canonical problem; float64 ``(B, H, Lq, Dv)``.
+
+    ``"difference"`` is ``A1 @ v - lam * (A2 @ v)``: equal to ``(A1 - lam A2) @ v``
+    for finite values, and for non-finite ones each map's output follows the
+    rules of :mod:`attnnb.reference._common` before the two are combined (so
+    an Inf value that both maps weight gives NaN, as two attention calls
+    subtracted do).  ``"rectified"`` weights the values by ``max(0, A1 - lam A2)``:
+    a clipped (zero) weight never carries a value.
+    """
+    dtype = problem.compute_dtype
+    if mode == "rectified":
+        w, allowed = diff_weights(problem, lam, mode)
+        v = expand_kv_heads(problem.v, w.shape[1])
+        return apply_weights(w, v, allowed, dtype)
+    a1, a2, allowed = diff_maps(problem)
+    v = expand_kv_heads(problem.v, a1.shape[1])
+    o1 = apply_weights(a1, v, allowed, dtype)
+    o2 = apply_weights(a2, v, allowed, dtype)
+    with np.errstate(invalid="ignore"):  # inf - inf = NaN is the propagation we want
+        return o1 - np.asarray(lam, np.float64)[..., None] * o2

@@ -36,4 +36,4 @@ def topk_attention(problem, top_k):
     lks = None if problem.log_key_size is None else problem.log_key_size.astype(np.float64)
     keep = topk_selection(s, allowed, lks, top_k)
     w, lse = normalize(s, keep, problem.log_key_size, "softmax")
-    return apply_weights(w, v, keep), np.asarray(lse)
+    return apply_weights(w, v, keep, problem.compute_dtype), np.asarray(lse)
