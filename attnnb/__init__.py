@@ -15,6 +15,7 @@ from ._dispatch import backends, use_backend
 from .attention import attention
 from .diff import diff_attention
 from .sparse import sparse_attention, topk_attention
+from .vjp import vjp
 
 __version__ = "0.1.0"
 
@@ -62,5 +63,6 @@ __all__ = [
     "tome",
     "topk_attention",
     "use_backend",
+    "vjp",
     "__version__",
 ]

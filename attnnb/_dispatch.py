@@ -150,17 +150,35 @@ def choose_backend(backend: str | None, on_device: bool) -> str:
     return backend
 
 
+def _not_implemented(operation: str, backend: str) -> NotImplementedError:
+    """The error for an operation that ``backend`` lacks (a :class:`RuntimeError` too).
+
+    Gradient operations (``"<function>_vjp"``) say so in words, as that is what
+    a user calling :func:`attnnb.vjp` asked for.
+    """
+    if operation.endswith(_VJP_SUFFIX):
+        function = operation[: -len(_VJP_SUFFIX)]
+        return NotImplementedError(
+            f"{function} gradients are not implemented on the {backend} backend yet"
+        )
+    return NotImplementedError(f"operation {operation!r} is not implemented on backend {backend!r}")
+
+
 def implementation(operation: str, backend: str) -> Callable:
-    """The callable registered for ``(operation, backend)``, importing it on first use."""
+    """The callable registered for ``(operation, backend)``, importing it on first use.
+
+    An operation that the backend does not implement is a
+    :class:`NotImplementedError` (a subclass of :class:`RuntimeError`).
+    """
     key = (operation, backend)
     fn = _LOADED.get(key)
     if fn is not None:
         return fn
+    missing = _not_implemented(operation, backend)
     target = _REGISTRY.get(key)
     if target is None:
-        raise RuntimeError(f"operation {operation!r} is not implemented on backend {backend!r}")
+        raise missing
     module, _, name = target.partition(":")
-    missing = RuntimeError(f"operation {operation!r} is not implemented on backend {backend!r}")
     with _LOCK:
         try:
             mod = importlib.import_module(module)
@@ -198,4 +216,21 @@ OPERATIONS = {
 
 for _op, (_module, _function) in OPERATIONS.items():
     for _backend in BACKENDS:
+        register(_op, _backend, f"attnnb.{_backend}.{_module}:{_function}")
+
+# Gradients (attnnb.vjp): one backward operation per differentiable function,
+# ``"<function>_vjp"``, with the interface documented in :mod:`attnnb.vjp`.  Only
+# the backends listed in GRADIENT_BACKENDS implement them so far; elsewhere
+# :func:`implementation` raises NotImplementedError saying so.
+_VJP_SUFFIX = "_vjp"
+GRADIENT_OPERATIONS = {
+    "attention_vjp": ("backward", "attention_vjp"),
+    "sparse_attention_vjp": ("backward", "sparse_attention_vjp"),
+    "topk_attention_vjp": ("backward", "topk_attention_vjp"),
+    "diff_attention_vjp": ("backward", "diff_attention_vjp"),
+}
+GRADIENT_BACKENDS = ("reference", "cpu")
+
+for _op, (_module, _function) in GRADIENT_OPERATIONS.items():
+    for _backend in GRADIENT_BACKENDS:
         register(_op, _backend, f"attnnb.{_backend}.{_module}:{_function}")

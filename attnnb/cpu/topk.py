@@ -41,9 +41,14 @@ GATHER_BELOW = 8
 
 @kernel
 def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                causal, top_k, out, lse):
+                causal, top_k, thr_rows, cut_rows, out, lse):
     """One task per (batch, query head, query tile); leading arguments as every tiled
-    kernel's (:mod:`attnnb.cpu._host`), ``bias`` a placeholder (never read)."""
+    kernel's (:mod:`attnnb.cpu._host`), ``bias`` a placeholder (never read).
+
+    ``thr_rows``, ``cut_rows`` ``(B, Hq, Lq)`` receive each row's selection
+    (:func:`~attnnb.cpu._sparse_tiles.row_threshold`), which the backward
+    pass holds fixed.
+    """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
     for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
         prepare_key_tile(k, v, kt, v_ok, task)
@@ -68,6 +73,7 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
             R[:, j0 : j0 + nk] = S
         for r in range(nq):
             thr[r], cut[r] = row_threshold(R[r], n_seen, top_k, buf)
+            thr_rows[b, h, i0 + r], cut_rows[b, h, i0 + r] = thr[r], cut[r]
         # pass 2: few keys kept per row: read just their values; many: the masked sweep
         # over the same tiles, through the shared online softmax
         if GATHER_BELOW * top_k <= n_seen:
@@ -82,6 +88,22 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
         finish_rows(acc, m, l, SOFTMAX, out[b, h, i0 : i0 + nq], lse[b, h, i0 : i0 + nq])
 
 
+def topk_selection(problem, top_k):
+    """Top-k attention and its selection: ``(out, lse, thr, cut)``.
+
+    Key ``j`` is kept by row ``i`` when its modified logit ``x`` (``s + log
+    key_size``, ``-inf`` outside the mask and causal limit) has ``x >
+    thr[i]``, or ``x == thr[i]`` and ``j <= cut[i]``, or is NaN; ``thr`` and
+    ``cut`` are ``(B, Hq, Lq)``.
+    """
+    B, Hq, _, Lq, _, _, _ = problem.shape
+    thr = np.zeros((B, Hq, Lq), problem.q.dtype)
+    cut = np.zeros((B, Hq, Lq), np.int64)
+    out, lse = run_sweep(topk_kernel, problem, int(top_k), thr, cut)
+    return out, lse, thr, cut
+
+
 def topk_attention(problem, top_k):
     """Top-k softmax attention of a canonical problem; returns ``(out, lse)``."""
-    return run_sweep(topk_kernel, problem, int(top_k))
+    out, lse, _, _ = topk_selection(problem, top_k)
+    return out, lse

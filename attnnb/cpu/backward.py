@@ -1,0 +1,423 @@
+"""Gradients of dense and sparse attention on the CPU: FlashAttention-2's backward.
+
+Nothing ``(Lq, Lk)`` is stored.  The forward's ``out`` and ``lse`` are
+enough to recompute every weight tile: ``p = exp(s' - lse)`` with ``s'``
+the modified logit of the forward (bias, mask, causal limit, ``log
+key_size``; :func:`~attnnb.cpu._tiles.modify_logits`).  With a row factor
+``r`` (1, or ``1 / (1 + e^-lse)`` for ``softmax1``, whose weights are
+``r p``) and ``F`` (1, or ``1 - e^-s`` for ``relu_expm1``, whose weights
+are ``p F``), every normalizer has the same backward::
+
+    w    = r p F                           the forward's weights
+    dp   = dout @ v^T                      per tile
+    ds   = r p (dp - delta)                delta = dout . out - dlse / r, per row
+    dv  += w^T @ dout,  dk += scale ds^T @ q,  dq += scale ds @ k
+    dbias = ds,  d log key_size += w (dp - delta)  (summed over queries and heads)
+
+Two kernels, as FlashAttention-2: :func:`dkdv_kernel` owns the gradients
+of one key tile (it sweeps the query tiles that can see it, for every
+query head of the GQA group: no write races) and :func:`dq_kernel` owns
+one query tile's ``dq``.  Both walk tile lists: the dense (or causal)
+problem's (:func:`dense_tiles`) or a sparse pattern's block layout, read
+by query tile for ``dq`` and by key tile for ``dk``/``dv``
+(:func:`by_key_tile`), so sparse attention's backward also costs in
+proportion to the allowed pairs.  All five matrix
+products are the forward's register-blocked ones: ``q k^T`` and
+``dout v^T`` read keys and values transposed tile by tile
+(:func:`~attnnb.cpu._tiles.prepare_key_tile`), the three others are
+:func:`~attnnb.cpu._tiles.values_product` on transposed weight tiles.
+Working memory: O(tile) per task, plus the transposed keys and values
+and the gradients themselves (the bias gradient is materialised only
+when a bias was given and needs one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from numba import prange
+
+from .._codes import NORMALIZER_CODES, RELU_EXPM1
+from ._blocks import COLS, ROWS
+from ._exp import exp_shifted
+from ._host import score_arguments
+from ._jit import inner, kernel, launch, wide_vectors
+from ._scratch import key_tile_buffers
+from ._sparse_tiles import csr_tile_mask
+from ._task import sweep_geometry
+from ._tiles import (
+    TILE_K,
+    TILE_Q,
+    modify_logits,
+    prepare_key_tile,
+    scaled_rows,
+    task_rows,
+    tile_logits_t,
+    values_product,
+    view2d,
+)
+from .attention import attention as attention_forward
+from .topk import topk_selection
+
+
+@inner
+def pair_scratch(dt, d, dv):
+    """Flat scratch of one task for a (query tile, key tile) pair, in dtype ``dt``."""
+    tile = TILE_Q * TILE_K
+    return (np.empty(TILE_Q * d, dt), np.empty(TILE_Q * dv, dt), np.empty(tile, dt),
+            np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt),
+            np.empty(tile, dt), np.empty(ROWS * COLS, dt))
+
+
+@inner
+def pair_gradients(q_bh, dout_bh, kth, vth, i0, nq, j0, nk, scale, diag, bias_bh, has_bias,
+                   mask_bh, has_mask, logks_b, has_ks, normalizer, lse_bh, ratio_bh, delta_bh,
+                   csr_masked, indptr, indices, row0, cursor, selected, thr_bh, cut_bh, q_flat,
+                   do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat, Tr_flat):
+    """Weights ``W`` and logit gradients ``dS`` of one (query tile, key tile) pair.
+
+    Recomputes the forward's modified logits of rows ``i0 : i0 + nq`` and
+    keys ``j0 : j0 + nk`` (see the module docstring), with the element mask
+    of a sparse pattern's partial tile when ``csr_masked`` (CSR rows
+    ``row0 ..`` of ``indptr``/``indices``; ``cursor`` is scratch of ``nq``)
+    and, when ``selected``, only the keys of the forward's top-k selection
+    (``thr_bh``, ``cut_bh``: :func:`attnnb.cpu.topk.topk_selection`);
+    returns ``(W, dS, dP)``,
+    ``(nq, nk)`` views of ``W_flat``, ``dS_flat`` and ``dP_flat``, with
+    ``dP`` overwritten by ``dP - delta`` (what ``d log key_size`` needs).
+    Rows with ``lse = -inf`` (nothing allowed) have zero weights and
+    gradients.
+    """
+    qs = scaled_rows(q_bh, i0, nq, scale, q_flat)
+    S = tile_logits_t(qs, kth, j0, nk, S_flat)
+    if csr_masked:
+        # the pairs are visited in any order: find each row's first key >= j0
+        for r in range(nq):
+            a, b = indptr[row0 + r], indptr[row0 + r + 1]
+            cursor[r] = a + np.searchsorted(indices[a:b], j0)
+        csr_tile_mask(S, indptr, indices, row0, j0, cursor)
+    F = view2d(F_flat, nq, nk) if normalizer == RELU_EXPM1 else S
+    modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b, has_ks,
+                  normalizer)
+    if selected:  # the forward's rule, on the same modified logits
+        for r in range(nq):
+            thr, cut = thr_bh[i0 + r], cut_bh[i0 + r]
+            for c in range(nk):
+                x = S[r, c]
+                if not (x > thr or (x == thr and j0 + c <= cut) or x != x):
+                    S[r, c] = -np.inf
+    do = scaled_rows(dout_bh, i0, nq, 1.0, do_flat)
+    dP = tile_logits_t(do, vth, j0, nk, dP_flat)
+    W = view2d(W_flat, nq, nk)
+    dS = view2d(dS_flat, nq, nk)
+    for r in range(nq):
+        lse = lse_bh[i0 + r]
+        if lse == -np.inf:  # an empty row: no weight, no gradient
+            W[r, :] = 0.0
+            dS[r, :] = 0.0
+            dP[r, :] = 0.0
+            continue
+        exp_shifted(S[r], W[r], lse, nk)  # p = exp(s' - lse)
+        ratio, delta = ratio_bh[i0 + r], delta_bh[i0 + r]
+        for c in range(nk):
+            p = ratio * W[r, c]
+            g = dP[r, c] - delta
+            dS[r, c] = p * g
+            dP[r, c] = g
+            W[r, c] = p * F[r, c] if normalizer == RELU_EXPM1 else p
+    return W, dS, dP
+
+
+@inner
+def transpose_into(A, flat):
+    """``A^T`` as a C-contiguous view of ``flat`` (``A`` is ``(n, m)``)."""
+    n, m = A.shape
+    At = view2d(flat, m, n)
+    for r in range(n):
+        for c in range(m):
+            At[c, r] = A[r, c]
+    return At
+
+
+@kernel
+def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
+                has_ks, causal, normalizer, dout, lse, ratio, delta, p_heads, indptr, indices,
+                csr, selected, thr, cut, col_ptr, col_qt, col_full, need_dbias, dk, dv, dbias,
+                dlogks):
+    """One task per (batch, key head, key tile): ``dk``, ``dv`` and that tile's
+    ``dbias`` columns and ``dlogks`` (per key head; summed on the host).
+
+    The query tiles that see key tile ``t`` of pattern head ``ph`` are
+    ``col_qt[col_ptr[ph * n_kt + t] : col_ptr[ph * n_kt + t + 1]]`` (the
+    forward's tile lists read by key tile, :func:`by_key_tile`); ``col_full``
+    says which need no element mask from the CSR rows (``csr``).
+    """
+    B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
+    Hk, D = k.shape[1], k.shape[3]
+    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
+        prepare_key_tile(k, v, kt, v_ok, task)
+        prepare_key_tile(v, k, vt, k_ok, task)
+    for task in prange(B * Hk * n_kt):
+        wide_vectors()
+        b, g, t = task // (Hk * n_kt), (task // n_kt) % Hk, task % n_kt
+        j0 = t * TILE_K
+        nk = min(TILE_K, Lk - j0)
+        (q_flat, do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat, Tr_flat,
+         T_flat) = pair_scratch(q.dtype, D, Dv)
+        cursor = np.empty(TILE_Q, np.int64)
+        dk_acc = np.zeros((nk, D), q.dtype)
+        dv_acc = np.zeros((nk, Dv), q.dtype)
+        for h in range(g * group, (g + 1) * group):
+            ph = h if p_heads > 1 else 0
+            col = ph * n_kt + t
+            for p in range(col_ptr[col], col_ptr[col + 1]):
+                i0 = col_qt[p] * TILE_Q
+                nq = min(TILE_Q, Lq - i0)
+                partial = csr and not col_full[p]  # (no control flow inside a call)
+                W, dS, G = pair_gradients(
+                    q[b, h], dout[b, h], kt[b, g], vt[b, g], i0, nq, j0, nk, scale, diag,
+                    bias[b, h], has_bias, mask[b, h], has_mask, logks[b], has_ks, normalizer,
+                    lse[b, h], ratio[b, h], delta[b, h], partial, indptr, indices,
+                    ph * Lq + i0, cursor, selected, thr[b, h], cut[b, h], q_flat, do_flat,
+                    S_flat, F_flat, W_flat, dS_flat, dP_flat, Tr_flat)
+                values_product(transpose_into(W, Tr_flat), dout[b, h], i0, dv_acc, T_flat)
+                values_product(transpose_into(dS, Tr_flat), q[b, h], i0, dk_acc, T_flat)
+                if need_dbias:
+                    for r in range(nq):
+                        for c in range(nk):
+                            dbias[b, h, i0 + r, j0 + c] = dS[r, c]
+                if has_ks:
+                    for r in range(nq):
+                        for c in range(nk):
+                            dlogks[b, g, j0 + c] += W[r, c] * G[r, c]
+        for c in range(nk):
+            for e in range(D):
+                dk[b, g, j0 + c, e] = scale * dk_acc[c, e]
+            for e in range(Dv):
+                dv[b, g, j0 + c, e] = dv_acc[c, e]
+
+
+@kernel
+def dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
+              has_ks, causal, normalizer, dout, lse, ratio, delta, p_heads, indptr, indices,
+              csr, selected, thr, cut, row_ptr, row_kt, row_full, dq):
+    """One task per (batch, query head, query tile): ``dq`` of its rows, over the key
+    tiles ``row_kt[row_ptr[ph * n_qt + qt] : ...]`` of the forward's tile lists."""
+    B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
+    D = k.shape[3]
+    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
+        prepare_key_tile(k, v, kt, v_ok, task)
+        prepare_key_tile(v, k, vt, k_ok, task)
+    for task in prange(B * Hq * n_qt):
+        wide_vectors()
+        b, h, qt, i0, nq = task_rows(task, Hq, n_qt, TILE_Q, Lq)
+        g = h // group
+        ph = h if p_heads > 1 else 0
+        row = ph * n_qt + qt
+        (q_flat, do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat, Tr_flat,
+         T_flat) = pair_scratch(q.dtype, D, Dv)
+        cursor = np.empty(TILE_Q, np.int64)
+        dq_acc = np.zeros((nq, D), q.dtype)
+        for p in range(row_ptr[row], row_ptr[row + 1]):
+            j0 = row_kt[p] * TILE_K
+            nk = min(TILE_K, Lk - j0)
+            partial = csr and not row_full[p]  # (no control flow inside a call)
+            _, dS, _ = pair_gradients(
+                q[b, h], dout[b, h], kt[b, g], vt[b, g], i0, nq, j0, nk, scale, diag,
+                bias[b, h], has_bias, mask[b, h], has_mask, logks[b], has_ks, normalizer,
+                lse[b, h], ratio[b, h], delta[b, h], partial, indptr, indices,
+                ph * Lq + i0, cursor, selected, thr[b, h], cut[b, h], q_flat, do_flat, S_flat,
+                F_flat, W_flat, dS_flat, dP_flat, Tr_flat)
+            values_product(dS, k[b, g], j0, dq_acc, T_flat)
+        for r in range(nq):
+            for e in range(D):
+                dq[b, h, i0 + r, e] = scale * dq_acc[r, e]
+
+
+def dense_tiles(Lq, Lk, causal):
+    """The dense (or causal) problem's tile lists: ``(row_ptr, row_kt, row_full)``.
+
+    Query tile ``qt`` sees key tiles ``0 .. last - 1`` (all of them, or up to its
+    last row's causal limit); ``full`` is True throughout (the causal diagonal is
+    applied per element by ``modify_logits``, not from a pattern).
+    """
+    n_qt, n_kt = -(-Lq // TILE_Q), -(-Lk // TILE_K)
+    diag = Lk - Lq if causal else Lk
+    i_last = np.minimum(np.arange(1, n_qt + 1) * TILE_Q, Lq) - 1
+    last = np.clip((i_last + diag) // TILE_K + 1, 0, n_kt)
+    row_ptr = np.concatenate([[0], np.cumsum(last)]).astype(np.int64)
+    row_kt = (np.arange(row_ptr[-1]) - np.repeat(row_ptr[:-1], last)).astype(np.int64)
+    return row_ptr, row_kt, np.ones(row_kt.size, np.bool_)
+
+
+def by_key_tile(row_ptr, row_kt, row_full, n_qt, n_kt):
+    """The same tile lists read by key tile: ``(col_ptr, col_qt, col_full)``.
+
+    Rows of the input are ``p_heads * n_qt`` (pattern head, query tile); the
+    output's columns are ``p_heads * n_kt`` (pattern head, key tile), each
+    listing its query tiles in increasing order.  O(tiles), once per call.
+    """
+    counts = np.diff(row_ptr)
+    rows = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    col = (rows // n_qt) * n_kt + row_kt
+    order = np.argsort(col, kind="stable")
+    n_cols = (counts.size // max(n_qt, 1)) * n_kt
+    col_ptr = np.concatenate([[0], np.cumsum(np.bincount(col, minlength=n_cols))])
+    return (col_ptr.astype(np.int64), (rows % max(n_qt, 1))[order].astype(np.int64),
+            np.ascontiguousarray(row_full[order]))
+
+
+def row_terms(problem, out, lse, dout, dlse):
+    """``(ratio, delta)`` per row, ``(B, Hq, Lq)`` in the compute dtype.
+
+    ``ratio`` is ``r`` of the module docstring; ``delta = dout . out - dlse / r``
+    (summed in float64).  Empty rows (``lse = -inf``) get 0 for both.
+    """
+    dt = problem.q.dtype
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        if problem.normalizer == "softmax1":
+            ratio = 1.0 / (1.0 + np.exp(-lse.astype(np.float64)))
+        else:
+            ratio = np.ones(lse.shape)
+        delta = np.einsum("bhid,bhid->bhi", dout, out, dtype=np.float64)
+        if dlse is not None:
+            delta = delta - dlse / ratio
+        empty = np.isneginf(lse)
+        delta = np.where(empty, 0.0, delta)
+        ratio = np.where(empty, 0.0, ratio)
+    return np.ascontiguousarray(ratio, dt), np.ascontiguousarray(delta, dt)
+
+
+def tiled_vjp(problem, out, lse, dout, dlse, need_bias, pattern=None, selection=None):
+    """Gradients of dense (``pattern=None``) or sparse attention of a canonical problem.
+
+    Parameters
+    ----------
+    problem : :class:`~attnnb._validate.Problem`
+        ``q (B, Hq, Lq, D)``, ``k, v (B, Hk, Lk, D / Dv)``, compute dtype.
+    out, lse : the forward's ``(B, Hq, Lq, Dv)`` output and ``(B, Hq, Lq)`` LSE.
+    dout : ``(B, Hq, Lq, Dv)``; dlse : ``(B, Hq, Lq)`` or None.
+    need_bias : bool
+        Materialise the bias gradient (only when a bias was given).
+    pattern : :class:`~attnnb.patterns.Pattern`, optional
+    selection : ``(thr, cut)``, optional
+        A top-k selection held fixed (:func:`attnnb.cpu.topk.topk_selection`).
+
+    Returns
+    -------
+    dict with ``"q"``, ``"k"``, ``"v"`` (canonical shapes), ``"bias"`` (full
+    ``(B, Hq, Lq, Lk)``, or None) and ``"log_key_size"`` (``(B, Lk)``, or None).
+    """
+    q, k, v = problem.q, problem.k, problem.v
+    B, Hq, Hk, Lq, Lk, D, Dv = problem.shape
+    dt = q.dtype
+    dq, dk, dv = np.zeros(q.shape, dt), np.zeros(k.shape, dt), np.zeros(v.shape, dt)
+    has_ks = problem.log_key_size is not None
+    need_bias = bool(need_bias and problem.bias is not None)
+    dbias = np.zeros((B, Hq, Lq, Lk) if need_bias else (1, 1, 1, 1), dt)
+    dlogks = np.zeros((B, Hk, Lk) if has_ks else (1, 1, 1), dt)
+    grads = {"q": dq, "k": dk, "v": dv, "bias": dbias if need_bias else None,
+             "log_key_size": np.zeros((B, Lk), dt) if has_ks else None}
+    if q.size == 0 or k.size == 0 or v.size == 0:
+        return grads
+    n_qt, n_kt = -(-Lq // TILE_Q), -(-Lk // TILE_K)
+    if pattern is None:
+        p_heads, indptr, indices = 1, np.zeros(1, np.int64), np.zeros(1, np.int64)
+        rows = dense_tiles(Lq, Lk, problem.causal)
+    else:
+        layout = pattern.blocks(TILE_Q, TILE_K)
+        p_heads, indptr, indices = pattern.n_heads, pattern.indptr, pattern.indices
+        rows = (layout.tile_ptr, layout.tile_idx, layout.tile_full)
+    cols = by_key_tile(*rows, n_qt, n_kt)
+    if selection is None:
+        thr, cut = np.zeros((1, 1, 1), dt), np.zeros((1, 1, 1), np.int64)
+    else:
+        thr, cut = selection
+    dout = np.ascontiguousarray(dout, dt)
+    lse = np.ascontiguousarray(lse, dt)
+    ratio, delta = row_terms(problem, out, lse, dout, dlse)
+    bias, mask, logks = score_arguments(problem)
+    common = (dt.type(problem.scale), bias, problem.bias is not None, mask,
+              problem.mask is not None, logks, has_ks, problem.causal,
+              NORMALIZER_CODES[problem.normalizer], dout, lse, ratio, delta, p_heads, indptr,
+              indices, pattern is not None, selection is not None, thr, cut)
+    with key_tile_buffers(k, v) as (kt, v_ok), key_tile_buffers(v, k) as (vt, k_ok):
+        launch(dkdv_kernel, q, k, v, kt, vt, k_ok, v_ok, *common, *cols, need_bias, dk, dv,
+               dbias, dlogks)
+        launch(dq_kernel, q, k, v, kt, vt, k_ok, v_ok, *common, *rows, dq)
+    if has_ks:
+        grads["log_key_size"] = dlogks.sum(axis=1)
+    return grads
+
+
+def _sum_to(g, shape):
+    """``g (B, Hq, Lq, Lk)`` summed over the axes where ``shape`` has 1."""
+    axes = tuple(a for a, (n, m) in enumerate(zip(g.shape, shape)) if m == 1 and n != 1)
+    return g.sum(axis=axes, keepdims=True).reshape(shape) if axes else g
+
+
+def attention_vjp(problem, out, lse, dout, dlse, dbias_shape=None):
+    """Gradients of :func:`attnnb.attention` (the interface of :mod:`attnnb.vjp`).
+
+    The bias gradient is formed full size, ``(B, Hq, Lq, Lk)``, then summed
+    to ``dbias_shape``: each key-tile task owns its columns, so there are
+    no write races, at the cost of that buffer for a broadcast bias.
+    """
+    g = tiled_vjp(problem, out, lse, dout, dlse, dbias_shape is not None)
+    dbias = None if dbias_shape is None else _sum_to(g["bias"], tuple(dbias_shape))
+    return g["q"], g["k"], g["v"], dbias, g["log_key_size"]
+
+
+def sparse_attention_vjp(problem, pattern, out, lse, dout, dlse):
+    """Gradients of :func:`attnnb.sparse_attention`: the pattern's tiles only."""
+    g = tiled_vjp(problem, out, lse, dout, dlse, False, pattern=pattern)
+    return g["q"], g["k"], g["v"], None, g["log_key_size"]
+
+
+def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
+    """Gradients of :func:`attnnb.diff_attention` (``mode="difference"``).
+
+    ``out = o1 - lam * o2`` with ``o_c`` plain attention of stream ``c``
+    (query heads ``c::2``, key heads ``c::2``, the shared values): each
+    stream's forward is recomputed (for its LSE and ``o2``), then each
+    stream's backward runs with ``dout`` and ``-lam * dout``, and
+    ``dlam = -sum(dout * o2)``.  Bias and key-size gradients add both maps'.
+    The rectified mode's gradients are not implemented on this backend yet.
+    """
+    if mode != "difference":
+        raise NotImplementedError(
+            "diff_attention gradients with mode='rectified' are not implemented on the cpu "
+            "backend yet (use backend='reference')")
+    dt = problem.q.dtype
+    lam = np.asarray(lam, dt)
+    dout = np.ascontiguousarray(dout, dt)
+    grads, o2 = [], None
+    for c in range(2):
+        stream = dataclasses.replace(problem, q=np.ascontiguousarray(problem.q[:, c::2]),
+                                     k=np.ascontiguousarray(problem.k[:, c::2]))
+        o_c, lse_c = attention_forward(stream)
+        if c == 1:
+            o2 = o_c
+        d_c = dout if c == 0 else np.ascontiguousarray(-lam[..., None] * dout)
+        grads.append(attention_vjp(stream, o_c, lse_c, d_c, None, dbias_shape))
+    (dq1, dk1, dv1, db1, dl1), (dq2, dk2, dv2, db2, dl2) = grads
+    dq = np.empty(problem.q.shape, dt)
+    dq[:, 0::2], dq[:, 1::2] = dq1, dq2
+    dk = np.empty(problem.k.shape, dt)
+    dk[:, 0::2], dk[:, 1::2] = dk1, dk2
+    dlam = -np.einsum("bhid,bhid->bhi", dout, o2, dtype=np.float64).astype(dt)
+    dbias = None if db1 is None else db1 + db2
+    dlogks = None if dl1 is None else dl1 + dl2
+    return dq, dk, dv1 + dv2, dbias, dlogks, dlam
+
+
+def topk_attention_vjp(problem, top_k, out, lse, dout, dlse):
+    """Gradients of :func:`attnnb.topk_attention`, its selection held fixed.
+
+    The selection is recomputed by the forward kernel itself (one more
+    forward pass), so it is the forward's exactly, ties included.
+    """
+    _, _, thr, cut = topk_selection(problem, top_k)
+    g = tiled_vjp(problem, out, lse, dout, dlse, False, selection=(thr, cut))
+    return g["q"], g["k"], g["v"], None, g["log_key_size"]

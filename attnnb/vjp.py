@@ -1,0 +1,463 @@
+"""Gradients: :func:`vjp`, the vector-Jacobian product of an attention call.
+
+``result, pullback = attnnb.vjp(fn, *args, **kwargs)`` runs ``fn(*args,
+**kwargs)`` for ``fn`` one of :func:`attnnb.attention`,
+:func:`attnnb.sparse_attention`, :func:`attnnb.topk_attention` and
+:func:`attnnb.diff_attention`, and returns its result with a function that
+maps an output cotangent to the gradients of every differentiable argument
+(docs/contract.md §5).
+
+The public layer (this module) validates the arguments exactly as ``fn``
+does, runs the forward operation of the dispatcher (``"attention"``, ...)
+keeping its canonical ``out`` and ``lse``, and on each ``pullback`` call runs
+the backward operation ``"<function>_vjp"`` on the same backend.  It then
+turns the canonical gradients back into the user's shapes and dtypes (GQA
+and broadcast axes summed, ``d log key_size`` turned into ``d key_size``).
+
+Backend interface
+-----------------
+A backend implements gradients by defining the four functions below and
+registering them in :mod:`attnnb._dispatch` (``GRADIENT_OPERATIONS`` names
+the module ``attnnb.<backend>.backward`` and the function; add the backend
+to ``GRADIENT_BACKENDS``).  Until then :func:`vjp` on that backend raises
+:class:`NotImplementedError` before any work.  ``attnnb.reference.backward``
+is the float64 oracle they are tested against.
+
+All arrays are canonical: 4-D, C-contiguous, in the compute dtype
+(``problem.compute_dtype``: float32, or float64 for float64 inputs), as the
+forward received and returned them.  ``problem`` is the
+:class:`~attnnb._validate.Problem` the forward ran on (``q (B, Hq, Lq, D)``,
+``k (B, Hk, Lk, D)``, ``v (B, Hk, Lk, Dv)``, ``mask`` and ``bias`` broadcast
+views of ``(B, Hq, Lq, Lk)``, ``log_key_size (B, Lk)``, ``causal``,
+``scale``, ``normalizer``).  ``out`` and ``lse`` are exactly what the same
+backend's forward operation returned for it.  Nothing may be written to.
+A backward function may be called several times and from several threads
+at once for the same saved forward.
+
+``attention_vjp(problem, out, lse, dout, dlse, dbias_shape)``
+    ``out, dout: (B, Hq, Lq, Dv)``, ``lse: (B, Hq, Lq)``, ``dlse: (B, Hq,
+    Lq)`` or None (no gradient flows into the LSE: treat as zeros).
+    ``dbias_shape``: None when ``problem.bias`` is None, else a 4-tuple
+    ``(B or 1, Hq or 1, Lq or 1, Lk or 1)``; the returned ``dbias`` has that
+    shape, summed over the axes given as 1 (the axes the user's bias was
+    broadcast along), so that no backend needs a full ``(B, Hq, Lq, Lk)``
+    buffer for a ``(Lq, Lk)`` bias.
+    Returns ``(dq, dk, dv, dbias, dlog_key_size)``: ``dq (B, Hq, Lq, D)``,
+    ``dk (B, Hk, Lk, D)`` and ``dv (B, Hk, Lk, Dv)`` (summed over the query
+    heads of each GQA group), ``dbias`` of shape ``dbias_shape`` or None,
+    ``dlog_key_size (B, Lk)`` (summed over heads and queries) or None when
+    ``problem.log_key_size`` is None.  Float32 or float64; the public layer
+    casts.
+``sparse_attention_vjp(problem, pattern, out, lse, dout, dlse)``
+    ``pattern``: the forward's :class:`~attnnb.patterns.Pattern` (shared, or
+    one per query head), a constant mask.  Returns as ``attention_vjp``
+    (``dbias`` is None: sparse attention takes no bias).
+``topk_attention_vjp(problem, top_k, out, lse, dout, dlse)``
+    ``top_k``: the forward's ``int``.  The selection (the keys each row
+    kept in the forward) is a constant; a backend recomputes it with the
+    forward's own deterministic rule (ranking by ``s + log key_size``,
+    ties to the lower key index), so it is the forward's selection exactly.
+    Returns as ``attention_vjp`` (``dbias`` is None).
+``diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape)``
+    ``problem`` built with ``head_pairs=True``: ``q (B, 2H, Lq, d)``, ``k
+    (B, 2Hk, Lk, d)``, ``v (B, Hk, Lk, Dv)``, mask and bias broadcast to
+    ``(B, H, Lq, Lk)``.  ``lam (B, H, Lq)`` and ``mode`` as the forward got
+    them; ``out, dout: (B, H, Lq, Dv)``.  The forward keeps no LSE, so the
+    backward recomputes whatever it needs of the two streams (their LSEs,
+    and ``o2`` for ``dlam``).  ``dbias_shape`` as above against ``(B, H,
+    Lq, Lk)``.  Returns ``(dq, dk, dv, dbias, dlog_key_size, dlam)`` with
+    ``dq (B, 2H, Lq, d)``, ``dk (B, 2Hk, Lk, d)``, ``dv (B, Hk, Lk, Dv)``,
+    ``dlam (B, H, Lq)``, the others as above (bias and key sizes get the sum
+    over both maps).
+
+The math the backends implement is written out in
+:mod:`attnnb.reference.backward`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _dispatch
+from ._validate import attention_problem, check_bool, compute_dtypes, host_float_array
+from .attention import attention
+from .diff import MODES, diff_attention, lambda_rows
+from .sparse import _check_pattern, _check_top_k, sparse_attention, topk_attention
+
+__all__ = ["vjp"]
+
+
+def vjp(fn, *args, **kwargs):
+    """Run an attention function and return its result with its pullback.
+
+    Parameters
+    ----------
+    fn : callable
+        One of :func:`attnnb.attention`, :func:`attnnb.sparse_attention`,
+        :func:`attnnb.topk_attention`, :func:`attnnb.diff_attention`.
+    *args, **kwargs
+        Its arguments, exactly as ``fn`` takes them (``backend=`` included).
+
+    Returns
+    -------
+    result
+        Exactly what ``fn(*args, **kwargs)`` returns: ``out``, or ``(out,
+        lse)`` with ``return_lse=True``.
+    pullback : callable
+        ``pullback(dout)``, or ``pullback(dout, dlse=None)`` with
+        ``return_lse=True``: ``dout`` of ``out``'s shape, ``dlse`` of
+        ``lse``'s shape or None (no gradient into the LSE).  Returns a
+        ``dict`` of gradients keyed by argument name: ``"q"``, ``"k"``,
+        ``"v"``, and ``"bias"``, ``"key_size"`` when those were given,
+        ``"lam"`` for :func:`attnnb.diff_attention`.
+
+    Raises
+    ------
+    TypeError
+        ``fn`` is not one of the four functions, or the arguments do not
+        fit its signature (and every error ``fn`` itself raises on them).
+    NotImplementedError
+        The chosen backend has no backward pass yet (checked before the
+        forward runs).
+
+    Notes
+    -----
+    Each gradient has the shape its argument was given in (broadcast axes
+    summed: a ``(Lq, Lk)`` bias gets a ``(Lq, Lk)`` gradient, ToMe's ``(B,
+    N, 1)`` sizes a ``(B, N, 1)`` one, a Python float ``lam`` a 0-d array)
+    and the argument's floating dtype; float16 is computed in float32.
+    Arguments given as Python numbers, integers or lists of numbers get the
+    output's dtype (a list of floats: float64, as NumPy reads it).
+
+    The gradients are exact with the discrete parts held fixed: the mask,
+    the causal limit, the pattern and the top-k selection of the forward
+    are constants; the kink of ``relu_expm1`` at 0 and the rectified clip at
+    0 have derivative 0; an empty row contributes nothing, never NaN.
+
+    The pullback keeps the canonical inputs and the forward's ``out`` and
+    ``lse`` (no copy where the forward needed none): writing into ``q``,
+    ``k``, ``v`` or the returned ``out`` before calling it changes the
+    gradients.  It runs on the backend the forward ran on, whatever
+    :func:`attnnb.use_backend` says at call time, and may be called several
+    times and from several threads.
+
+    Examples
+    --------
+    >>> import numpy as np, attnnb
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 5, 4)) for _ in range(3))
+    >>> out, pullback = attnnb.vjp(attnnb.attention, q, k, v, causal=True,
+    ...                            backend="reference")
+    >>> grads = pullback(np.ones_like(out))
+    >>> sorted(grads), grads["q"].shape
+    (['k', 'q', 'v'], (2, 5, 4))
+    """
+    spec = _SPECS.get(_key(fn))
+    if spec is None:
+        names = ", ".join(f"attnnb.{f.__name__}" for f in _FUNCTIONS)
+        raise TypeError(f"vjp supports {names}; got {fn!r}")
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return spec(bound.arguments)
+
+
+def _key(fn):
+    try:
+        return fn if fn in _SPECS else None
+    except TypeError:  # an unhashable object is no supported function either
+        return None
+
+
+# ---------------------------------------------------------------------------
+# gradient dtypes and shapes
+
+
+def _grad_dtype(x, fallback: np.dtype) -> np.dtype:
+    """The dtype of ``x``'s gradient: ``x``'s floating dtype, else ``fallback``.
+
+    Python numbers and integer arrays (accepted for bias, key sizes and lam)
+    have no floating dtype of their own and get ``fallback``, the output's
+    dtype; longdouble is computed and returned as float64, as the forward.
+    """
+    if isinstance(x, numbers.Number) and not isinstance(x, np.generic):
+        return np.dtype(fallback)
+    try:
+        dt = np.dtype(x.dtype)
+    except (AttributeError, TypeError):  # lists, or a dtype NumPy cannot read (torch)
+        dt = np.asarray(x).dtype
+    if dt.kind != "f":
+        return np.dtype(fallback)
+    return np.dtype(np.float64) if dt.itemsize > 8 else dt
+
+
+def _sum_to_shape(g: np.ndarray, shape: tuple) -> np.ndarray:
+    """Sum ``g`` over the axes that broadcasting ``shape`` to ``g.shape`` created."""
+    lead = g.ndim - len(shape)
+    if lead:
+        g = g.sum(axis=tuple(range(lead)))
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and g.shape[a] != 1)
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return np.asarray(g).reshape(shape)
+
+
+@dataclass(frozen=True)
+class _Arg:
+    """How to hand a canonical gradient back: the user's shape and dtype."""
+
+    shape: tuple
+    dtype: np.dtype
+
+    def restore(self, g) -> np.ndarray:
+        return np.asarray(g).reshape(self.shape).astype(self.dtype, copy=False)
+
+
+def _qkv_args(problem, q, k, v) -> dict[str, _Arg]:
+    """The user's shapes (from the canonical ones) and gradient dtypes of q, k, v."""
+    lead = 2 if problem.squeeze_head else 1
+    batch = problem.batch_shape
+    return {name: _Arg(batch + tuple(a.shape[lead:]), _grad_dtype(x, problem.out_dtype))
+            for name, x, a in (("q", q, problem.q), ("k", k, problem.k), ("v", v, problem.v))}
+
+
+@dataclass(frozen=True)
+class _Pairwise:
+    """A bias as the user gave it, against the canonical ``(B, H, Lq, Lk)``."""
+
+    shape: tuple
+    dtype: np.dtype
+    canonical: tuple  # (B or 1, H or 1, Lq or 1, Lk or 1): what the backend returns
+    batch: tuple
+    squeeze: bool  # 2-D inputs: the canonical (1, 1, Lq, Lk) has no user batch or head
+
+    @classmethod
+    def of(cls, bias, problem, H: int):
+        B, _, _, Lq, Lk, _, _ = problem.shape
+        shape = tuple(np.shape(bias))
+        batch = problem.batch_shape
+        full = batch + ((Lq, Lk) if problem.squeeze_head else (H, Lq, Lk))
+        user = (1,) * (len(full) - len(shape)) + shape  # validated: broadcasts to full
+        if problem.squeeze_head:
+            canonical = (1, 1)
+        else:
+            nb = len(batch)
+            canonical = (1 if all(n == 1 for n in user[:nb]) else B,
+                         1 if user[nb] == 1 else H)
+        canonical += tuple(1 if n == 1 else m for n, m in zip(user[-2:], full[-2:]))
+        return cls(shape, _grad_dtype(bias, problem.out_dtype), canonical, batch,
+                   problem.squeeze_head)
+
+    def restore(self, g) -> np.ndarray:
+        g = np.asarray(g)
+        if self.squeeze:
+            g = g[0, 0]
+        else:
+            lead = self.batch if g.shape[0] != 1 else (1,) * len(self.batch)
+            g = g.reshape(lead + g.shape[1:])
+        return _sum_to_shape(g, self.shape).astype(self.dtype, copy=False)
+
+
+@dataclass(frozen=True)
+class _KeySizes:
+    """Key sizes as the user gave them: ``d key_size = d log key_size / key_size``."""
+
+    shape: tuple
+    dtype: np.dtype
+    values: np.ndarray  # float64, ToMe's trailing axis dropped; broadcasts to (*batch, Lk)
+    tome: bool
+    batch: tuple
+
+    @classmethod
+    def of(cls, key_size, problem):
+        arr = np.asarray(key_size)
+        batch = problem.batch_shape
+        # the layout rule of attnnb._checks.log_key_sizes: ToMe's (B, N, 1)
+        tome = arr.ndim >= 1 and arr.shape[-1] == 1 and arr.ndim == len(batch) + 2
+        values = (arr[..., 0] if tome else arr).astype(np.float64)
+        return cls(arr.shape, _grad_dtype(key_size, problem.out_dtype), values, tome, batch)
+
+    def restore(self, dlog) -> np.ndarray:
+        dlog = np.asarray(dlog, np.float64)
+        g = dlog.reshape(self.batch + dlog.shape[-1:]) / self.values
+        g = _sum_to_shape(g, self.values.shape)
+        if self.tome:
+            g = g[..., None]
+        return g.astype(self.dtype, copy=False)
+
+
+def _cotangent(name, x, shape, canonical, dtype, of):
+    """Check a cotangent against its primal's shape; return it canonical."""
+    arr = host_float_array(name, x)
+    if arr.shape != tuple(shape):
+        raise ValueError(f"{name} must have the shape of {of}, {tuple(shape)}; got shape "
+                         f"{arr.shape}")
+    out = np.ascontiguousarray(arr.reshape(canonical), dtype=dtype)
+    return out if out.flags.writeable else out.copy()
+
+
+# ---------------------------------------------------------------------------
+# the forward and its pullback
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """One forward pass: what each pullback call reads (never writes)."""
+
+    operation: str  # the backward operation, "<function>_vjp"
+    backward: Any
+    problem: Any
+    extras: tuple  # what follows ``problem`` in the forward call: pattern, top_k, (lam, mode)
+    out: Any
+    lse: Any  # None for diff_attention, whose forward keeps none
+    out_shape: tuple
+    args: dict  # name -> _Arg / _Pairwise / _KeySizes / _Lam
+    tail: tuple  # (dbias_shape,) for the functions that take a bias, else ()
+
+    def gradients(self, dout, dlse):
+        p = self.problem
+        dtype = p.compute_dtype
+        dout = _cotangent("dout", dout, self.out_shape, self.out.shape, dtype, "out")
+        if self.lse is None:
+            dq, dk, dv, dbias, dlks, dlam = self.backward(p, *self.extras, self.out, dout,
+                                                          *self.tail)
+        else:
+            if dlse is not None:
+                dlse = _cotangent("dlse", dlse, self.out_shape[:-1], self.lse.shape, dtype,
+                                  "lse")
+            dq, dk, dv, dbias, dlks = self.backward(p, *self.extras, self.out, self.lse, dout,
+                                                    dlse, *self.tail)
+            dlam = None
+        raw = {"q": dq, "k": dk, "v": dv, "bias": dbias, "key_size": dlks, "lam": dlam}
+        return {name: arg.restore(raw[name]) for name, arg in self.args.items()}
+
+
+def _pullback(saved: _Saved, return_lse: bool):
+    if return_lse:
+        def pullback(dout, dlse=None):
+            """Gradients for the cotangents ``dout`` (``out``'s shape) and ``dlse``.
+
+            ``dlse`` (``lse``'s shape) may be None: no gradient into the LSE.
+            Returns a ``dict`` keyed by argument name (see :func:`attnnb.vjp`).
+            """
+            return saved.gradients(dout, dlse)
+    else:
+        def pullback(dout):
+            """Gradients for the cotangent ``dout`` (``out``'s shape).
+
+            Returns a ``dict`` keyed by argument name (see :func:`attnnb.vjp`).
+            """
+            return saved.gradients(dout, None)
+    return pullback
+
+
+def _operations(name: str, backend, problem):
+    """Resolve the backend once; the backward is looked up before the forward runs."""
+    chosen = _dispatch.choose_backend(backend, problem.on_device)
+    backward = _dispatch.implementation(name + "_vjp", chosen)
+    return _dispatch.implementation(name, chosen), backward
+
+
+def _extra_args(a, problem, H, **given) -> dict:
+    args = _qkv_args(problem, a["q"], a["k"], a["v"])
+    if given.get("bias") is not None:
+        args["bias"] = _Pairwise.of(given["bias"], problem, H)
+    if given.get("key_size") is not None:
+        args["key_size"] = _KeySizes.of(given["key_size"], problem)
+    return args
+
+
+def _dbias_tail(name, args) -> tuple:
+    """The trailing ``dbias_shape`` argument of the backward operations that take one."""
+    if name not in ("attention", "diff_attention"):
+        return ()
+    return (args["bias"].canonical if "bias" in args else None,)
+
+
+def _lse_function(name, a, problem, extras, return_lse, bias=None):
+    """Shared tail of attention, sparse_attention and topk_attention."""
+    forward, backward = _operations(name, a["backend"], problem)
+    out_c, lse_c = forward(problem, *extras)
+    out, lse = problem.restore(out_c, lse_c)
+    Hq = problem.shape[1]
+    args = _extra_args(a, problem, Hq, bias=bias, key_size=a["key_size"])
+    saved = _Saved(name + "_vjp", backward, problem, extras, out_c, lse_c, out.shape, args,
+                   _dbias_tail(name, args))
+    return ((out, lse) if return_lse else out), _pullback(saved, return_lse)
+
+
+def _attention(a):
+    return_lse = check_bool("return_lse", a["return_lse"])
+    problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"], bias=a["bias"],
+                                key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
+                                normalizer=a["normalizer"])
+    return _lse_function("attention", a, problem, (), return_lse, bias=a["bias"])
+
+
+def _sparse_attention(a):
+    return_lse = check_bool("return_lse", a["return_lse"])
+    problem = attention_problem(a["q"], a["k"], a["v"], key_size=a["key_size"],
+                                scale=a["scale"], normalizer=a["normalizer"])
+    _, Hq, _, Lq, Lk, _, _ = problem.shape
+    pattern = _check_pattern(a["pattern"], Lq, Lk, Hq)
+    return _lse_function("sparse_attention", a, problem, (pattern,), return_lse)
+
+
+def _topk_attention(a):
+    return_lse = check_bool("return_lse", a["return_lse"])
+    top_k = _check_top_k(a["top_k"])
+    problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"],
+                                key_size=a["key_size"], causal=a["causal"], scale=a["scale"])
+    return _lse_function("topk_attention", a, problem, (top_k,), return_lse)
+
+
+def _diff_attention(a):
+    mode = a["mode"]
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"], bias=a["bias"],
+                                key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
+                                head_pairs=True)
+    if problem.squeeze_head:  # the refusal of diff_attention, word for word
+        raise ValueError(
+            "q, k and v must have a head axis: (*batch, 2H, L, d), (*batch, 2Hk, L, d) and "
+            f"(*batch, Hk, L, Dv); got 2-D q of shape {np.shape(problem.q)[2:]}"
+        )
+    B, H2, _, Lq, _, _, Dv = problem.shape
+    H = H2 // 2
+    comp = compute_dtypes(problem.q.dtype, problem.k.dtype, problem.v.dtype)[0]
+    lam_b = lambda_rows(a["lam"], problem.batch_shape, B, H, Lq, comp)
+    forward, backward = _operations("diff_attention", a["backend"], problem)
+    out_c = forward(problem, lam_b, mode)
+    out = out_c.reshape(problem.batch_shape + (H, Lq, Dv))
+    if not problem.on_device:
+        out = out.astype(problem.out_dtype, copy=False)
+    args = _extra_args(a, problem, H, bias=a["bias"], key_size=a["key_size"])
+    args["lam"] = _Lam(tuple(np.shape(a["lam"])), _grad_dtype(a["lam"], problem.out_dtype),
+                       problem.batch_shape)
+    saved = _Saved("diff_attention_vjp", backward, problem, (lam_b, mode), out_c, None,
+                   out.shape, args, _dbias_tail("diff_attention", args))
+    return out, _pullback(saved, False)
+
+
+@dataclass(frozen=True)
+class _Lam:
+    """``lam`` as the user gave it, against the canonical ``(B, H, Lq)``."""
+
+    shape: tuple
+    dtype: np.dtype
+    batch: tuple
+
+    def restore(self, g) -> np.ndarray:
+        g = np.asarray(g)
+        g = _sum_to_shape(g.reshape(self.batch + g.shape[1:]), self.shape)
+        return g.astype(self.dtype, copy=False)
+
+
+_FUNCTIONS = (attention, sparse_attention, topk_attention, diff_attention)
+_SPECS = dict(zip(_FUNCTIONS, (_attention, _sparse_attention, _topk_attention,
+                               _diff_attention)))

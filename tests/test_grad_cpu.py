@@ -1,0 +1,155 @@
+"""The cpu backward kernels against the float64 reference gradients (docs/contract.md §5).
+
+Awkward sizes (not multiples of the 64-row / 64-key tiles, ``Lq != Lk``),
+GQA, every normalizer, masks and biases of several broadcast shapes, key
+sizes, ``dlse``, sparse patterns (shared and per head), top-k and
+differential attention.  Tolerances relative to the largest entry: 1e-12
+in float64, 1e-4 in float32.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import numpy as np
+import pytest
+
+import attnnb
+from attnnb import patterns
+
+RTOL = {np.float64: 1e-12, np.float32: 1e-4}
+DTYPES = [np.float64, np.float32]
+
+
+def arr(rng, *shape, dtype=np.float64):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def both(fn, args, kwargs, dtype, seed=0):
+    """Gradients of ``fn`` on cpu and reference for one random cotangent."""
+    rng = np.random.default_rng(seed)
+    got, pull_c = attnnb.vjp(fn, *args, backend="cpu", **kwargs)
+    want, pull_r = attnnb.vjp(fn, *args, backend="reference", **kwargs)
+    if kwargs.get("return_lse"):
+        dout, dlse = arr(rng, *want[0].shape, dtype=dtype), arr(rng, *want[1].shape, dtype=dtype)
+        return pull_c(dout, dlse), pull_r(dout, dlse)
+    dout = arr(rng, *want.shape, dtype=dtype)
+    return pull_c(dout), pull_r(dout)
+
+
+def assert_close(got, want, dtype):
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        g = got[name]
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        assert np.isfinite(g).all(), name
+        scale = max(np.abs(w).max(), np.finfo(dtype).tiny)
+        err = np.abs(g.astype(np.float64) - w).max() / scale
+        assert err <= RTOL[dtype], (name, err)
+
+
+@pytest.fixture
+def qkv():
+    def make(dtype, B=2, Hq=4, Hk=2, Lq=70, Lk=131, D=24, Dv=40, seed=1):
+        rng = np.random.default_rng(seed)
+        return (arr(rng, B, Hq, Lq, D, dtype=dtype), arr(rng, B, Hk, Lk, D, dtype=dtype),
+                arr(rng, B, Hk, Lk, Dv, dtype=dtype))
+    return make
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("normalizer", ["softmax", "softmax1", "relu_expm1"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_every_option(qkv, dtype, normalizer, causal):
+    q, k, v = qkv(dtype)
+    rng = np.random.default_rng(2)
+    kwargs = dict(mask=rng.random((70, 131)) > 0.2, bias=arr(rng, 4, 1, 131, dtype=dtype),
+                  key_size=rng.integers(1, 4, (2, 131)).astype(dtype), causal=causal,
+                  normalizer=normalizer, return_lse=True)
+    assert_close(*both(attnnb.attention, (q, k, v), kwargs, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_shape", [(70, 131), (2, 4, 70, 131), (2, 1, 1, 131)])
+def test_bias_shapes(qkv, dtype, bias_shape):
+    q, k, v = qkv(dtype)
+    bias = arr(np.random.default_rng(3), *bias_shape, dtype=dtype)
+    assert_close(*both(attnnb.attention, (q, k, v), dict(bias=bias), dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_dimensional_one_head_and_empty_rows(dtype):
+    rng = np.random.default_rng(4)
+    q, k, v = arr(rng, 5, 8, dtype=dtype), arr(rng, 67, 8, dtype=dtype), arr(rng, 67, 3,
+                                                                             dtype=dtype)
+    mask = rng.random((5, 67)) > 0.5
+    mask[2] = False  # an empty row: zero gradients, never NaN
+    got, want = both(attnnb.attention, (q, k, v), dict(mask=mask), dtype)
+    assert_close(got, want, dtype)
+    assert not got["q"][2].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_logits_stay_finite(qkv, dtype):
+    """Logits of order 1e4: finite gradients.  Compared in float64 only: in float32 the
+    logits themselves carry errors of ~1e-3 there, which the weights amplify."""
+    q, k, v = qkv(dtype)
+    got, want = both(attnnb.attention, (q * 300, k * 300, v), dict(causal=True), dtype)
+    for g in got.values():
+        assert np.isfinite(g).all()
+    if dtype == np.float64:
+        for name in want:
+            scale = np.abs(want[name]).max()
+            assert np.abs(got[name] - want[name]).max() <= 1e-9 * scale, name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_sparse_patterns(qkv, dtype, per_head):
+    q, k, v = qkv(dtype)
+    rng = np.random.default_rng(5)
+    if per_head:
+        pattern = patterns.from_mask(rng.random((4, 70, 131)) > 0.8)
+    else:
+        pattern = patterns.local((70, 131), 17) | patterns.longformer((70, 131), 0, [0, 99])
+    kwargs = dict(key_size=rng.integers(1, 3, (2, 131)).astype(dtype), return_lse=True)
+    assert_close(*both(attnnb.sparse_attention, (q, k, v, pattern), kwargs, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_topk_selection_held_fixed(qkv, dtype, causal):
+    q, k, v = qkv(dtype)
+    kwargs = dict(causal=causal, return_lse=True)
+    assert_close(*both(attnnb.topk_attention, (q, k, v, 9), kwargs, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lam_shape", [(), (2, 1), (1, 2, 70)])
+def test_differential(dtype, lam_shape):
+    rng = np.random.default_rng(6)
+    q, k, v = (arr(rng, 1, 4, 70, 16, dtype=dtype), arr(rng, 1, 2, 131, 16, dtype=dtype),
+               arr(rng, 1, 1, 131, 32, dtype=dtype))
+    lam = 0.2 + 0.1 * rng.random(lam_shape)
+    kwargs = dict(bias=arr(rng, 70, 131, dtype=dtype), causal=True)
+    assert_close(*both(attnnb.diff_attention, (q, k, v, lam), kwargs, dtype), dtype)
+
+
+def test_rectified_says_not_implemented_on_cpu(qkv):
+    q, k, v = qkv(np.float64, Hq=2, Hk=2, Dv=24)
+    _, pullback = attnnb.vjp(attnnb.diff_attention, q, k, v[:, :1], 0.5, mode="rectified",
+                             backend="cpu")
+    with pytest.raises(NotImplementedError, match="rectified"):
+        pullback(np.ones((2, 1, 70, 24)))
+
+
+def test_concurrent_pullbacks_agree(qkv):
+    q, k, v = qkv(np.float32)
+    _, pullback = attnnb.vjp(attnnb.attention, q, k, v, causal=True, backend="cpu")
+    dout = np.ones((2, 4, 70, 40), np.float32)
+    want = pullback(dout)
+    with cf.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: pullback(dout), range(8)))
+    for got in results:
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])
