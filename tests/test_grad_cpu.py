@@ -125,22 +125,25 @@ def test_topk_selection_held_fixed(qkv, dtype, causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["difference", "rectified"])
 @pytest.mark.parametrize("lam_shape", [(), (2, 1), (1, 2, 70)])
-def test_differential(dtype, lam_shape):
+def test_differential(dtype, mode, lam_shape):
     rng = np.random.default_rng(6)
     q, k, v = (arr(rng, 1, 4, 70, 16, dtype=dtype), arr(rng, 1, 2, 131, 16, dtype=dtype),
                arr(rng, 1, 1, 131, 32, dtype=dtype))
     lam = 0.2 + 0.1 * rng.random(lam_shape)
-    kwargs = dict(bias=arr(rng, 70, 131, dtype=dtype), causal=True)
+    kwargs = dict(bias=arr(rng, 70, 131, dtype=dtype), causal=True, mode=mode,
+                  key_size=rng.integers(1, 3, (1, 131)).astype(dtype))
     assert_close(*both(attnnb.diff_attention, (q, k, v, lam), kwargs, dtype), dtype)
 
 
-def test_rectified_says_not_implemented_on_cpu(qkv):
-    q, k, v = qkv(np.float64, Hq=2, Hk=2, Dv=24)
-    _, pullback = attnnb.vjp(attnnb.diff_attention, q, k, v[:, :1], 0.5, mode="rectified",
-                             backend="cpu")
-    with pytest.raises(NotImplementedError, match="rectified"):
-        pullback(np.ones((2, 1, 70, 24)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rectified_gqa_and_mask(dtype):
+    rng = np.random.default_rng(7)
+    q, k, v = (arr(rng, 2, 8, 70, 16, dtype=dtype), arr(rng, 2, 4, 67, 16, dtype=dtype),
+               arr(rng, 2, 2, 67, 24, dtype=dtype))
+    kwargs = dict(mask=rng.random((70, 67)) > 0.3, mode="rectified")
+    assert_close(*both(attnnb.diff_attention, (q, k, v, 0.6), kwargs, dtype), dtype)
 
 
 def test_concurrent_pullbacks_agree(qkv):

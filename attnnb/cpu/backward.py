@@ -18,10 +18,10 @@ Two kernels, as FlashAttention-2: :func:`dkdv_kernel` owns the gradients
 of one key tile (it sweeps the query tiles that can see it, for every
 query head of the GQA group: no write races) and :func:`dq_kernel` owns
 one query tile's ``dq``.  Both walk tile lists: the dense (or causal)
-problem's (:func:`dense_tiles`) or a sparse pattern's block layout, read
-by query tile for ``dq`` and by key tile for ``dk``/``dv``
-(:func:`by_key_tile`), so sparse attention's backward also costs in
-proportion to the allowed pairs.  All five matrix
+problem's or a sparse pattern's block layout, read by query tile for
+``dq`` and by key tile for ``dk``/``dv`` (:mod:`attnnb.cpu._grad_tiles`),
+so sparse attention's backward also costs in proportion to the allowed
+pairs.  All five matrix
 products are the forward's register-blocked ones: ``q k^T`` and
 ``dout v^T`` read keys and values transposed tile by tile
 (:func:`~attnnb.cpu._tiles.prepare_key_tile`), the three others are
@@ -41,6 +41,7 @@ from numba import prange
 from .._codes import NORMALIZER_CODES, RELU_EXPM1
 from ._blocks import COLS, ROWS
 from ._exp import exp_shifted
+from ._grad_tiles import by_key_tile, dense_tiles, transpose_into
 from ._host import score_arguments
 from ._jit import inner, kernel, launch, wide_vectors
 from ._scratch import key_tile_buffers
@@ -58,6 +59,7 @@ from ._tiles import (
     view2d,
 )
 from .attention import attention as attention_forward
+from .rectified_backward import rectified_vjp
 from .topk import topk_selection
 
 
@@ -127,17 +129,6 @@ def pair_gradients(q_bh, dout_bh, kth, vth, i0, nq, j0, nk, scale, diag, bias_bh
             dP[r, c] = g
             W[r, c] = p * F[r, c] if normalizer == RELU_EXPM1 else p
     return W, dS, dP
-
-
-@inner
-def transpose_into(A, flat):
-    """``A^T`` as a C-contiguous view of ``flat`` (``A`` is ``(n, m)``)."""
-    n, m = A.shape
-    At = view2d(flat, m, n)
-    for r in range(n):
-        for c in range(m):
-            At[c, r] = A[r, c]
-    return At
 
 
 @kernel
@@ -233,39 +224,6 @@ def dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask
         for r in range(nq):
             for e in range(D):
                 dq[b, h, i0 + r, e] = scale * dq_acc[r, e]
-
-
-def dense_tiles(Lq, Lk, causal):
-    """The dense (or causal) problem's tile lists: ``(row_ptr, row_kt, row_full)``.
-
-    Query tile ``qt`` sees key tiles ``0 .. last - 1`` (all of them, or up to its
-    last row's causal limit); ``full`` is True throughout (the causal diagonal is
-    applied per element by ``modify_logits``, not from a pattern).
-    """
-    n_qt, n_kt = -(-Lq // TILE_Q), -(-Lk // TILE_K)
-    diag = Lk - Lq if causal else Lk
-    i_last = np.minimum(np.arange(1, n_qt + 1) * TILE_Q, Lq) - 1
-    last = np.clip((i_last + diag) // TILE_K + 1, 0, n_kt)
-    row_ptr = np.concatenate([[0], np.cumsum(last)]).astype(np.int64)
-    row_kt = (np.arange(row_ptr[-1]) - np.repeat(row_ptr[:-1], last)).astype(np.int64)
-    return row_ptr, row_kt, np.ones(row_kt.size, np.bool_)
-
-
-def by_key_tile(row_ptr, row_kt, row_full, n_qt, n_kt):
-    """The same tile lists read by key tile: ``(col_ptr, col_qt, col_full)``.
-
-    Rows of the input are ``p_heads * n_qt`` (pattern head, query tile); the
-    output's columns are ``p_heads * n_kt`` (pattern head, key tile), each
-    listing its query tiles in increasing order.  O(tiles), once per call.
-    """
-    counts = np.diff(row_ptr)
-    rows = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
-    col = (rows // n_qt) * n_kt + row_kt
-    order = np.argsort(col, kind="stable")
-    n_cols = (counts.size // max(n_qt, 1)) * n_kt
-    col_ptr = np.concatenate([[0], np.cumsum(np.bincount(col, minlength=n_cols))])
-    return (col_ptr.astype(np.int64), (rows % max(n_qt, 1))[order].astype(np.int64),
-            np.ascontiguousarray(row_full[order]))
 
 
 def row_terms(problem, out, lse, dout, dlse):
@@ -383,12 +341,10 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     stream's forward is recomputed (for its LSE and ``o2``), then each
     stream's backward runs with ``dout`` and ``-lam * dout``, and
     ``dlam = -sum(dout * o2)``.  Bias and key-size gradients add both maps'.
-    The rectified mode's gradients are not implemented on this backend yet.
+    The rectified mode has kernels of its own (:mod:`attnnb.cpu.rectified_backward`).
     """
     if mode != "difference":
-        raise NotImplementedError(
-            "diff_attention gradients with mode='rectified' are not implemented on the cpu "
-            "backend yet (use backend='reference')")
+        return rectified_vjp(problem, lam, dout, dbias_shape)
     dt = problem.q.dtype
     lam = np.asarray(lam, dt)
     dout = np.ascontiguousarray(dout, dt)

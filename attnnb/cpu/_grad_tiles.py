@@ -1,0 +1,58 @@
+"""Tile lists and small tile helpers shared by the CPU backward kernels.
+
+The backward sweeps (:mod:`attnnb.cpu.backward`,
+:mod:`attnnb.cpu.rectified_backward`) walk the forward's tile lists, read by
+query tile for ``dq`` and by key tile for ``dk``/``dv``; the products with a
+transposed weight tile go through :func:`transpose_into`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._jit import inner
+from ._tiles import TILE_K, TILE_Q, view2d
+
+
+@inner
+def transpose_into(A, flat):
+    """``A^T`` as a C-contiguous view of ``flat`` (``A`` is ``(n, m)``)."""
+    n, m = A.shape
+    At = view2d(flat, m, n)
+    for r in range(n):
+        for c in range(m):
+            At[c, r] = A[r, c]
+    return At
+
+
+def dense_tiles(Lq, Lk, causal):
+    """The dense (or causal) problem's tile lists: ``(row_ptr, row_kt, row_full)``.
+
+    Query tile ``qt`` sees key tiles ``0 .. last - 1`` (all of them, or up to its
+    last row's causal limit); ``full`` is True throughout (the causal diagonal is
+    applied per element by ``modify_logits``, not from a pattern).
+    """
+    n_qt, n_kt = -(-Lq // TILE_Q), -(-Lk // TILE_K)
+    diag = Lk - Lq if causal else Lk
+    i_last = np.minimum(np.arange(1, n_qt + 1) * TILE_Q, Lq) - 1
+    last = np.clip((i_last + diag) // TILE_K + 1, 0, n_kt)
+    row_ptr = np.concatenate([[0], np.cumsum(last)]).astype(np.int64)
+    row_kt = (np.arange(row_ptr[-1]) - np.repeat(row_ptr[:-1], last)).astype(np.int64)
+    return row_ptr, row_kt, np.ones(row_kt.size, np.bool_)
+
+
+def by_key_tile(row_ptr, row_kt, row_full, n_qt, n_kt):
+    """The same tile lists read by key tile: ``(col_ptr, col_qt, col_full)``.
+
+    Rows of the input are ``p_heads * n_qt`` (pattern head, query tile); the
+    output's columns are ``p_heads * n_kt`` (pattern head, key tile), each
+    listing its query tiles in increasing order.  O(tiles), once per call.
+    """
+    counts = np.diff(row_ptr)
+    rows = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    col = (rows // n_qt) * n_kt + row_kt
+    order = np.argsort(col, kind="stable")
+    n_cols = (counts.size // max(n_qt, 1)) * n_kt
+    col_ptr = np.concatenate([[0], np.cumsum(np.bincount(col, minlength=n_cols))])
+    return (col_ptr.astype(np.int64), (rows % max(n_qt, 1))[order].astype(np.int64),
+            np.ascontiguousarray(row_full[order]))

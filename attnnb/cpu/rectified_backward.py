@@ -1,0 +1,287 @@
+"""Gradients of rectified differential attention on the CPU.
+
+``out = P @ v`` with ``P = max(0, A1 - lam * A2)`` and ``A_c`` the softmax
+map of stream ``c`` (query heads ``2h + c``, key heads ``2g + c``).  With
+``G = [P > 0] * (dout @ v^T)`` (the clip at 0 has derivative 0)::
+
+    dv   = P^T @ dout
+    ds1  = A1 * (G - d1),        d1 = rowsum(G * A1)
+    ds2  = -lam * A2 * (G - e),  e  = rowsum(G * A2),   dlam = -e
+    dq_c = scale ds_c @ k_c,  dk_c = scale ds_c^T @ q_c,  dbias = ds1 + ds2
+
+The row sums ``d1`` and ``e`` need every key of a row before any ``ds``
+can be formed (unlike softmax's ``D = dout . out``, they cannot be read off
+the output, which the clip changed), so three sweeps run: the row sums per
+query tile, then ``dk``/``dv`` per key tile and ``dq`` per query tile as in
+:mod:`attnnb.cpu.backward`.  Each stream's LSE comes from the dense forward.
+Nothing ``(Lq, Lk)`` is stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from numba import prange
+
+from .._codes import SOFTMAX
+from ._blocks import COLS, ROWS
+from ._exp import exp_shifted
+from ._grad_tiles import by_key_tile, dense_tiles, transpose_into
+from ._host import score_arguments
+from ._jit import inner, kernel, launch, wide_vectors
+from ._scratch import key_tile_buffers
+from ._task import sweep_geometry
+from ._tiles import (
+    TILE_K,
+    TILE_Q,
+    key_tiles_seen,
+    modify_logits,
+    prepare_key_tile,
+    scaled_rows,
+    task_rows,
+    tile_logits_t,
+    values_product,
+    view2d,
+)
+from .attention import attention as attention_forward
+
+
+@inner
+def rect_scratch(dt, d, dv):
+    """Flat scratch of one task: queries, cotangent rows and seven tile buffers."""
+    tile = TILE_Q * TILE_K
+    return (np.empty(TILE_Q * d, dt), np.empty(TILE_Q * dv, dt), np.empty(tile, dt),
+            np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt),
+            np.empty(tile, dt), np.empty(ROWS * COLS, dt))
+
+
+@inner
+def stream_map(q_bh, kth, i0, nq, j0, nk, scale, diag, bias_bh, has_bias, mask_bh, has_mask,
+               logks_b, has_ks, lse_bh, q_flat, S_flat):
+    """``A = exp(s' - lse)`` of one stream's tile (``s'`` the modified logit), ``(nq, nk)``;
+    rows without an allowed key (``lse = -inf``) are zero."""
+    qs = scaled_rows(q_bh, i0, nq, scale, q_flat)
+    S = tile_logits_t(qs, kth, j0, nk, S_flat)
+    modify_logits(S, S, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b, has_ks,
+                  SOFTMAX)
+    for r in range(nq):
+        lse = lse_bh[i0 + r]
+        if lse == -np.inf:
+            S[r, :] = 0.0
+        else:
+            exp_shifted(S[r], S[r], lse, nk)
+    return S
+
+
+@inner
+def rectified_pair(q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias, mask,
+                   has_mask, logks, has_ks, lse1, lse2, lam, q_flat, do_flat, A1_flat, A2_flat,
+                   G_flat, W_flat):
+    """``(A1, A2, G, W)`` of one (query tile, key tile) pair: both maps, the clipped
+    cotangent of ``P`` and the weights ``W = max(0, A1 - lam A2)``, ``(nq, nk)`` each."""
+    A1 = stream_map(q[b, 2 * h], kt[b, 2 * g], i0, nq, j0, nk, scale, diag, bias[b, h],
+                    has_bias, mask[b, h], has_mask, logks[b], has_ks, lse1[b, h], q_flat,
+                    A1_flat)
+    A2 = stream_map(q[b, 2 * h + 1], kt[b, 2 * g + 1], i0, nq, j0, nk, scale, diag, bias[b, h],
+                    has_bias, mask[b, h], has_mask, logks[b], has_ks, lse2[b, h], q_flat,
+                    A2_flat)
+    do = scaled_rows(dout[b, h], i0, nq, 1.0, do_flat)
+    G = tile_logits_t(do, vt[b, g], j0, nk, G_flat)
+    W = view2d(W_flat, nq, nk)
+    for r in range(nq):
+        lr = lam[b, h, i0 + r]
+        for c in range(nk):
+            w = A1[r, c] - lr * A2[r, c]
+            if w > 0.0:
+                W[r, c] = w
+            else:
+                W[r, c] = 0.0
+                G[r, c] = 0.0
+    return A1, A2, G, W
+
+
+@kernel
+def rect_rows_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
+                     has_ks, causal, dout, lse1, lse2, lam, d1, e):
+    """Row sums ``d1 = rowsum(G A1)`` and ``e = rowsum(G A2)``, ``(B, H, Lq)``."""
+    B, H2, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
+    D = q.shape[3]
+    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
+        prepare_key_tile(k, v, kt, v_ok, task)
+    for task in prange(vt.shape[0] * vt.shape[1] * vt.shape[2]):
+        prepare_key_tile(v, v, vt, k_ok, task)
+    for task in prange(B * (H2 // 2) * n_qt):
+        wide_vectors()
+        b, h, _, i0, nq = task_rows(task, H2 // 2, n_qt, TILE_Q, Lq)
+        g = h // group
+        (q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, _, _,
+         _) = rect_scratch(q.dtype, D, Dv)
+        for r in range(nq):
+            d1[b, h, i0 + r] = 0.0
+            e[b, h, i0 + r] = 0.0
+        for t in range(key_tiles_seen(i0, nq, diag, n_kt)):
+            j0 = t * TILE_K
+            nk = min(TILE_K, Lk - j0)
+            A1, A2, G, _ = rectified_pair(
+                q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias, mask,
+                has_mask, logks, has_ks, lse1, lse2, lam, q_flat, do_flat, A1_flat, A2_flat,
+                G_flat, W_flat)
+            for r in range(nq):
+                s1 = 0.0
+                s2 = 0.0
+                for c in range(nk):
+                    s1 += G[r, c] * A1[r, c]
+                    s2 += G[r, c] * A2[r, c]
+                d1[b, h, i0 + r] += s1
+                e[b, h, i0 + r] += s2
+
+
+@inner
+def logit_gradients(A1, A2, G, lam_bh, d1_bh, e_bh, i0, dS1_flat, dS2_flat):
+    """``ds1 = A1 (G - d1)`` and ``ds2 = -lam A2 (G - e)`` of one pair, ``(nq, nk)``."""
+    nq, nk = A1.shape
+    dS1 = view2d(dS1_flat, nq, nk)
+    dS2 = view2d(dS2_flat, nq, nk)
+    for r in range(nq):
+        x1, x2, lr = d1_bh[i0 + r], e_bh[i0 + r], lam_bh[i0 + r]
+        for c in range(nk):
+            dS1[r, c] = A1[r, c] * (G[r, c] - x1)
+            dS2[r, c] = -lr * A2[r, c] * (G[r, c] - x2)
+    return dS1, dS2
+
+
+@kernel
+def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
+                     has_ks, causal, dout, lse1, lse2, lam, d1, e, col_ptr, col_qt, need_dbias,
+                     dk, dv, dbias, dlogks):
+    """One task per (batch, value head, key tile): ``dv``, both streams' ``dk``, and that
+    tile's ``dbias`` columns and ``dlogks`` (per value head; summed on the host)."""
+    B, H2, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
+    D, Hv = q.shape[3], v.shape[1]
+    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
+        prepare_key_tile(k, v, kt, v_ok, task)
+    for task in prange(vt.shape[0] * vt.shape[1] * vt.shape[2]):
+        prepare_key_tile(v, v, vt, k_ok, task)
+    for task in prange(B * Hv * n_kt):
+        wide_vectors()
+        b, g, t = task // (Hv * n_kt), (task // n_kt) % Hv, task % n_kt
+        j0 = t * TILE_K
+        nk = min(TILE_K, Lk - j0)
+        (q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, dS1_flat, dS2_flat,
+         T_flat) = rect_scratch(q.dtype, D, Dv)
+        Tr_flat = np.empty(TILE_Q * TILE_K, q.dtype)
+        dk1 = np.zeros((nk, D), q.dtype)
+        dk2 = np.zeros((nk, D), q.dtype)
+        dv_acc = np.zeros((nk, Dv), q.dtype)
+        for h in range(g * group, (g + 1) * group):
+            for p in range(col_ptr[t], col_ptr[t + 1]):
+                i0 = col_qt[p] * TILE_Q
+                nq = min(TILE_Q, Lq - i0)
+                A1, A2, G, W = rectified_pair(
+                    q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias,
+                    mask, has_mask, logks, has_ks, lse1, lse2, lam, q_flat, do_flat, A1_flat,
+                    A2_flat, G_flat, W_flat)
+                dS1, dS2 = logit_gradients(A1, A2, G, lam[b, h], d1[b, h], e[b, h], i0,
+                                           dS1_flat, dS2_flat)
+                values_product(transpose_into(W, Tr_flat), dout[b, h], i0, dv_acc, T_flat)
+                values_product(transpose_into(dS1, Tr_flat), q[b, 2 * h], i0, dk1, T_flat)
+                values_product(transpose_into(dS2, Tr_flat), q[b, 2 * h + 1], i0, dk2, T_flat)
+                if need_dbias:
+                    for r in range(nq):
+                        for c in range(nk):
+                            dbias[b, h, i0 + r, j0 + c] = dS1[r, c] + dS2[r, c]
+                if has_ks:
+                    for r in range(nq):
+                        for c in range(nk):
+                            dlogks[b, g, j0 + c] += dS1[r, c] + dS2[r, c]
+        for c in range(nk):
+            for x in range(D):
+                dk[b, 2 * g, j0 + c, x] = scale * dk1[c, x]
+                dk[b, 2 * g + 1, j0 + c, x] = scale * dk2[c, x]
+            for x in range(Dv):
+                dv[b, g, j0 + c, x] = dv_acc[c, x]
+
+
+@kernel
+def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
+                   has_ks, causal, dout, lse1, lse2, lam, d1, e, dq):
+    """One task per (batch, head pair, query tile): both streams' ``dq``."""
+    B, H2, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
+    D = q.shape[3]
+    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
+        prepare_key_tile(k, v, kt, v_ok, task)
+    for task in prange(vt.shape[0] * vt.shape[1] * vt.shape[2]):
+        prepare_key_tile(v, v, vt, k_ok, task)
+    for task in prange(B * (H2 // 2) * n_qt):
+        wide_vectors()
+        b, h, _, i0, nq = task_rows(task, H2 // 2, n_qt, TILE_Q, Lq)
+        g = h // group
+        (q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, dS1_flat, dS2_flat,
+         T_flat) = rect_scratch(q.dtype, D, Dv)
+        dq1 = np.zeros((nq, D), q.dtype)
+        dq2 = np.zeros((nq, D), q.dtype)
+        for t in range(key_tiles_seen(i0, nq, diag, n_kt)):
+            j0 = t * TILE_K
+            nk = min(TILE_K, Lk - j0)
+            A1, A2, G, _ = rectified_pair(
+                q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias, mask,
+                has_mask, logks, has_ks, lse1, lse2, lam, q_flat, do_flat, A1_flat, A2_flat,
+                G_flat, W_flat)
+            dS1, dS2 = logit_gradients(A1, A2, G, lam[b, h], d1[b, h], e[b, h], i0, dS1_flat,
+                                       dS2_flat)
+            values_product(dS1, k[b, 2 * g], j0, dq1, T_flat)
+            values_product(dS2, k[b, 2 * g + 1], j0, dq2, T_flat)
+        for r in range(nq):
+            for x in range(D):
+                dq[b, 2 * h, i0 + r, x] = scale * dq1[r, x]
+                dq[b, 2 * h + 1, i0 + r, x] = scale * dq2[r, x]
+
+
+def stream_lses(problem):
+    """Each stream's LSE ``(B, H, Lq)`` from the dense forward (its output is dropped)."""
+    lses = []
+    for c in range(2):
+        stream = dataclasses.replace(problem, q=np.ascontiguousarray(problem.q[:, c::2]),
+                                     k=np.ascontiguousarray(problem.k[:, c::2]))
+        lses.append(attention_forward(stream)[1])
+    return lses
+
+
+def rectified_vjp(problem, lam, dout, dbias_shape=None):
+    """Gradients of ``diff_attention(mode="rectified")`` of a canonical problem.
+
+    The interface of :func:`attnnb.cpu.backward.diff_attention_vjp`: returns
+    ``(dq, dk, dv, dbias, dlog_key_size, dlam)``.  The bias gradient is
+    formed full size and summed to ``dbias_shape``.
+    """
+    q, k, v = problem.q, problem.k, problem.v
+    B, H2, Hk2, Lq, Lk, D, Dv = problem.shape
+    H, dt = H2 // 2, q.dtype
+    dq, dk, dv = np.zeros(q.shape, dt), np.zeros(k.shape, dt), np.zeros(v.shape, dt)
+    has_ks = problem.log_key_size is not None
+    need_bias = dbias_shape is not None
+    dbias = np.zeros((B, H, Lq, Lk) if need_bias else (1, 1, 1, 1), dt)
+    dlogks = np.zeros((B, Hk2 // 2, Lk) if has_ks else (1, 1, 1), dt)
+    d1, e = np.zeros((B, H, Lq), dt), np.zeros((B, H, Lq), dt)
+    if q.size and k.size and v.size:
+        lse1, lse2 = stream_lses(problem)
+        lam = np.ascontiguousarray(np.broadcast_to(lam, (B, H, Lq)), dt)
+        dout = np.ascontiguousarray(dout, dt)
+        bias, mask, logks = score_arguments(problem)
+        common = (dt.type(problem.scale), bias, problem.bias is not None, mask,
+                  problem.mask is not None, logks, has_ks, problem.causal, dout, lse1, lse2,
+                  lam)
+        col_ptr, col_qt, _ = by_key_tile(*dense_tiles(Lq, Lk, problem.causal),
+                                         -(-Lq // TILE_Q), -(-Lk // TILE_K))
+        with key_tile_buffers(k, v) as (kt, v_ok), key_tile_buffers(v, v) as (vt, k_ok):
+            bufs = (q, k, v, kt, vt, k_ok, v_ok)
+            launch(rect_rows_kernel, *bufs, *common, d1, e)
+            launch(rect_dkdv_kernel, *bufs, *common, d1, e, col_ptr, col_qt, need_bias, dk,
+                   dv, dbias, dlogks)
+            launch(rect_dq_kernel, *bufs, *common, d1, e, dq)
+    if need_bias:
+        axes = tuple(a for a, m in enumerate(dbias_shape) if m == 1 and dbias.shape[a] != 1)
+        dbias = dbias.sum(axis=axes, keepdims=True).reshape(dbias_shape)
+    return (dq, dk, dv, dbias if need_bias else None,
+            dlogks.sum(axis=1) if has_ks else None, -e)
