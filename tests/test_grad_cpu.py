@@ -156,3 +156,22 @@ def test_concurrent_pullbacks_agree(qkv):
     for got in results:
         for name in want:
             np.testing.assert_array_equal(got[name], want[name])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the reference's inf @ 0
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_masked_inf_key_reaches_no_gradient(qkv, dtype):
+    """docs/contract.md §1.9 for gradients: a key outside every row's allowed set holds
+    Inf in k and v; every other gradient stays finite and equals the reference's."""
+    q, k, v = qkv(dtype)
+    k, v = k.copy(), v.copy()
+    k[:, :, 77], v[:, :, 77] = np.inf, -np.inf
+    mask = np.ones((70, 131), bool)
+    mask[:, 77] = False
+    got, want = both(attnnb.attention, (q, k, v), dict(mask=mask, causal=True), dtype)
+    for name in ("q", "k", "v"):
+        g, w = got[name], want[name]
+        if name != "q":
+            g, w = np.delete(g, 77, axis=2), np.delete(w, 77, axis=2)
+        assert np.isfinite(g).all(), name
+        assert np.abs(g - w).max() <= RTOL[dtype] * np.abs(w).max(), name

@@ -10,8 +10,39 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._blocks import COLS, ROWS
 from ._jit import inner
-from ._tiles import TILE_K, TILE_Q, view2d
+from ._tiles import TILE_K, TILE_Q, tile_is_finite, transpose_tile, view2d
+
+
+@inner
+def prepare_kv_tiles(k, v, kt, vt, k_ok, v_ok, task):
+    """Task ``task`` of ``kt.shape[0] * kt.shape[1] * kt.shape[2]`` in a backward
+    kernel's prologue: transpose key tile ``(b, g, t)`` into ``kt`` and check it
+    (``k_ok``), and, once per value head (``k`` may hold ``r`` key heads per value
+    head, as the differential layout does), transpose and check the value tile
+    (``vt``, ``v_ok``).  ``kt``: ``(B, Hk, n_tiles, D, TILE_K)``; ``vt``: ``(B, Hv,
+    n_tiles, Dv, TILE_K)``; ``k_ok (B, Hk, n_tiles)``, ``v_ok (B, Hv, n_tiles)``.
+    """
+    Hk, n_kt = kt.shape[1], kt.shape[2]
+    b, g, t = task // (Hk * n_kt), (task // n_kt) % Hk, task % n_kt
+    j0 = t * TILE_K
+    transpose_tile(k, kt, b, g, j0)
+    k_ok[b, g, t] = tile_is_finite(k, b, g, j0)
+    r = Hk // vt.shape[1]
+    if g % r == 0:
+        transpose_tile(v, vt, b, g // r, j0)
+        v_ok[b, g // r, t] = tile_is_finite(v, b, g // r, j0)
+
+
+@inner
+def pair_scratch(dt, d, dv):
+    """Flat scratch of one backward task: ``(q_flat, do_flat)`` rows of queries and
+    cotangents, six ``TILE_Q x TILE_K`` tile buffers and a product block."""
+    tile = TILE_Q * TILE_K
+    return (np.empty(TILE_Q * d, dt), np.empty(TILE_Q * dv, dt), np.empty(tile, dt),
+            np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt),
+            np.empty(tile, dt), np.empty(ROWS * COLS, dt))
 
 
 @inner

@@ -7,8 +7,8 @@ can clip their difference) instead builds final weights tile by tile and
 adds ``P @ v_tile`` to the output directly:
 
 * :func:`rectified_weights` -- ``P = max(0, exp(S1 - lse1) - lam * exp(S2 - lse2))``
-* :func:`add_weighted_values` -- ``acc += P @ v_tile``, skipping zero weights when
-  the value tile holds NaN or Inf (as :func:`~attnnb.cpu._tiles.online_update`)
+* :func:`~attnnb.cpu._tiles.add_weighted_values` -- ``acc += P @ v_tile``, skipping
+  zero weights when the value tile holds NaN or Inf (shared with the online update)
 * :func:`finish_weighted_rows` -- copy the accumulator out, NaN rows stay NaN
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from ._exp import exp_shifted
 from ._jit import inner
-from ._tiles import values_product, view2d
+from ._tiles import view2d
 
 
 @inner
@@ -60,27 +60,6 @@ def rectified_weights(S1, S2, lse1, lse2, lam, P_flat, P2_flat):
             w = prow[c] - lr * p2row[c]
             prow[c] = w if w > 0.0 else 0.0
     return P
-
-
-@inner
-def add_weighted_values(P, vh, j0, v_finite, acc, T_flat):
-    """``acc += P @ vh[j0:j0+nk]``; with a non-finite value tile, zero weights are skipped.
-
-    The finite case is the online softmax's register-blocked product
-    (:func:`~attnnb.cpu._tiles.values_product`); ``P`` and ``acc`` C-contiguous.
-    """
-    nq, nk = P.shape
-    dv = acc.shape[1]
-    vt = vh[j0 : j0 + nk]
-    if v_finite:
-        values_product(P, vh, j0, acc, T_flat)
-    else:
-        for r in range(nq):
-            for c in range(nk):
-                p = P[r, c]
-                if p != 0.0:
-                    for d in range(dv):
-                        acc[r, d] += p * vt[c, d]
 
 
 @inner

@@ -340,10 +340,22 @@ def online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer)
         if l[r] != l[r]:  # a NaN logit, or +inf: the row is NaN
             m[r] = np.nan
             P_flat[o:o + nk] = 0.0
+    add_weighted_values(P, vh, j0, v_finite, acc, T_flat)
+
+
+@inner
+def add_weighted_values(P, vh, j0, v_finite, acc, T_flat):
+    """``acc += P @ vh[j0:j0+nk]``; with a non-finite value tile, zero weights are skipped.
+
+    The finite case is the online softmax's register-blocked product
+    (:func:`~attnnb.cpu._tiles.values_product`); ``P`` and ``acc`` C-contiguous.
+    """
+    nq, nk = P.shape
+    dv = acc.shape[1]
+    vt = vh[j0 : j0 + nk]
     if v_finite:
         values_product(P, vh, j0, acc, T_flat)
     else:
-        vt = vh[j0 : j0 + nk]
         for r in range(nq):
             for c in range(nk):
                 p = P[r, c]

@@ -39,9 +39,14 @@ import numpy as np
 from numba import prange
 
 from .._codes import NORMALIZER_CODES, RELU_EXPM1
-from ._blocks import COLS, ROWS
 from ._exp import exp_shifted
-from ._grad_tiles import by_key_tile, dense_tiles, transpose_into
+from ._grad_tiles import (
+    by_key_tile,
+    dense_tiles,
+    pair_scratch,
+    prepare_kv_tiles,
+    transpose_into,
+)
 from ._host import score_arguments
 from ._jit import inner, kernel, launch, wide_vectors
 from ._scratch import key_tile_buffers
@@ -50,8 +55,8 @@ from ._task import sweep_geometry
 from ._tiles import (
     TILE_K,
     TILE_Q,
+    add_weighted_values,
     modify_logits,
-    prepare_key_tile,
     scaled_rows,
     task_rows,
     tile_logits_t,
@@ -61,15 +66,6 @@ from ._tiles import (
 from .attention import attention as attention_forward
 from .rectified_backward import rectified_vjp
 from .topk import topk_selection
-
-
-@inner
-def pair_scratch(dt, d, dv):
-    """Flat scratch of one task for a (query tile, key tile) pair, in dtype ``dt``."""
-    tile = TILE_Q * TILE_K
-    return (np.empty(TILE_Q * d, dt), np.empty(TILE_Q * dv, dt), np.empty(tile, dt),
-            np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt),
-            np.empty(tile, dt), np.empty(ROWS * COLS, dt))
 
 
 @inner
@@ -124,6 +120,11 @@ def pair_gradients(q_bh, dout_bh, kth, vth, i0, nq, j0, nk, scale, diag, bias_bh
         ratio, delta = ratio_bh[i0 + r], delta_bh[i0 + r]
         for c in range(nk):
             p = ratio * W[r, c]
+            if p == 0.0:  # a key the row does not weigh: its value never reaches it
+                dS[r, c] = 0.0
+                dP[r, c] = 0.0
+                W[r, c] = 0.0
+                continue
             g = dP[r, c] - delta
             dS[r, c] = p * g
             dP[r, c] = g
@@ -147,8 +148,7 @@ def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_ma
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
     Hk, D = k.shape[1], k.shape[3]
     for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
-        prepare_key_tile(k, v, kt, v_ok, task)
-        prepare_key_tile(v, k, vt, k_ok, task)
+        prepare_kv_tiles(k, v, kt, vt, k_ok, v_ok, task)
     for task in prange(B * Hk * n_kt):
         wide_vectors()
         b, g, t = task // (Hk * n_kt), (task // n_kt) % Hk, task % n_kt
@@ -198,8 +198,7 @@ def dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
     D = k.shape[3]
     for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
-        prepare_key_tile(k, v, kt, v_ok, task)
-        prepare_key_tile(v, k, vt, k_ok, task)
+        prepare_kv_tiles(k, v, kt, vt, k_ok, v_ok, task)
     for task in prange(B * Hq * n_qt):
         wide_vectors()
         b, h, qt, i0, nq = task_rows(task, Hq, n_qt, TILE_Q, Lq)
@@ -220,7 +219,8 @@ def dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask
                 lse[b, h], ratio[b, h], delta[b, h], partial, indptr, indices,
                 ph * Lq + i0, cursor, selected, thr[b, h], cut[b, h], q_flat, do_flat, S_flat,
                 F_flat, W_flat, dS_flat, dP_flat, Tr_flat)
-            values_product(dS, k[b, g], j0, dq_acc, T_flat)
+            # a key tile holding Inf or NaN: skip the zero weights, as the forward does
+            add_weighted_values(dS, k[b, g], j0, k_ok[b, g, row_kt[p]], dq_acc, T_flat)
         for r in range(nq):
             for e in range(D):
                 dq[b, h, i0 + r, e] = scale * dq_acc[r, e]
@@ -300,7 +300,8 @@ def tiled_vjp(problem, out, lse, dout, dlse, need_bias, pattern=None, selection=
               problem.mask is not None, logks, has_ks, problem.causal,
               NORMALIZER_CODES[problem.normalizer], dout, lse, ratio, delta, p_heads, indptr,
               indices, pattern is not None, selection is not None, thr, cut)
-    with key_tile_buffers(k, v) as (kt, v_ok), key_tile_buffers(v, k) as (vt, k_ok):
+    with key_tile_buffers(k, v) as (kt, _), key_tile_buffers(v, v) as (vt, v_ok):
+        k_ok = np.empty(kt.shape[:3], np.bool_)
         launch(dkdv_kernel, q, k, v, kt, vt, k_ok, v_ok, *common, *cols, need_bias, dk, dv,
                dbias, dlogks)
         launch(dq_kernel, q, k, v, kt, vt, k_ok, v_ok, *common, *rows, dq)

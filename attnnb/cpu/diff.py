@@ -19,11 +19,12 @@ from numba import prange
 from .._codes import DIFF_MODE_CODES, DIFFERENCE, SOFTMAX
 from ._host import run_sweep
 from ._jit import inner, kernel, wide_vectors
-from ._streams import add_weighted_values, finish_weighted_rows, rectified_weights
+from ._streams import finish_weighted_rows, rectified_weights
 from ._task import sweep_geometry
 from ._tiles import (
     SWEEP_TILE_Q,
     TILE_K,
+    add_weighted_values,
     finish_rows,
     key_tiles_seen,
     modify_logits,

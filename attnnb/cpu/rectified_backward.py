@@ -11,10 +11,10 @@ map of stream ``c`` (query heads ``2h + c``, key heads ``2g + c``).  With
 
 The row sums ``d1`` and ``e`` need every key of a row before any ``ds``
 can be formed (unlike softmax's ``D = dout . out``, they cannot be read off
-the output, which the clip changed), so three sweeps run: the row sums per
-query tile, then ``dk``/``dv`` per key tile and ``dq`` per query tile as in
-:mod:`attnnb.cpu.backward`.  Each stream's LSE comes from the dense forward.
-Nothing ``(Lq, Lk)`` is stored.
+the output, which the clip changed).  The query-tile sweep forms them in a
+first pass over its key tiles and ``dq`` in a second; the key-tile sweep
+(``dk``, ``dv``) runs after it, as in :mod:`attnnb.cpu.backward`.  Each
+stream's LSE comes from the dense forward.  Nothing ``(Lq, Lk)`` is stored.
 """
 
 from __future__ import annotations
@@ -25,9 +25,14 @@ import numpy as np
 from numba import prange
 
 from .._codes import SOFTMAX
-from ._blocks import COLS, ROWS
 from ._exp import exp_shifted
-from ._grad_tiles import by_key_tile, dense_tiles, transpose_into
+from ._grad_tiles import (
+    by_key_tile,
+    dense_tiles,
+    pair_scratch,
+    prepare_kv_tiles,
+    transpose_into,
+)
 from ._host import score_arguments
 from ._jit import inner, kernel, launch, wide_vectors
 from ._scratch import key_tile_buffers
@@ -35,9 +40,9 @@ from ._task import sweep_geometry
 from ._tiles import (
     TILE_K,
     TILE_Q,
+    add_weighted_values,
     key_tiles_seen,
     modify_logits,
-    prepare_key_tile,
     scaled_rows,
     task_rows,
     tile_logits_t,
@@ -45,15 +50,6 @@ from ._tiles import (
     view2d,
 )
 from .attention import attention as attention_forward
-
-
-@inner
-def rect_scratch(dt, d, dv):
-    """Flat scratch of one task: queries, cotangent rows and seven tile buffers."""
-    tile = TILE_Q * TILE_K
-    return (np.empty(TILE_Q * d, dt), np.empty(TILE_Q * dv, dt), np.empty(tile, dt),
-            np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt),
-            np.empty(tile, dt), np.empty(ROWS * COLS, dt))
 
 
 @inner
@@ -101,42 +97,6 @@ def rectified_pair(q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, 
     return A1, A2, G, W
 
 
-@kernel
-def rect_rows_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
-                     has_ks, causal, dout, lse1, lse2, lam, d1, e):
-    """Row sums ``d1 = rowsum(G A1)`` and ``e = rowsum(G A2)``, ``(B, H, Lq)``."""
-    B, H2, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
-    D = q.shape[3]
-    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
-        prepare_key_tile(k, v, kt, v_ok, task)
-    for task in prange(vt.shape[0] * vt.shape[1] * vt.shape[2]):
-        prepare_key_tile(v, v, vt, k_ok, task)
-    for task in prange(B * (H2 // 2) * n_qt):
-        wide_vectors()
-        b, h, _, i0, nq = task_rows(task, H2 // 2, n_qt, TILE_Q, Lq)
-        g = h // group
-        (q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, _, _,
-         _) = rect_scratch(q.dtype, D, Dv)
-        for r in range(nq):
-            d1[b, h, i0 + r] = 0.0
-            e[b, h, i0 + r] = 0.0
-        for t in range(key_tiles_seen(i0, nq, diag, n_kt)):
-            j0 = t * TILE_K
-            nk = min(TILE_K, Lk - j0)
-            A1, A2, G, _ = rectified_pair(
-                q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias, mask,
-                has_mask, logks, has_ks, lse1, lse2, lam, q_flat, do_flat, A1_flat, A2_flat,
-                G_flat, W_flat)
-            for r in range(nq):
-                s1 = 0.0
-                s2 = 0.0
-                for c in range(nk):
-                    s1 += G[r, c] * A1[r, c]
-                    s2 += G[r, c] * A2[r, c]
-                d1[b, h, i0 + r] += s1
-                e[b, h, i0 + r] += s2
-
-
 @inner
 def logit_gradients(A1, A2, G, lam_bh, d1_bh, e_bh, i0, dS1_flat, dS2_flat):
     """``ds1 = A1 (G - d1)`` and ``ds2 = -lam A2 (G - e)`` of one pair, ``(nq, nk)``."""
@@ -160,16 +120,14 @@ def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, h
     B, H2, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
     D, Hv = q.shape[3], v.shape[1]
     for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
-        prepare_key_tile(k, v, kt, v_ok, task)
-    for task in prange(vt.shape[0] * vt.shape[1] * vt.shape[2]):
-        prepare_key_tile(v, v, vt, k_ok, task)
+        prepare_kv_tiles(k, v, kt, vt, k_ok, v_ok, task)
     for task in prange(B * Hv * n_kt):
         wide_vectors()
         b, g, t = task // (Hv * n_kt), (task // n_kt) % Hv, task % n_kt
         j0 = t * TILE_K
         nk = min(TILE_K, Lk - j0)
         (q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, dS1_flat, dS2_flat,
-         T_flat) = rect_scratch(q.dtype, D, Dv)
+         T_flat) = pair_scratch(q.dtype, D, Dv)
         Tr_flat = np.empty(TILE_Q * TILE_K, q.dtype)
         dk1 = np.zeros((nk, D), q.dtype)
         dk2 = np.zeros((nk, D), q.dtype)
@@ -206,32 +164,48 @@ def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, h
 @kernel
 def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
                    has_ks, causal, dout, lse1, lse2, lam, d1, e, dq):
-    """One task per (batch, head pair, query tile): both streams' ``dq``."""
+    """One task per (batch, head pair, query tile): its rows' sums ``d1 = rowsum(G A1)``
+    and ``e = rowsum(G A2)`` (pass 0, ``(B, H, Lq)``, which the dK/dV sweep reads
+    too), then both streams' ``dq`` (pass 1).  One call site of the pair's
+    recomputation serves both passes (it is inlined: once, not twice)."""
     B, H2, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
     D = q.shape[3]
     for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
-        prepare_key_tile(k, v, kt, v_ok, task)
-    for task in prange(vt.shape[0] * vt.shape[1] * vt.shape[2]):
-        prepare_key_tile(v, v, vt, k_ok, task)
+        prepare_kv_tiles(k, v, kt, vt, k_ok, v_ok, task)
     for task in prange(B * (H2 // 2) * n_qt):
         wide_vectors()
         b, h, _, i0, nq = task_rows(task, H2 // 2, n_qt, TILE_Q, Lq)
         g = h // group
         (q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, dS1_flat, dS2_flat,
-         T_flat) = rect_scratch(q.dtype, D, Dv)
+         T_flat) = pair_scratch(q.dtype, D, Dv)
         dq1 = np.zeros((nq, D), q.dtype)
         dq2 = np.zeros((nq, D), q.dtype)
-        for t in range(key_tiles_seen(i0, nq, diag, n_kt)):
-            j0 = t * TILE_K
-            nk = min(TILE_K, Lk - j0)
-            A1, A2, G, _ = rectified_pair(
-                q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias, mask,
-                has_mask, logks, has_ks, lse1, lse2, lam, q_flat, do_flat, A1_flat, A2_flat,
-                G_flat, W_flat)
-            dS1, dS2 = logit_gradients(A1, A2, G, lam[b, h], d1[b, h], e[b, h], i0, dS1_flat,
-                                       dS2_flat)
-            values_product(dS1, k[b, 2 * g], j0, dq1, T_flat)
-            values_product(dS2, k[b, 2 * g + 1], j0, dq2, T_flat)
+        d1[b, h, i0 : i0 + nq] = 0.0
+        e[b, h, i0 : i0 + nq] = 0.0
+        for phase in range(2):
+            for t in range(key_tiles_seen(i0, nq, diag, n_kt)):
+                j0 = t * TILE_K
+                nk = min(TILE_K, Lk - j0)
+                A1, A2, G, _ = rectified_pair(
+                    q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias,
+                    mask, has_mask, logks, has_ks, lse1, lse2, lam, q_flat, do_flat, A1_flat,
+                    A2_flat, G_flat, W_flat)
+                if phase == 0:
+                    for r in range(nq):
+                        s1 = 0.0
+                        s2 = 0.0
+                        for c in range(nk):
+                            s1 += G[r, c] * A1[r, c]
+                            s2 += G[r, c] * A2[r, c]
+                        d1[b, h, i0 + r] += s1
+                        e[b, h, i0 + r] += s2
+                    continue
+                dS1, dS2 = logit_gradients(A1, A2, G, lam[b, h], d1[b, h], e[b, h], i0,
+                                           dS1_flat, dS2_flat)
+                # key tiles holding Inf or NaN: skip the zero weights, as the forward does
+                add_weighted_values(dS1, k[b, 2 * g], j0, k_ok[b, 2 * g, t], dq1, T_flat)
+                add_weighted_values(dS2, k[b, 2 * g + 1], j0, k_ok[b, 2 * g + 1, t], dq2,
+                                    T_flat)
         for r in range(nq):
             for x in range(D):
                 dq[b, 2 * h, i0 + r, x] = scale * dq1[r, x]
@@ -274,12 +248,12 @@ def rectified_vjp(problem, lam, dout, dbias_shape=None):
                   lam)
         col_ptr, col_qt, _ = by_key_tile(*dense_tiles(Lq, Lk, problem.causal),
                                          -(-Lq // TILE_Q), -(-Lk // TILE_K))
-        with key_tile_buffers(k, v) as (kt, v_ok), key_tile_buffers(v, v) as (vt, k_ok):
+        with key_tile_buffers(k, v) as (kt, _), key_tile_buffers(v, v) as (vt, v_ok):
+            k_ok = np.empty(kt.shape[:3], np.bool_)
             bufs = (q, k, v, kt, vt, k_ok, v_ok)
-            launch(rect_rows_kernel, *bufs, *common, d1, e)
+            launch(rect_dq_kernel, *bufs, *common, d1, e, dq)  # first: it forms d1 and e
             launch(rect_dkdv_kernel, *bufs, *common, d1, e, col_ptr, col_qt, need_bias, dk,
                    dv, dbias, dlogks)
-            launch(rect_dq_kernel, *bufs, *common, d1, e, dq)
     if need_bias:
         axes = tuple(a for a, m in enumerate(dbias_shape) if m == 1 and dbias.shape[a] != 1)
         dbias = dbias.sum(axis=axes, keepdims=True).reshape(dbias_shape)
