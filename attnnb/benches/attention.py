@@ -93,7 +93,8 @@ def _speed_cases(sizes):
     return cases
 
 
-_MEMORY_SCRIPT = r"""
+# The start of every memory-measuring script: imports, /proc/self/status reader, size.
+MEMORY_PREAMBLE = r"""
 import resource, sys
 import numpy as np
 import attnnb
@@ -106,6 +107,9 @@ def status_kib(field):
 
 n = int(sys.argv[1])
 rng = np.random.default_rng(0)
+"""
+
+_MEMORY_SCRIPT = MEMORY_PREAMBLE + r"""
 small = rng.standard_normal((1, 1, 130, 64)).astype(np.float32)
 attnnb.attention(small, small, small, causal=True, backend="cpu")  # load the kernel
 q, k, v = (rng.standard_normal((1, 1, n, 64)).astype(np.float32) for _ in range(3))

@@ -15,21 +15,9 @@ import numpy as np
 
 import attnnb
 
-from .attention import HEADS, D, _torch, attention_flops, run_python
+from .attention import HEADS, MEMORY_PREAMBLE, D, _torch, attention_flops, run_python
 
-_MEMORY_SCRIPT = r"""
-import sys
-import numpy as np
-import attnnb
-
-def status_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-
-n = int(sys.argv[1])
-rng = np.random.default_rng(0)
+_MEMORY_SCRIPT = MEMORY_PREAMBLE + r"""
 small = rng.standard_normal((1, 1, 130, 64)).astype(np.float32)
 _, pb = attnnb.vjp(attnnb.attention, small, small, small, causal=True, backend="cpu")
 pb(small)  # load the kernels
