@@ -72,7 +72,7 @@ from .topk import topk_selection
 def pair_gradients(q_bh, dout_bh, kth, vth, i0, nq, j0, nk, scale, diag, bias_bh, has_bias,
                    mask_bh, has_mask, logks_b, has_ks, normalizer, lse_bh, ratio_bh, delta_bh,
                    csr_masked, indptr, indices, row0, cursor, selected, thr_bh, cut_bh, q_flat,
-                   do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat, Tr_flat):
+                   do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat):
     """Weights ``W`` and logit gradients ``dS`` of one (query tile, key tile) pair.
 
     Recomputes the forward's modified logits of rows ``i0 : i0 + nq`` and
@@ -171,7 +171,7 @@ def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_ma
                     bias[b, h], has_bias, mask[b, h], has_mask, logks[b], has_ks, normalizer,
                     lse[b, h], ratio[b, h], delta[b, h], partial, indptr, indices,
                     ph * Lq + i0, cursor, selected, thr[b, h], cut[b, h], q_flat, do_flat,
-                    S_flat, F_flat, W_flat, dS_flat, dP_flat, Tr_flat)
+                    S_flat, F_flat, W_flat, dS_flat, dP_flat)
                 values_product(transpose_into(W, Tr_flat), dout[b, h], i0, dv_acc, T_flat)
                 values_product(transpose_into(dS, Tr_flat), q[b, h], i0, dk_acc, T_flat)
                 if need_dbias:
@@ -205,7 +205,7 @@ def dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask
         g = h // group
         ph = h if p_heads > 1 else 0
         row = ph * n_qt + qt
-        (q_flat, do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat, Tr_flat,
+        (q_flat, do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat, _,
          T_flat) = pair_scratch(q.dtype, D, Dv)
         cursor = np.empty(TILE_Q, np.int64)
         dq_acc = np.zeros((nq, D), q.dtype)
@@ -218,7 +218,7 @@ def dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask
                 bias[b, h], has_bias, mask[b, h], has_mask, logks[b], has_ks, normalizer,
                 lse[b, h], ratio[b, h], delta[b, h], partial, indptr, indices,
                 ph * Lq + i0, cursor, selected, thr[b, h], cut[b, h], q_flat, do_flat, S_flat,
-                F_flat, W_flat, dS_flat, dP_flat, Tr_flat)
+                F_flat, W_flat, dS_flat, dP_flat)
             # a key tile holding Inf or NaN: skip the zero weights, as the forward does
             add_weighted_values(dS, k[b, g], j0, k_ok[b, g, row_kt[p]], dq_acc, T_flat)
         for r in range(nq):
