@@ -89,7 +89,7 @@ from .attention import attention
 from .diff import MODES, diff_attention, lambda_rows
 from .sparse import _check_pattern, _check_top_k, sparse_attention, topk_attention
 
-__all__ = ["vjp"]
+__all__ = ["vjp", "pullback_of"]
 
 
 def vjp(fn, *args, **kwargs):
@@ -157,13 +157,53 @@ def vjp(fn, *args, **kwargs):
     >>> sorted(grads), grads["q"].shape
     (['k', 'q', 'v'], (2, 5, 4))
     """
+    spec, arguments = _bind("vjp", fn, args, kwargs)
+    return spec(arguments)
+
+
+def pullback_of(fn, result, *args, **kwargs):
+    """The pullback of an earlier ``fn(*args, **kwargs)`` whose result is ``result``.
+
+    For framework bridges, which run the forward in one step and the
+    backward in another: the forward is not run again.  The arguments are
+    validated exactly as :func:`vjp` validates them.
+
+    Parameters
+    ----------
+    fn : callable
+        As for :func:`vjp`.
+    result : array or tuple of arrays
+        What the forward returned, in the compute dtype (float32, or float64
+        for float64 inputs): ``(out, lse)`` for :func:`attnnb.attention`,
+        :func:`attnnb.sparse_attention` and :func:`attnnb.topk_attention`
+        (whatever their ``return_lse``), ``out`` for
+        :func:`attnnb.diff_attention`.  Shapes as ``fn`` returns them.  The
+        arrays must be exactly the forward's on the same inputs and backend;
+        they are read, never written.
+    *args, **kwargs
+        ``fn``'s arguments, as for :func:`vjp`.
+
+    Returns
+    -------
+    pullback : callable
+        As :func:`vjp`'s; it takes ``dlse`` as well (None: no gradient into
+        the LSE) for the three functions with an LSE.
+    """
+    spec, arguments = _bind("pullback_of", fn, args, kwargs)
+    if fn is not diff_attention:
+        arguments["return_lse"] = True
+    return spec(arguments, result)[1]
+
+
+def _bind(caller, fn, args, kwargs):
+    """``fn``'s spec and its arguments by name (defaults filled in); TypeError for others."""
     spec = _SPECS.get(_key(fn))
     if spec is None:
         names = ", ".join(f"attnnb.{f.__name__}" for f in _FUNCTIONS)
-        raise TypeError(f"vjp supports {names}; got {fn!r}")
+        raise TypeError(f"{caller} supports {names}; got {fn!r}")
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
-    return spec(bound.arguments)
+    return spec, dict(bound.arguments)
 
 
 def _key(fn):
@@ -378,10 +418,31 @@ def _dbias_tail(name, args) -> tuple:
     return (args["bias"].canonical if "bias" in args else None,)
 
 
-def _lse_function(name, a, problem, extras, return_lse, bias=None):
-    """Shared tail of attention, sparse_attention and topk_attention."""
+def _canonical(problem, x, shape, name):
+    """A saved forward result (the user's layout, compute dtype) in canonical form."""
+    arr = x if problem.on_device else np.asarray(x)
+    if int(np.prod(arr.shape)) != int(np.prod(shape)):
+        raise ValueError(f"the saved {name} has shape {tuple(arr.shape)}; the arguments give "
+                         f"{int(np.prod(shape))} elements, canonical shape {shape}")
+    if not problem.on_device and arr.dtype != problem.compute_dtype:
+        raise TypeError(f"the saved {name} must have the compute dtype "
+                        f"{problem.compute_dtype}; got {arr.dtype}")
+    return arr.reshape(shape)
+
+
+def _lse_function(name, a, problem, extras, return_lse, bias=None, result=None):
+    """Shared tail of attention, sparse_attention and topk_attention.
+
+    ``result``: the forward's ``(out, lse)`` when it already ran (see
+    :func:`pullback_of`); else the forward runs here.
+    """
     forward, backward = _operations(name, a["backend"], problem)
-    out_c, lse_c = forward(problem, *extras)
+    if result is None:
+        out_c, lse_c = forward(problem, *extras)
+    else:
+        B, Hq, _, Lq, _, _, Dv = problem.shape
+        out_c = _canonical(problem, result[0], (B, Hq, Lq, Dv), "out")
+        lse_c = _canonical(problem, result[1], (B, Hq, Lq), "lse")
     out, lse = problem.restore(out_c, lse_c)
     Hq = problem.shape[1]
     args = _extra_args(a, problem, Hq, bias=bias, key_size=a["key_size"])
@@ -390,32 +451,33 @@ def _lse_function(name, a, problem, extras, return_lse, bias=None):
     return ((out, lse) if return_lse else out), _pullback(saved, return_lse)
 
 
-def _attention(a):
+def _attention(a, result=None):
     return_lse = check_bool("return_lse", a["return_lse"])
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"], bias=a["bias"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
                                 normalizer=a["normalizer"])
-    return _lse_function("attention", a, problem, (), return_lse, bias=a["bias"])
+    return _lse_function("attention", a, problem, (), return_lse, bias=a["bias"],
+                         result=result)
 
 
-def _sparse_attention(a):
+def _sparse_attention(a, result=None):
     return_lse = check_bool("return_lse", a["return_lse"])
     problem = attention_problem(a["q"], a["k"], a["v"], key_size=a["key_size"],
                                 scale=a["scale"], normalizer=a["normalizer"])
     _, Hq, _, Lq, Lk, _, _ = problem.shape
     pattern = _check_pattern(a["pattern"], Lq, Lk, Hq)
-    return _lse_function("sparse_attention", a, problem, (pattern,), return_lse)
+    return _lse_function("sparse_attention", a, problem, (pattern,), return_lse, result=result)
 
 
-def _topk_attention(a):
+def _topk_attention(a, result=None):
     return_lse = check_bool("return_lse", a["return_lse"])
     top_k = _check_top_k(a["top_k"])
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"])
-    return _lse_function("topk_attention", a, problem, (top_k,), return_lse)
+    return _lse_function("topk_attention", a, problem, (top_k,), return_lse, result=result)
 
 
-def _diff_attention(a):
+def _diff_attention(a, result=None):
     mode = a["mode"]
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
@@ -432,7 +494,10 @@ def _diff_attention(a):
     comp = compute_dtypes(problem.q.dtype, problem.k.dtype, problem.v.dtype)[0]
     lam_b = lambda_rows(a["lam"], problem.batch_shape, B, H, Lq, comp)
     forward, backward = _operations("diff_attention", a["backend"], problem)
-    out_c = forward(problem, lam_b, mode)
+    if result is None:
+        out_c = forward(problem, lam_b, mode)
+    else:
+        out_c = _canonical(problem, result, (B, H, Lq, Dv), "out")
     out = out_c.reshape(problem.batch_shape + (H, Lq, Dv))
     if not problem.on_device:
         out = out.astype(problem.out_dtype, copy=False)

@@ -1,0 +1,489 @@
+"""PyTorch bridge: attnnb's four functions as differentiable ``torch`` operators.
+
+``import attnnb.torch`` (extra ``attnnb[torch]``) registers eight operators
+in the ``attnnb`` namespace of ``torch.library`` (a forward and a backward
+for each of :func:`attention`, :func:`sparse_attention`,
+:func:`topk_attention` and :func:`diff_attention`) and defines the four
+functions on ``torch.Tensor``\\ s, with the arguments of the NumPy API
+(docs/contract.md §2, §6), plus :func:`scaled_dot_product_attention`, a
+drop-in for PyTorch's.
+
+What they do with tensors
+-------------------------
+* **CPU tensors** reach the kernels as NumPy views of the tensors' memory:
+  no copy of float32 or float64 inputs.  A non-contiguous input costs what
+  it costs in the NumPy API: the kernels take one contiguous copy of it.
+  float16 and bfloat16 inputs are cast to float32 (a copy) before the
+  operator and its result cast back, as torch's own CPU kernels compute
+  them; LSEs stay float32.
+* **CUDA tensors** reach the ``cuda`` backend through
+  ``__cuda_array_interface__`` (no copy).  The backend launches on Numba's
+  default stream, so the bridge waits for torch's current stream before
+  the launch and for the device after it: correct with any stream, at the
+  price of two synchronisations per call.  No GPU was available to test
+  this path; the tests that need one skip.
+* **Autograd**: gradients flow into every floating tensor argument that
+  requires grad: ``q``, ``k``, ``v``, ``bias``, ``key_size``, ``lam``
+  (``mask`` and patterns are constants).  The backward operator uses the
+  forward's saved ``out`` and ``lse`` (the forward is not run again; the
+  differential forward keeps no LSE and its backward recomputes the two
+  streams', as :func:`attnnb.vjp` does).  Cotangents of outputs that were
+  not used arrive as None and cost nothing.
+* **torch.compile** sees each call as one operator (fake-tensor rules are
+  registered, so it traces without running the kernels and without a graph
+  break), and ``torch.library.opcheck`` passes on all eight.
+
+Patterns cross the operator boundary as their CSR arrays (``indptr``,
+``indices``, ``n_heads``) and are rebuilt inside it, checked again (a cost
+of O(allowed pairs) integer work per call, small next to the attention).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._validate import check_bool
+from .attention import attention as _np_attention
+from .diff import diff_attention as _np_diff_attention
+from .patterns import Pattern
+from .sparse import sparse_attention as _np_sparse_attention
+from .sparse import topk_attention as _np_topk_attention
+from .vjp import pullback_of
+
+__all__ = ["attention", "diff_attention", "scaled_dot_product_attention", "sparse_attention",
+           "topk_attention"]
+
+_NAMESPACE = "attnnb"
+_DIFFERENTIABLE = ("q", "k", "v", "bias", "key_size", "lam")
+
+
+# ---------------------------------------------------------------------------
+# tensors to arrays and back
+
+
+def _array(t: torch.Tensor | None):
+    """A NumPy view of a CPU tensor, the tensor itself on CUDA (``__cuda_array_interface__``)."""
+    if t is None:
+        return None
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t.numpy()
+    return t
+
+
+def _tensor(a, device: torch.device) -> torch.Tensor:
+    """A result array as a contiguous tensor on ``device`` (sharing NumPy's memory)."""
+    if isinstance(a, np.ndarray):
+        if not a.flags.writeable:  # torch warns on read-only memory; results are few and small
+            a = a.copy()
+        return torch.from_numpy(a).contiguous()
+    return torch.as_tensor(a, device=device).contiguous()
+
+
+@contextlib.contextmanager
+def _on_stream(device: torch.device):
+    """Order a cuda-backend launch after torch's pending work and before torch's next."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.current_stream(device).synchronize()
+    yield
+    from numba import cuda  # only here: CPU-only users never need numba.cuda
+
+    cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------
+# one description per function; the operators are built from it
+
+
+@dataclass(frozen=True)
+class _Function:
+    """How one attnnb function crosses the operator boundary.
+
+    ``params``: the forward operator's inputs, ``(name, schema type)`` in
+    order.  ``positional``: the NumPy function's positional arguments after
+    ``q, k, v`` (``pattern`` is assembled from ``pattern_indptr``,
+    ``pattern_indices``, ``pattern_heads``).  ``has_lse``: the operator
+    returns ``(out, lse)`` (always computed: the backward needs it), else
+    ``out``.
+    """
+
+    name: str
+    numpy_function: Any
+    params: tuple
+    positional: tuple
+    has_lse: bool
+
+    @property
+    def names(self) -> tuple:
+        return tuple(n for n, _ in self.params)
+
+    def schema(self) -> str:
+        args = ", ".join(f"{t} {n}" for n, t in self.params)
+        return f"({args}) -> " + ("(Tensor, Tensor)" if self.has_lse else "Tensor")
+
+    def backward_schema(self) -> str:
+        saved = ["Tensor? dout"] + (["Tensor? dlse", "Tensor out", "Tensor lse"]
+                                     if self.has_lse else ["Tensor out"])
+        args = ", ".join(saved + [f"{t} {n}" for n, t in self.params])
+        return f"({args}) -> Tensor[]"
+
+    def numpy_call(self, values: dict) -> tuple[tuple, dict]:
+        """The NumPy function's ``(args, kwargs)`` for the operator inputs ``values``."""
+        arrays = {n: (_array(x) if isinstance(x, torch.Tensor) else x) for n, x in values.items()}
+        if "pattern_indptr" in arrays:
+            q, k = values["q"], values["k"]
+            arrays["pattern"] = Pattern(arrays.pop("pattern_indptr"),
+                                        arrays.pop("pattern_indices"),
+                                        (q.shape[-2], k.shape[-2]), arrays.pop("pattern_heads"))
+        args = tuple(arrays.pop(n) for n in ("q", "k", "v") + self.positional)
+        if self.has_lse:
+            arrays["return_lse"] = True
+        return args, arrays
+
+    def differentiable(self, values: dict) -> list[str]:
+        """The differentiable inputs that were given, in the backward operator's output order."""
+        return [n for n in self.names if n in _DIFFERENTIABLE and values[n] is not None]
+
+
+_STATIC_TAIL = (("scale", "float?"),)
+_FUNCTIONS = {
+    f.name: f for f in (
+        _Function("attention", _np_attention,
+                  (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("mask", "Tensor?"),
+                   ("bias", "Tensor?"), ("key_size", "Tensor?"), ("causal", "bool"),
+                   *_STATIC_TAIL, ("normalizer", "str"), ("backend", "str?")),
+                  (), True),
+        _Function("sparse_attention", _np_sparse_attention,
+                  (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"),
+                   ("pattern_indptr", "Tensor"), ("pattern_indices", "Tensor"),
+                   ("pattern_heads", "int"), ("key_size", "Tensor?"), *_STATIC_TAIL,
+                   ("normalizer", "str"), ("backend", "str?")),
+                  ("pattern",), True),
+        _Function("topk_attention", _np_topk_attention,
+                  (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("top_k", "int"),
+                   ("mask", "Tensor?"), ("causal", "bool"), ("key_size", "Tensor?"),
+                   *_STATIC_TAIL, ("backend", "str?")),
+                  ("top_k",), True),
+        _Function("diff_attention", _np_diff_attention,
+                  (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("lam", "Tensor"),
+                   ("mask", "Tensor?"), ("bias", "Tensor?"), ("key_size", "Tensor?"),
+                   ("causal", "bool"), *_STATIC_TAIL, ("mode", "str"), ("backend", "str?")),
+                  ("lam",), False),
+    )
+}
+
+
+def _compute_dtype(values: dict) -> torch.dtype:
+    """float64 when any of q, k, v is, else float32: the operators see only these two."""
+    if any(values[n].dtype == torch.float64 for n in ("q", "k", "v")):
+        return torch.float64
+    return torch.float32
+
+
+def _forward(fn: _Function, *inputs):
+    values = dict(zip(fn.names, inputs))
+    device = values["q"].device
+    args, kwargs = fn.numpy_call(values)
+    with _on_stream(device):
+        result = fn.numpy_function(*args, **kwargs)
+    if fn.has_lse:
+        return tuple(_tensor(r, device) for r in result)
+    return _tensor(result, device)
+
+
+def _forward_fake(fn: _Function, *inputs):
+    """Shapes and dtypes of the results, for tracing (torch.compile, meta tensors)."""
+    values = dict(zip(fn.names, inputs))
+    q, v = values["q"], values["v"]
+    if q.dim() == 2:
+        rows = (q.shape[0],)
+    else:
+        heads = q.shape[-3] // 2 if fn.name == "diff_attention" else q.shape[-3]
+        rows = (*q.shape[:-3], heads, q.shape[-2])
+    dtype = _compute_dtype(values)
+    out = q.new_empty((*rows, v.shape[-1]), dtype=dtype)
+    if fn.has_lse:
+        return out, q.new_empty(rows, dtype=dtype)
+    return out
+
+
+def _backward(fn: _Function, *inputs):
+    n_saved = 4 if fn.has_lse else 2
+    saved, values = inputs[:n_saved], dict(zip(fn.names, inputs[n_saved:]))
+    if fn.has_lse:
+        dout, dlse, out, lse = saved
+        result = (_array(out), _array(lse))
+    else:
+        (dout, out), dlse = saved, None
+        result = _array(out)
+    device = values["q"].device
+    args, kwargs = fn.numpy_call(values)
+    kwargs.pop("return_lse", None)
+    pullback = pullback_of(fn.numpy_function, result, *args, **kwargs)
+    dout = torch.zeros_like(out) if dout is None else dout
+    cotangents = (_array(dout),) + ((_array(dlse),) if fn.has_lse else ())
+    with _on_stream(device):
+        grads = pullback(*cotangents)
+    return [_tensor(grads[n], device).to(values[n].dtype) for n in fn.differentiable(values)]
+
+
+def _backward_fake(fn: _Function, *inputs):
+    values = dict(zip(fn.names, inputs[4 if fn.has_lse else 2:]))
+    return [torch.empty_like(values[n], memory_format=torch.contiguous_format)
+            for n in fn.differentiable(values)]
+
+
+def _setup_context(fn: _Function):
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)  # unused outputs' cotangents arrive as None
+        outputs = output if fn.has_lse else (output,)
+        tensors = [x if isinstance(x, torch.Tensor) else None for x in inputs]
+        ctx.save_for_backward(*outputs, *tensors)
+        ctx.statics = [None if isinstance(x, torch.Tensor) else x for x in inputs]
+    return setup_context
+
+
+def _autograd_backward(fn: _Function, backward_op):
+    n_out = 2 if fn.has_lse else 1
+
+    def backward(ctx, *cotangents):
+        outputs = ctx.saved_tensors[:n_out]
+        tensors = ctx.saved_tensors[n_out:]
+        inputs = [t if s is None else s for t, s in zip(tensors, ctx.statics)]
+        if all(c is None for c in cotangents):
+            return (None,) * len(inputs)
+        saved = (cotangents[0], cotangents[1], *outputs) if fn.has_lse else \
+            (cotangents[0], outputs[0])
+        grads = iter(backward_op(*saved, *inputs))
+        values = dict(zip(fn.names, inputs))
+        given = set(fn.differentiable(values))
+        result = []
+        for i, name in enumerate(fn.names):
+            g = next(grads) if name in given else None
+            result.append(g if ctx.needs_input_grad[i] else None)
+        return tuple(result)
+    return backward
+
+
+def _register(fn: _Function):
+    """Define ``attnnb::<name>`` and ``attnnb::<name>_backward``, their fake and autograd rules."""
+    def forward(*inputs):
+        return _forward(fn, *inputs)
+
+    def backward(*inputs):
+        return _backward(fn, *inputs)
+
+    forward_op = torch.library.custom_op(f"{_NAMESPACE}::{fn.name}", forward, mutates_args=(),
+                                         schema=fn.schema())
+    backward_op = torch.library.custom_op(f"{_NAMESPACE}::{fn.name}_backward", backward,
+                                          mutates_args=(), schema=fn.backward_schema())
+    forward_op.register_fake(lambda *inputs: _forward_fake(fn, *inputs))
+    backward_op.register_fake(lambda *inputs: _backward_fake(fn, *inputs))
+    forward_op.register_autograd(_autograd_backward(fn, backward_op),
+                                 setup_context=_setup_context(fn))
+    return forward_op
+
+
+_OPS = {name: _register(fn) for name, fn in _FUNCTIONS.items()}
+
+
+# ---------------------------------------------------------------------------
+# argument preparation (the public functions)
+
+
+def _qkv(q, k, v):
+    """q, k, v as the operators take them, and the dtype of the user's result.
+
+    float16 and bfloat16 are cast to float32 (differentiably): the kernels
+    compute in float32 or float64 only.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor; got dtype {x.dtype}")
+    devices = {q.device, k.device, v.device}
+    if len(devices) > 1:
+        raise ValueError(f"q, k and v must be on one device; got {sorted(map(str, devices))}")
+    result = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    wide = (torch.float32, torch.float64)
+    return tuple(x if x.dtype in wide else x.float() for x in (q, k, v)), result
+
+
+def _optional(name: str, x, device, *, floating: bool):
+    """A tensor argument (or None) on ``device``; floating ones in float32/float64."""
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(np.asarray(x), device=device)
+    if x.device != device:
+        raise ValueError(f"{name} must be on the device of q ({device}); got {x.device}")
+    if floating and x.dtype not in (torch.float32, torch.float64):
+        if x.is_complex():
+            raise TypeError(f"{name} must be real; got dtype {x.dtype}")
+        x = x.float()
+    return x
+
+
+def _scale(scale):
+    return None if scale is None else float(scale)
+
+
+def _finish(out, lse, result_dtype, return_lse):
+    out = out.to(result_dtype)
+    return (out, lse) if return_lse else out
+
+
+def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
+              normalizer="softmax", return_lse=False, backend=None):
+    """:func:`attnnb.attention` on tensors, differentiable in q, k, v, bias and key_size.
+
+    Parameters and results as :func:`attnnb.attention`, with ``torch.Tensor``
+    for arrays (``mask``, ``bias`` and ``key_size`` may also be NumPy arrays
+    or numbers: they are converted).  The result has the promoted dtype of
+    q, k and v on their device; ``lse`` is float32, or float64 for float64
+    inputs.
+
+    Examples
+    --------
+    >>> import torch, attnnb.torch as at
+    >>> q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    >>> out = at.attention(q, q, q, causal=True)
+    >>> out.sum().backward()
+    >>> q.grad.shape
+    torch.Size([2, 4, 16, 8])
+    """
+    (q, k, v), result = _qkv(q, k, v)
+    out, lse = _OPS["attention"](
+        q, k, v, _optional("mask", mask, q.device, floating=False),
+        _optional("bias", bias, q.device, floating=True),
+        _optional("key_size", key_size, q.device, floating=True),
+        check_bool("causal", causal), _scale(scale), normalizer, backend)
+    return _finish(out, lse, result, check_bool("return_lse", return_lse))
+
+
+def _pattern_tensors(pattern) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A Pattern's CSR arrays as tensors sharing its (read-only) memory."""
+    if not isinstance(pattern, Pattern):
+        raise TypeError("pattern must be an attnnb.patterns.Pattern (build one with "
+                        "attnnb.patterns.local, ..., from_mask or from_scipy); got "
+                        f"{type(pattern).__name__}")
+    with warnings.catch_warnings():  # the arrays are read-only; the operators only read them
+        warnings.simplefilter("ignore", UserWarning)
+        return (torch.from_numpy(pattern.indptr), torch.from_numpy(pattern.indices),
+                pattern.n_heads)
+
+
+def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
+                     return_lse=False, backend=None):
+    """:func:`attnnb.sparse_attention` on tensors, differentiable in q, k, v and key_size.
+
+    ``pattern`` is an :class:`attnnb.patterns.Pattern` (a constant).
+    Parameters and results otherwise as :func:`attention` here.
+    """
+    (q, k, v), result = _qkv(q, k, v)
+    indptr, indices, heads = _pattern_tensors(pattern)
+    if q.device.type != "cpu":
+        indptr, indices = indptr.to(q.device), indices.to(q.device)
+    out, lse = _OPS["sparse_attention"](
+        q, k, v, indptr, indices, heads,
+        _optional("key_size", key_size, q.device, floating=True), _scale(scale), normalizer,
+        backend)
+    return _finish(out, lse, result, check_bool("return_lse", return_lse))
+
+
+def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
+                   return_lse=False, backend=None):
+    """:func:`attnnb.topk_attention` on tensors, differentiable in q, k, v and key_size.
+
+    The selection (each row's ``top_k`` keys) is a constant of the
+    gradient, as in :func:`attnnb.vjp`.  Parameters and results otherwise
+    as :func:`attention` here.
+    """
+    (q, k, v), result = _qkv(q, k, v)
+    if isinstance(top_k, bool) or not hasattr(top_k, "__index__"):
+        raise TypeError(f"top_k must be an integer; got {type(top_k).__name__} {top_k!r}")
+    out, lse = _OPS["topk_attention"](
+        q, k, v, int(top_k.__index__()), _optional("mask", mask, q.device, floating=False),
+        check_bool("causal", causal), _optional("key_size", key_size, q.device, floating=True),
+        _scale(scale), backend)
+    return _finish(out, lse, result, check_bool("return_lse", return_lse))
+
+
+def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
+                   scale=None, mode="difference", backend=None):
+    """:func:`attnnb.diff_attention` on tensors, differentiable in q, k, v, lam, bias, key_size.
+
+    ``lam`` may be a number (no gradient) or a tensor broadcastable to
+    ``(*batch, H, Lq)``, e.g. the learned ``lambda_full`` of the Diff
+    Transformer as a 0-d tensor.  Parameters and results otherwise as
+    :func:`attnnb.diff_attention`.
+    """
+    (q, k, v), result = _qkv(q, k, v)
+    lam = _optional("lam", lam, q.device, floating=True)
+    out = _OPS["diff_attention"](
+        q, k, v, lam, _optional("mask", mask, q.device, floating=False),
+        _optional("bias", bias, q.device, floating=True),
+        _optional("key_size", key_size, q.device, floating=True),
+        check_bool("causal", causal), _scale(scale), mode, backend)
+    return out.to(result)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """A drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Same arguments and meaning as PyTorch's function: ``query (N, ..., Hq,
+    L, E)``, ``key (N, ..., H, S, E)``, ``value (N, ..., H, S, Ev)``; a bool
+    ``attn_mask`` is True where attending, a float one is added to the
+    scaled logits (and gets a gradient when it requires one); ``is_causal``
+    masks top-left (query ``i`` sees keys ``j <= i``, also when ``L != S``);
+    ``scale`` defaults to ``1 / sqrt(E)``; ``enable_gqa`` lets ``Hq`` be a
+    multiple of ``H``.  So that a model switches to attnnb by replacing this
+    one function.
+
+    Raises
+    ------
+    ValueError
+        ``dropout_p > 0`` (attnnb has no dropout: apply it outside), both
+        ``attn_mask`` and ``is_causal``, head counts that differ without
+        ``enable_gqa``, or q, k, v of different dtypes (as PyTorch refuses).
+
+    Notes
+    -----
+    A row with no allowed key gives zeros, as PyTorch's CPU kernels give
+    them (checked against torch 2.13); its gradients are zeros too.
+    """
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p must be 0.0: attnnb has no dropout; got {dropout_p}")
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask and is_causal cannot both be set (as in PyTorch)")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(f"query, key and value must have one dtype; got {query.dtype}, "
+                         f"{key.dtype} and {value.dtype}")
+    if query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3] \
+            and not enable_gqa:
+        raise ValueError(f"query has {query.shape[-3]} heads and key {key.shape[-3]}: pass "
+                         "enable_gqa=True for grouped-query attention")
+    mask = bias = None
+    causal = False
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            mask = attn_mask
+        else:
+            bias = attn_mask
+    elif is_causal:
+        L, S = query.shape[-2], key.shape[-2]
+        if L == S:
+            causal = True  # the kernels' own causal limit, which skips the masked tiles
+        else:  # PyTorch's causal mask is top-left; attnnb's is bottom-right
+            mask = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
+    return attention(query, key, value, mask=mask, bias=bias, causal=causal, scale=scale)

@@ -1,0 +1,291 @@
+"""The PyTorch bridge (docs/contract.md §6): autograd, custom-op checks, torch.compile, SDPA.
+
+Gradients are checked by ``torch.autograd.gradcheck`` (finite differences of
+the bridge's own forward, float64) and against :func:`attnnb.vjp`; the
+drop-in against ``torch.nn.functional.scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import attnnb  # noqa: E402
+import attnnb.torch as at  # noqa: E402
+from attnnb import patterns  # noqa: E402
+
+F = torch.nn.functional
+BACKENDS = ("reference", "cpu")
+
+
+def _t(rng, shape, dtype=torch.float64, grad=True, scale=1.0):
+    x = torch.from_numpy(scale * rng.standard_normal(shape)).to(dtype)
+    return x.requires_grad_(grad)
+
+
+def _qkv(rng, hq=2, hk=None, lq=5, lk=6, d=4, dv=3, batch=(1,), dtype=torch.float64):
+    hk = hq if hk is None else hk
+    return (_t(rng, batch + (hq, lq, d), dtype), _t(rng, batch + (hk, lk, d), dtype),
+            _t(rng, batch + (hk, lk, dv), dtype))
+
+
+def _gradcheck(fn, inputs):
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# gradients: finite differences of the bridge, and the NumPy vjp
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_gradcheck_mask_bias_causal_gqa(backend):
+    rng = np.random.default_rng(0)
+    q, k, v = _qkv(rng, hq=4, hk=2)
+    bias = _t(rng, (5, 6))  # broadcast over batch and heads: a (Lq, Lk) gradient
+    mask = torch.from_numpy(rng.random((1, 4, 5, 6)) < 0.8)
+    mask[0, 1, 2] = False  # an empty row: zero output, zero gradient, no NaN
+
+    def f(q, k, v, bias):
+        out, lse = at.attention(q, k, v, mask=mask, bias=bias, causal=True, return_lse=True,
+                                backend=backend)
+        return out, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    _gradcheck(f, (q, k, v, bias))
+
+
+@pytest.mark.parametrize("normalizer", ["softmax1", "relu_expm1"])
+def test_attention_gradcheck_normalizers_and_key_size(normalizer):
+    rng = np.random.default_rng(1)
+    q, k, v = _qkv(rng)
+    size = torch.from_numpy(rng.integers(1, 4, (1, 6, 1)).astype(np.float64)).requires_grad_()
+    _gradcheck(lambda q, k, v, s: at.attention(q, k, v, key_size=s, normalizer=normalizer,
+                                               backend="cpu"), (q, k, v, size))
+
+
+def test_sparse_attention_gradcheck():
+    rng = np.random.default_rng(2)
+    q, k, v = _qkv(rng, lq=6, lk=6)
+    pattern = patterns.local(6, 2) | patterns.strided(6, 3)
+    _gradcheck(lambda q, k, v: at.sparse_attention(q, k, v, pattern, backend="cpu"), (q, k, v))
+
+
+def test_topk_attention_gradcheck():
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(rng, lq=5, lk=7)
+    _gradcheck(lambda q, k, v: at.topk_attention(q, k, v, 3, causal=True, backend="cpu"),
+               (q, k, v))
+
+
+@pytest.mark.parametrize("mode", ["difference", "rectified"])
+def test_diff_attention_gradcheck_learned_lambda(mode):
+    rng = np.random.default_rng(4)
+    q, k, _ = _qkv(rng, hq=4, hk=2, d=3)  # H = 2 head pairs over one key pair
+    v = _t(rng, (1, 1, 6, 4))  # one value head per key pair
+    lam = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    bias = _t(rng, (2, 5, 6))
+    _gradcheck(lambda q, k, v, lam, bias: at.diff_attention(q, k, v, lam, bias=bias, mode=mode,
+                                                            backend="cpu"),
+               (q, k, v, lam, bias))
+
+
+def test_gradients_equal_numpy_vjp():
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, hq=2, lq=9, lk=11, d=8, dv=8, dtype=torch.float32)
+    bias = _t(rng, (2, 9, 11), torch.float32)
+    out = at.attention(q, k, v, bias=bias, causal=True)
+    dout = torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32))
+    out.backward(dout)
+    arrays = [x.detach().numpy() for x in (q, k, v, bias)]
+    expected, pullback = attnnb.vjp(attnnb.attention, *arrays[:3], bias=arrays[3], causal=True)
+    grads = pullback(dout.numpy())
+    np.testing.assert_array_equal(out.detach().numpy(), expected)  # the same kernels
+    for name, x in zip(("q", "k", "v", "bias"), (q, k, v, bias)):
+        np.testing.assert_array_equal(x.grad.numpy(), grads[name], err_msg=name)
+
+
+def test_only_requested_gradients_and_unused_lse():
+    rng = np.random.default_rng(6)
+    q, k, v = _qkv(rng)
+    k.requires_grad_(False)
+    out, lse = at.attention(q, k, v, return_lse=True)
+    out.sum().backward()  # lse unused: its cotangent is None, not zeros
+    assert k.grad is None and q.grad is not None and v.grad is not None
+    q2 = q.detach().clone().requires_grad_()
+    _, lse = at.attention(q2, k, v, return_lse=True)
+    lse.sum().backward()  # only the LSE used: dout is None
+    expected = attnnb.vjp(attnnb.attention, q2.detach().numpy(), k.numpy(), v.detach().numpy(),
+                          return_lse=True)[1](np.zeros((1, 2, 5, 3)), np.ones((1, 2, 5)))
+    np.testing.assert_allclose(q2.grad.numpy(), expected["q"], rtol=1e-12, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------
+# the operators: opcheck, torch.compile, memory
+
+
+def _op_cases():
+    rng = np.random.default_rng(7)
+    q, k, v = _qkv(rng, lq=6, lk=6)
+    pattern = patterns.local(6, 2)
+    ip, ix, nh = at._pattern_tensors(pattern)
+    lam = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    bias = _t(rng, (6, 6))
+    q4, k4 = (torch.cat([x, x * 0.5], dim=1).detach().requires_grad_() for x in (q, k))
+    ops = torch.ops.attnnb
+    return {
+        "attention": (ops.attention.default,
+                      (q, k, v, None, bias, None, True, None, "softmax", "cpu")),
+        "sparse_attention": (ops.sparse_attention.default,
+                             (q, k, v, ip, ix, nh, None, None, "softmax", "cpu")),
+        "topk_attention": (ops.topk_attention.default,
+                           (q, k, v, 2, None, False, None, 0.7, "cpu")),
+        "diff_attention": (ops.diff_attention.default,
+                           (q4, k4, v, lam, None, None, None, True, None, "difference", "cpu")),
+    }
+
+
+@pytest.mark.parametrize("name", ["attention", "sparse_attention", "topk_attention",
+                                  "diff_attention"])
+def test_opcheck(name):
+    op, args = _op_cases()[name]
+    torch.library.opcheck(op, args)  # raises on any failed check
+
+
+@pytest.mark.parametrize("name", ["attention", "sparse_attention", "topk_attention",
+                                  "diff_attention"])
+def test_opcheck_backward_operators(name):
+    op, args = _op_cases()[name]
+    result = op(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    outs = result if isinstance(result, tuple) else (result,)
+    douts = [torch.ones_like(o) for o in outs]
+    backward = getattr(torch.ops.attnnb, name + "_backward").default
+    saved = (douts[0], douts[1], *outs) if len(outs) == 2 else (douts[0], outs[0])
+    torch.library.opcheck(backward, (*saved, *[a.detach() if isinstance(a, torch.Tensor) else a
+                                               for a in args]))
+
+
+def test_torch_compile_keeps_one_operator_without_graph_break():
+    rng = np.random.default_rng(8)
+    q, k, v = _qkv(rng, dtype=torch.float32)
+    lam = torch.tensor(0.4, requires_grad=True)
+
+    def loss(q, k, v, lam):
+        a = at.attention(q, k, v, causal=True)
+        b = at.diff_attention(torch.cat([q, q], 1), torch.cat([k, k], 1), v, lam)
+        return (a.square().sum() + b.square().sum())
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")  # a break would raise
+    eager_grads = torch.autograd.grad(loss(q, k, v, lam), (q, k, v, lam))
+    compiled_grads = torch.autograd.grad(compiled(q, k, v, lam), (q, k, v, lam))
+    for a, b in zip(eager_grads, compiled_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_tensors_are_zero_copy_and_inputs_untouched():
+    rng = np.random.default_rng(9)
+    q, k, v = (x.detach() for x in _qkv(rng, dtype=torch.float32))
+    view = at._array(q)
+    assert view.ctypes.data == q.data_ptr() and view.dtype == np.float32
+    before = [x.clone() for x in (q, k, v)]
+    at.attention(q, k, v)
+    for x, y in zip((q, k, v), before):
+        assert torch.equal(x, y)
+
+
+def test_half_precision_inputs_return_their_dtype():
+    rng = np.random.default_rng(10)
+    for dtype in (torch.float16, torch.bfloat16):
+        q, k, v = _qkv(rng, dtype=dtype)
+        out = at.attention(q, k, v)
+        assert out.dtype == dtype
+        ref = at.attention(*(x.detach().float() for x in (q, k, v)))
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+        out.float().sum().backward()
+        assert q.grad.dtype == dtype
+
+
+def test_errors_name_the_argument():
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        at.attention(np.zeros((2, 3, 4)), q, q)
+    with pytest.raises(TypeError, match="k must be a floating tensor"):
+        at.attention(q, q.long(), q)
+    with pytest.raises(TypeError, match="pattern must be an attnnb.patterns.Pattern"):
+        at.sparse_attention(q, q, q, np.ones((3, 3), bool))
+    with pytest.raises(ValueError, match="normalizer"):
+        at.attention(q, q, q, normalizer="sparsemax")
+
+
+def test_import_attnnb_does_not_import_torch():
+    code = "import sys, attnnb; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="CUDA tensors need a GPU: the __cuda_array_interface__ path is "
+                           "exercised only where torch sees one")
+def test_cuda_tensors_stay_on_device():
+    rng = np.random.default_rng(11)
+    q, k, v = (x.detach().cuda() for x in _qkv(rng, dtype=torch.float32))
+    out = at.attention(q, k, v, causal=True)
+    assert out.device == q.device
+    expected = at.attention(q.cpu(), k.cpu(), v.cpu(), causal=True)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# the drop-in for torch.nn.functional.scaled_dot_product_attention
+
+
+SDPA_CASES = {
+    "plain": dict(),
+    "causal square": dict(is_causal=True),
+    "causal Lq < Lk (top-left)": dict(is_causal=True, lk=9),
+    "causal Lq > Lk (top-left)": dict(is_causal=True, lq=9, lk=5),
+    "bool mask": dict(mask="bool"),
+    "float mask": dict(mask="float"),
+    "scale": dict(scale=0.3),
+    "gqa": dict(enable_gqa=True, hk=1),
+}
+
+
+@pytest.mark.parametrize("case", SDPA_CASES)
+def test_sdpa_drop_in_forward_and_backward(case):
+    o = dict(SDPA_CASES[case])
+    rng = np.random.default_rng(12)
+    lq, lk = o.pop("lq", 7), o.pop("lk", 7)
+    q, k, v = _qkv(rng, hq=2, hk=o.pop("hk", 2), lq=lq, lk=lk, d=16, dv=16, batch=(2,),
+                   dtype=torch.float32)
+    kind = o.pop("mask", None)
+    if kind == "bool":
+        m = torch.from_numpy(rng.random((lq, lk)) < 0.6)
+        m[3] = False  # an empty row: zeros in both
+        o["attn_mask"] = m
+    elif kind == "float":
+        o["attn_mask"] = _t(rng, (2, 1, lq, lk), torch.float32)
+    inputs = [q, k, v] + ([o["attn_mask"]] if kind == "float" else [])
+    results = []
+    for fn in (F.scaled_dot_product_attention, at.scaled_dot_product_attention):
+        out = fn(q, k, v, **o)
+        grads = torch.autograd.grad(out.square().sum(), inputs)
+        results.append((out, grads))
+    (ref, ref_grads), (out, grads) = results
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_sdpa_refusals():
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="dropout_p"):
+        at.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="is_causal"):
+        at.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool),
+                                        is_causal=True)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        at.scaled_dot_product_attention(q, q[:, :1], q[:, :1])
+    with pytest.raises(ValueError, match="one dtype"):
+        at.scaled_dot_product_attention(q, q.double(), q)
