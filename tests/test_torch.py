@@ -289,3 +289,20 @@ def test_sdpa_refusals():
         at.scaled_dot_product_attention(q, q[:, :1], q[:, :1])
     with pytest.raises(ValueError, match="one dtype"):
         at.scaled_dot_product_attention(q, q.double(), q)
+
+
+def test_readme_torch_block_runs(monkeypatch):
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    match = re.search(r"<!-- usage:torch -->\n```python\n(.*?)```\n<!-- /usage:torch -->",
+                      text, re.S)
+    assert match, "README has no usage:torch block"
+    # the block swaps torch's function model-wide: undo that after the test
+    monkeypatch.setattr(F, "scaled_dot_product_attention", F.scaled_dot_product_attention)
+    namespace = {}
+    exec(compile(match.group(1), "README.md:usage:torch", "exec"), namespace)
+    assert namespace["bias"].grad.shape == (256, 256)
+    assert namespace["od"].shape == (2, 4, 256, 64)
+    assert torch.nn.functional.scaled_dot_product_attention is at.scaled_dot_product_attention
