@@ -48,13 +48,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _bridge
 from ._validate import check_bool
 from .attention import attention as _np_attention
 from .diff import diff_attention as _np_diff_attention
 from .patterns import Pattern
 from .sparse import sparse_attention as _np_sparse_attention
 from .sparse import topk_attention as _np_topk_attention
-from .vjp import pullback_of
 
 __all__ = ["attention", "diff_attention", "scaled_dot_product_attention", "sparse_attention",
            "topk_attention"]
@@ -108,9 +108,8 @@ class _Function:
     """How one attnnb function crosses the operator boundary.
 
     ``params``: the forward operator's inputs, ``(name, schema type)`` in
-    order.  ``positional``: the NumPy function's positional arguments after
-    ``q, k, v`` (``pattern`` is assembled from ``pattern_indptr``,
-    ``pattern_indices``, ``pattern_heads``).  ``has_lse``: the operator
+    order (the NumPy function's ``pattern`` is assembled from
+    ``pattern_indptr``, ``pattern_indices``, ``pattern_heads``).  ``has_lse``: the operator
     returns ``(out, lse)`` (always computed: the backward needs it), else
     ``out``.
     """
@@ -118,7 +117,6 @@ class _Function:
     name: str
     numpy_function: Any
     params: tuple
-    positional: tuple
     has_lse: bool
 
     @property
@@ -135,18 +133,24 @@ class _Function:
         args = ", ".join(saved + [f"{t} {n}" for n, t in self.params])
         return f"({args}) -> Tensor[]"
 
-    def numpy_call(self, values: dict) -> tuple[tuple, dict]:
-        """The NumPy function's ``(args, kwargs)`` for the operator inputs ``values``."""
-        arrays = {n: (_array(x) if isinstance(x, torch.Tensor) else x) for n, x in values.items()}
-        if "pattern_indptr" in arrays:
+    def numpy_call(self, values: dict) -> dict:
+        """The NumPy function's keyword arguments for the operator inputs ``values``."""
+        kwargs = {n: (_array(x) if isinstance(x, torch.Tensor) else x) for n, x in values.items()}
+        if "pattern_indptr" in kwargs:
             q, k = values["q"], values["k"]
-            arrays["pattern"] = Pattern(arrays.pop("pattern_indptr"),
-                                        arrays.pop("pattern_indices"),
-                                        (q.shape[-2], k.shape[-2]), arrays.pop("pattern_heads"))
-        args = tuple(arrays.pop(n) for n in ("q", "k", "v") + self.positional)
+            kwargs["pattern"] = Pattern(kwargs.pop("pattern_indptr"),
+                                        kwargs.pop("pattern_indices"),
+                                        (q.shape[-2], k.shape[-2]), kwargs.pop("pattern_heads"))
         if self.has_lse:
-            arrays["return_lse"] = True
-        return args, arrays
+            kwargs["return_lse"] = True
+        return kwargs
+
+    def bridge_call(self, values: dict) -> tuple[dict, dict]:
+        """The same split as :mod:`attnnb._bridge` takes it: ``(arrays given, the rest)``."""
+        kwargs = self.numpy_call(values)
+        names = _bridge.ARRAYS[self.name]
+        arrays = {n: kwargs.pop(n) for n in names if kwargs.get(n) is not None}
+        return arrays, {n: x for n, x in kwargs.items() if n not in names}
 
     def differentiable(self, values: dict) -> list[str]:
         """The differentiable inputs that were given, in the backward operator's output order."""
@@ -160,23 +164,23 @@ _FUNCTIONS = {
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("mask", "Tensor?"),
                    ("bias", "Tensor?"), ("key_size", "Tensor?"), ("causal", "bool"),
                    *_STATIC_TAIL, ("normalizer", "str"), ("backend", "str?")),
-                  (), True),
+                  True),
         _Function("sparse_attention", _np_sparse_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"),
                    ("pattern_indptr", "Tensor"), ("pattern_indices", "Tensor"),
                    ("pattern_heads", "int"), ("key_size", "Tensor?"), *_STATIC_TAIL,
                    ("normalizer", "str"), ("backend", "str?")),
-                  ("pattern",), True),
+                  True),
         _Function("topk_attention", _np_topk_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("top_k", "int"),
                    ("mask", "Tensor?"), ("causal", "bool"), ("key_size", "Tensor?"),
                    *_STATIC_TAIL, ("backend", "str?")),
-                  ("top_k",), True),
+                  True),
         _Function("diff_attention", _np_diff_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("lam", "Tensor"),
                    ("mask", "Tensor?"), ("bias", "Tensor?"), ("key_size", "Tensor?"),
                    ("causal", "bool"), *_STATIC_TAIL, ("mode", "str"), ("backend", "str?")),
-                  ("lam",), False),
+                  False),
     )
 }
 
@@ -191,9 +195,8 @@ def _compute_dtype(values: dict) -> torch.dtype:
 def _forward(fn: _Function, *inputs):
     values = dict(zip(fn.names, inputs))
     device = values["q"].device
-    args, kwargs = fn.numpy_call(values)
     with _on_stream(device):
-        result = fn.numpy_function(*args, **kwargs)
+        result = fn.numpy_function(**fn.numpy_call(values))
     if fn.has_lse:
         return tuple(_tensor(r, device) for r in result)
     return _tensor(result, device)
@@ -220,18 +223,16 @@ def _backward(fn: _Function, *inputs):
     saved, values = inputs[:n_saved], dict(zip(fn.names, inputs[n_saved:]))
     if fn.has_lse:
         dout, dlse, out, lse = saved
-        result = (_array(out), _array(lse))
+        residuals = (_array(out), _array(lse))
     else:
         (dout, out), dlse = saved, None
-        result = _array(out)
+        residuals = (_array(out), None)
     device = values["q"].device
-    args, kwargs = fn.numpy_call(values)
-    kwargs.pop("return_lse", None)
-    pullback = pullback_of(fn.numpy_function, result, *args, **kwargs)
+    arrays, static = fn.bridge_call(values)
     dout = torch.zeros_like(out) if dout is None else dout
-    cotangents = (_array(dout),) + ((_array(dlse),) if fn.has_lse else ())
     with _on_stream(device):
-        grads = pullback(*cotangents)
+        grads = _bridge.backward(fn.name, arrays, static, residuals, _array(dout),
+                                 None if dlse is None else _array(dlse))
     return [_tensor(grads[n], device).to(values[n].dtype) for n in fn.differentiable(values)]
 
 

@@ -13,6 +13,9 @@ keeping its canonical ``out`` and ``lse``, and on each ``pullback`` call runs
 the backward operation ``"<function>_vjp"`` on the same backend.  It then
 turns the canonical gradients back into the user's shapes and dtypes (GQA
 and broadcast axes summed, ``d log key_size`` turned into ``d key_size``).
+:func:`run` is that body, for the framework bridges (:mod:`attnnb._bridge`):
+it can take the saved result of an earlier forward in place of running the
+forward again.
 
 Backend interface
 -----------------
@@ -89,7 +92,7 @@ from .attention import attention
 from .diff import MODES, diff_attention, lambda_rows
 from .sparse import _check_pattern, _check_top_k, sparse_attention, topk_attention
 
-__all__ = ["vjp", "pullback_of"]
+__all__ = ["vjp"]
 
 
 def vjp(fn, *args, **kwargs):
@@ -157,53 +160,42 @@ def vjp(fn, *args, **kwargs):
     >>> sorted(grads), grads["q"].shape
     (['k', 'q', 'v'], (2, 5, 4))
     """
-    spec, arguments = _bind("vjp", fn, args, kwargs)
-    return spec(arguments)
+    result, saved, return_lse = run(fn, args, kwargs)
+    return result, _pullback(saved, return_lse)
 
 
-def pullback_of(fn, result, *args, **kwargs):
-    """The pullback of an earlier ``fn(*args, **kwargs)`` whose result is ``result``.
-
-    For framework bridges, which run the forward in one step and the
-    backward in another: the forward is not run again.  The arguments are
-    validated exactly as :func:`vjp` validates them.
+def run(fn, args, kwargs, forward=None):
+    """The body of :func:`vjp`, for the framework bridges (:mod:`attnnb._bridge`).
 
     Parameters
     ----------
-    fn : callable
-        As for :func:`vjp`.
-    result : array or tuple of arrays
-        What the forward returned, in the compute dtype (float32, or float64
-        for float64 inputs): ``(out, lse)`` for :func:`attnnb.attention`,
-        :func:`attnnb.sparse_attention` and :func:`attnnb.topk_attention`
-        (whatever their ``return_lse``), ``out`` for
-        :func:`attnnb.diff_attention`.  Shapes as ``fn`` returns them.  The
-        arrays must be exactly the forward's on the same inputs and backend;
-        they are read, never written.
-    *args, **kwargs
-        ``fn``'s arguments, as for :func:`vjp`.
+    fn, args, kwargs
+        As :func:`vjp` takes them (``args`` a tuple, ``kwargs`` a dict).
+    forward : callable or None
+        None runs the dispatcher's forward operation.  Otherwise it stands in
+        for it: ``forward(problem, *extras)`` must return what that operation
+        returns for the validated problem (``(out, lse)`` canonical, or
+        ``out`` for :func:`attnnb.diff_attention`), e.g. the saved result of
+        an earlier identical call, so that a pullback can be built without
+        running the forward again.
 
     Returns
     -------
-    pullback : callable
-        As :func:`vjp`'s; it takes ``dlse`` as well (None: no gradient into
-        the LSE) for the three functions with an LSE.
+    result
+        As :func:`vjp`.
+    saved : _Saved
+        ``saved.out`` and ``saved.lse`` are the canonical forward results
+        (``lse`` None for :func:`attnnb.diff_attention`);
+        ``saved.gradients(dout, dlse)`` is the pullback.
+    return_lse : bool
     """
-    spec, arguments = _bind("pullback_of", fn, args, kwargs)
-    if fn is not diff_attention:
-        arguments["return_lse"] = True
-    return spec(arguments, result)[1]
-
-
-def _bind(caller, fn, args, kwargs):
-    """``fn``'s spec and its arguments by name (defaults filled in); TypeError for others."""
     spec = _SPECS.get(_key(fn))
     if spec is None:
         names = ", ".join(f"attnnb.{f.__name__}" for f in _FUNCTIONS)
-        raise TypeError(f"{caller} supports {names}; got {fn!r}")
+        raise TypeError(f"vjp supports {names}; got {fn!r}")
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
-    return spec, dict(bound.arguments)
+    return spec(bound.arguments, forward)
 
 
 def _key(fn):
@@ -395,11 +387,16 @@ def _pullback(saved: _Saved, return_lse: bool):
     return pullback
 
 
-def _operations(name: str, backend, problem):
-    """Resolve the backend once; the backward is looked up before the forward runs."""
+def _operations(name: str, backend, problem, forward=None):
+    """Resolve the backend once; the backward is looked up before the forward runs.
+
+    ``forward``, when given, stands in for the dispatcher's forward (see :func:`run`).
+    """
     chosen = _dispatch.choose_backend(backend, problem.on_device)
     backward = _dispatch.implementation(name + "_vjp", chosen)
-    return _dispatch.implementation(name, chosen), backward
+    if forward is None:
+        forward = _dispatch.implementation(name, chosen)
+    return forward, backward
 
 
 def _extra_args(a, problem, H, **given) -> dict:
@@ -418,66 +415,44 @@ def _dbias_tail(name, args) -> tuple:
     return (args["bias"].canonical if "bias" in args else None,)
 
 
-def _canonical(problem, x, shape, name):
-    """A saved forward result (the user's layout, compute dtype) in canonical form."""
-    arr = x if problem.on_device else np.asarray(x)
-    if int(np.prod(arr.shape)) != int(np.prod(shape)):
-        raise ValueError(f"the saved {name} has shape {tuple(arr.shape)}; the arguments give "
-                         f"{int(np.prod(shape))} elements, canonical shape {shape}")
-    if not problem.on_device and arr.dtype != problem.compute_dtype:
-        raise TypeError(f"the saved {name} must have the compute dtype "
-                        f"{problem.compute_dtype}; got {arr.dtype}")
-    return arr.reshape(shape)
-
-
-def _lse_function(name, a, problem, extras, return_lse, bias=None, result=None):
-    """Shared tail of attention, sparse_attention and topk_attention.
-
-    ``result``: the forward's ``(out, lse)`` when it already ran (see
-    :func:`pullback_of`); else the forward runs here.
-    """
-    forward, backward = _operations(name, a["backend"], problem)
-    if result is None:
-        out_c, lse_c = forward(problem, *extras)
-    else:
-        B, Hq, _, Lq, _, _, Dv = problem.shape
-        out_c = _canonical(problem, result[0], (B, Hq, Lq, Dv), "out")
-        lse_c = _canonical(problem, result[1], (B, Hq, Lq), "lse")
+def _lse_function(name, a, forward, problem, extras, return_lse, bias=None):
+    """Shared tail of attention, sparse_attention and topk_attention."""
+    forward, backward = _operations(name, a["backend"], problem, forward)
+    out_c, lse_c = forward(problem, *extras)
     out, lse = problem.restore(out_c, lse_c)
     Hq = problem.shape[1]
     args = _extra_args(a, problem, Hq, bias=bias, key_size=a["key_size"])
     saved = _Saved(name + "_vjp", backward, problem, extras, out_c, lse_c, out.shape, args,
                    _dbias_tail(name, args))
-    return ((out, lse) if return_lse else out), _pullback(saved, return_lse)
+    return ((out, lse) if return_lse else out), saved, return_lse
 
 
-def _attention(a, result=None):
+def _attention(a, forward):
     return_lse = check_bool("return_lse", a["return_lse"])
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"], bias=a["bias"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
                                 normalizer=a["normalizer"])
-    return _lse_function("attention", a, problem, (), return_lse, bias=a["bias"],
-                         result=result)
+    return _lse_function("attention", a, forward, problem, (), return_lse, bias=a["bias"])
 
 
-def _sparse_attention(a, result=None):
+def _sparse_attention(a, forward):
     return_lse = check_bool("return_lse", a["return_lse"])
     problem = attention_problem(a["q"], a["k"], a["v"], key_size=a["key_size"],
                                 scale=a["scale"], normalizer=a["normalizer"])
     _, Hq, _, Lq, Lk, _, _ = problem.shape
     pattern = _check_pattern(a["pattern"], Lq, Lk, Hq)
-    return _lse_function("sparse_attention", a, problem, (pattern,), return_lse, result=result)
+    return _lse_function("sparse_attention", a, forward, problem, (pattern,), return_lse)
 
 
-def _topk_attention(a, result=None):
+def _topk_attention(a, forward):
     return_lse = check_bool("return_lse", a["return_lse"])
     top_k = _check_top_k(a["top_k"])
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"])
-    return _lse_function("topk_attention", a, problem, (top_k,), return_lse, result=result)
+    return _lse_function("topk_attention", a, forward, problem, (top_k,), return_lse)
 
 
-def _diff_attention(a, result=None):
+def _diff_attention(a, forward):
     mode = a["mode"]
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
@@ -493,11 +468,8 @@ def _diff_attention(a, result=None):
     H = H2 // 2
     comp = compute_dtypes(problem.q.dtype, problem.k.dtype, problem.v.dtype)[0]
     lam_b = lambda_rows(a["lam"], problem.batch_shape, B, H, Lq, comp)
-    forward, backward = _operations("diff_attention", a["backend"], problem)
-    if result is None:
-        out_c = forward(problem, lam_b, mode)
-    else:
-        out_c = _canonical(problem, result, (B, H, Lq, Dv), "out")
+    forward, backward = _operations("diff_attention", a["backend"], problem, forward)
+    out_c = forward(problem, lam_b, mode)
     out = out_c.reshape(problem.batch_shape + (H, Lq, Dv))
     if not problem.on_device:
         out = out.astype(problem.out_dtype, copy=False)
@@ -506,7 +478,7 @@ def _diff_attention(a, result=None):
                        problem.batch_shape)
     saved = _Saved("diff_attention_vjp", backward, problem, (lam_b, mode), out_c, None,
                    out.shape, args, _dbias_tail("diff_attention", args))
-    return out, _pullback(saved, False)
+    return out, saved, False
 
 
 @dataclass(frozen=True)

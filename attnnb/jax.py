@@ -1,0 +1,331 @@
+"""attnnb on JAX arrays: the four attention functions as ``jax.custom_vjp`` functions.
+
+``import attnnb.jax`` (extra ``attnnb[jax]``; ``import attnnb`` alone never
+imports JAX) gives :func:`attention`, :func:`sparse_attention`,
+:func:`topk_attention` and :func:`diff_attention` with the arguments and
+results of their NumPy namesakes (docs/contract.md §2), taking and returning
+JAX arrays.  They work under ``jax.jit``, ``jax.grad`` (and ``jax.vjp``,
+``jax.jacrev``) and ``jax.vmap``, and compose with each other and with the
+rest of JAX.  Forward mode (``jax.jvp``, ``jax.jacfwd``) is not offered: a
+``custom_vjp`` function is reverse mode only.
+
+How it runs
+-----------
+The forward and the backward pass each run attnnb's NumPy API on the host
+through one ``jax.pure_callback``; JAX arrays on other devices are copied to
+the host and back.
+
+* **Arguments.** ``q``, ``k``, ``v``, ``bias``, ``key_size`` and ``lam`` are
+  differentiable arrays (when floating); ``mask`` is an array without a
+  gradient (its cotangent is zero).  Everything else (``causal``, ``scale``,
+  ``normalizer``, ``pattern``, ``top_k``, ``mode``, ``return_lse``,
+  ``backend``) is static: a Python value fixed when the function is traced,
+  never a traced array (a traced ``scale`` is a ``TypeError``).
+* **Residuals.** The forward keeps its output and LSE (in the compute dtype)
+  as JAX residuals, and the backward hands them to the backend's backward
+  operation through :mod:`attnnb._bridge`: the forward is never run twice.
+  Each callback pays for a host copy of ``q``, ``k``, ``v`` (JAX hands
+  read-only buffers, which the cpu kernels take only as copies) and, in the
+  backward, of the residuals and the cotangent; measured figures are in
+  docs/performance.md.
+* **vmap.** The callbacks use ``vmap_method="expand_dims"``: each ``vmap``
+  level adds one leading axis to every argument, of size 1 where that
+  argument is not batched.  Before the call, the arguments are given the
+  rank of the full problem (``mask`` and ``bias`` that of ``(*batch, H, Lq,
+  Lk)``, ``key_size`` that of ``(*batch, Lk)``, ``lam`` that of ``(*batch, H,
+  Lq)``; 2-D ``(L, D)`` inputs one head axis), so the new axes are leading
+  batch axes of every argument; inside the callback they are broadcast
+  against each other as zero-copy NumPy views.  ``"broadcast_all"`` would
+  tile every unbatched argument (a shared ``(Lq, Lk)`` bias, a mask) in
+  memory first; ``"sequential"`` would call attnnb once per batch element.
+* **Backend.** ``backend=None`` is resolved (:func:`attnnb.use_backend`, then
+  ``ATTNNB_BACKEND``, then ``"cpu"``) when the function is traced: under
+  ``jax.jit`` at the first call, and it then stays for that compiled
+  function.
+* **Errors.** Shapes, dtypes and static arguments are checked at trace time
+  with attnnb's own messages.  Checks of values (positive, finite
+  ``key_size``; finite ``lam``) happen when the callback runs; under
+  ``jax.jit`` such an error surfaces as JAX's runtime error carrying
+  attnnb's message.
+* **Precision.** As in attnnb: float32 in, float32 out; float64 (with
+  ``jax_enable_x64``) in, float64 out; float16 computed in float32, the
+  output rounded from the float32 residual (bit for bit attnnb's on cpu;
+  the ``reference`` backend's float64 result is thus rounded twice and may
+  differ from its NumPy call by one unit in the last place).  ``bfloat16``
+  is a ``TypeError``, as NumPy has no such type of its own.
+
+Examples
+--------
+>>> import jax, jax.numpy as jnp
+>>> import attnnb.jax as ajax
+>>> q = k = v = jnp.ones((2, 5, 4))
+>>> loss = lambda q: ajax.attention(q, k, v, causal=True).sum()
+>>> jax.jit(jax.grad(loss))(q).shape
+(2, 5, 4)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _bridge
+
+__all__ = ["attention", "diff_attention", "sparse_attention", "topk_attention"]
+
+# One leading axis per vmap level on every argument, size 1 where unbatched (see above).
+_VMAP_METHOD = "expand_dims"
+
+
+def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
+              normalizer="softmax", return_lse=False, backend=None):
+    """:func:`attnnb.attention` on JAX arrays, differentiable in q, k, v, bias, key_size.
+
+    Parameters
+    ----------
+    q, k, v : JAX arrays ``(*batch, Hq, Lq, D)``, ``(*batch, Hk, Lk, D)``, ``(*batch, Hk, Lk, Dv)``
+        Or 2-D ``(L, D)``: one head.
+    mask : bool JAX array broadcastable to ``(*batch, Hq, Lq, Lk)``, optional
+        No gradient.
+    bias : JAX array broadcastable to ``(*batch, Hq, Lq, Lk)``, optional
+    key_size : positive JAX array broadcastable to ``(*batch, Lk)``, optional
+    causal, scale, normalizer, return_lse, backend
+        Static, as in :func:`attnnb.attention`.
+
+    Returns
+    -------
+    out : JAX array ``(*batch, Hq, Lq, Dv)``
+    lse : JAX array ``(*batch, Hq, Lq)``, only with ``return_lse=True``
+        Differentiable too: its cotangent reaches the backward pass.
+    """
+    return _call("attention", dict(q=q, k=k, v=v, mask=mask, bias=bias, key_size=key_size),
+                 dict(causal=causal, scale=scale, normalizer=normalizer,
+                      return_lse=return_lse, backend=backend))
+
+
+def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
+                     return_lse=False, backend=None):
+    """:func:`attnnb.sparse_attention` on JAX arrays, differentiable in q, k, v, key_size.
+
+    Parameters
+    ----------
+    q, k, v : JAX arrays, as in :func:`attention`
+    pattern : :class:`attnnb.patterns.Pattern`
+        Static, of shape ``(Lq, Lk)``; a constant of the gradient.
+    key_size : positive JAX array broadcastable to ``(*batch, Lk)``, optional
+    scale, normalizer, return_lse, backend
+        Static, as in :func:`attnnb.sparse_attention`.
+
+    Returns
+    -------
+    out : JAX array ``(*batch, Hq, Lq, Dv)``
+    lse : JAX array ``(*batch, Hq, Lq)``, only with ``return_lse=True``
+    """
+    return _call("sparse_attention", dict(q=q, k=k, v=v, key_size=key_size),
+                 dict(pattern=pattern, scale=scale, normalizer=normalizer,
+                      return_lse=return_lse, backend=backend))
+
+
+def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
+                   return_lse=False, backend=None):
+    """:func:`attnnb.topk_attention` on JAX arrays, differentiable in q, k, v, key_size.
+
+    Parameters
+    ----------
+    q, k, v : JAX arrays, as in :func:`attention`
+    top_k : int
+        Static.  The keys each row kept are a constant of the gradient.
+    mask : bool JAX array broadcastable to ``(*batch, Hq, Lq, Lk)``, optional
+    key_size : positive JAX array broadcastable to ``(*batch, Lk)``, optional
+    causal, scale, return_lse, backend
+        Static, as in :func:`attnnb.topk_attention`.
+
+    Returns
+    -------
+    out : JAX array ``(*batch, Hq, Lq, Dv)``
+    lse : JAX array ``(*batch, Hq, Lq)``, only with ``return_lse=True``
+    """
+    return _call("topk_attention", dict(q=q, k=k, v=v, mask=mask, key_size=key_size),
+                 dict(top_k=top_k, causal=causal, scale=scale, return_lse=return_lse,
+                      backend=backend))
+
+
+def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
+                   scale=None, mode="difference", backend=None):
+    """:func:`attnnb.diff_attention` on JAX arrays, differentiable in q, k, v, lam, bias, key_size.
+
+    Parameters
+    ----------
+    q, k, v : JAX arrays ``(*batch, 2H, Lq, d)``, ``(*batch, 2Hk, Lk, d)``, ``(*batch, Hk, Lk, Dv)``
+    lam : float or JAX array broadcastable to ``(*batch, H, Lq)``
+        A traced value like the other arrays: its gradient has its shape.
+    mask : bool JAX array broadcastable to ``(*batch, H, Lq, Lk)``, optional
+    bias : JAX array broadcastable to ``(*batch, H, Lq, Lk)``, optional
+    key_size : positive JAX array broadcastable to ``(*batch, Lk)``, optional
+    causal, scale, mode, backend
+        Static, as in :func:`attnnb.diff_attention` (``mode="rectified"``:
+        the clip at 0 has derivative 0).
+
+    Returns
+    -------
+    out : JAX array ``(*batch, H, Lq, Dv)``
+    """
+    return _call("diff_attention", dict(q=q, k=k, v=v, lam=lam, mask=mask, bias=bias,
+                                        key_size=key_size),
+                 dict(causal=causal, scale=scale, mode=mode, backend=backend))
+
+
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One traced call: what its callbacks need besides the arrays."""
+
+    name: str
+    static: dict  # backend resolved
+    shapes: dict  # argument -> the shape handed to the callbacks (full rank)
+    residuals: tuple  # shapes of (out,) or (out, lse) in the callbacks' layout
+    residual_dtype: np.dtype
+    grads: dict  # differentiable argument -> jax.ShapeDtypeStruct of its gradient
+    return_lse: bool
+    key: tuple  # equal for calls that can share one custom_vjp function (see _function)
+
+    @classmethod
+    def of(cls, name, arrays, static, sig):
+        shapes = _full_rank(arrays)
+        lead = (1,) if arrays["q"].ndim == 2 else ()  # 2-D inputs get a head axis
+        residuals = (lead + sig.out_shape,)
+        if sig.lse_shape is not None:
+            residuals += (lead + sig.lse_shape,)
+        grads = {a: jax.ShapeDtypeStruct(shapes[a], x.dtype) for a, x in arrays.items()
+                 if a in _bridge.DIFFERENTIABLE and jnp.issubdtype(x.dtype, jnp.floating)}
+        key = (name, tuple((n, _hashable(x)) for n, x in sorted(static.items())),
+               tuple((a, tuple(x.shape), np.dtype(x.dtype).str) for a, x in arrays.items()))
+        return cls(name, static, shapes, residuals, np.dtype(sig.residual_dtype), grads,
+                   bool(static.get("return_lse", False)), key)
+
+
+def _hashable(x):
+    """``x`` as part of a cache key: by value when hashable, else by identity.
+
+    An unhashable value (a :class:`~attnnb.patterns.Pattern`) is kept alive by
+    the cached call's ``static``, so its ``id`` is not reused while cached.
+    """
+    try:
+        hash(x)
+    except TypeError:
+        return ("id", id(x))
+    return (type(x).__name__, x)
+
+
+def _full_rank(arrays) -> dict:
+    """The shapes that make a vmap axis a leading batch axis of every argument.
+
+    Leading axes of size 1 change nothing under attnnb's broadcasting rules
+    (mask, bias, key_size and lam broadcast against the full problem), so the
+    shapes are as good as the given ones; they only fix every argument's rank.
+    """
+    q = arrays["q"].shape
+    nb = max(len(q) - 3, 0)  # batch axes (2-D input: none, and a head axis is added)
+    rank = {"q": 3, "k": 3, "v": 3, "mask": nb + 3, "bias": nb + 3, "key_size": nb + 1,
+            "lam": nb + 2}
+    return {a: (1,) * max(rank[a] - x.ndim, 0) + tuple(x.shape) for a, x in arrays.items()}
+
+
+def _call(name, arrays, static):
+    arrays = {a: jnp.asarray(x) for a, x in arrays.items() if x is not None}
+    sig = _bridge.signature(name, {a: (x.shape, x.dtype) for a, x in arrays.items()}, static)
+    call = _Call.of(name, arrays, dict(static, backend=sig.backend), sig)
+    res = _function(call)({a: x.reshape(call.shapes[a]) for a, x in arrays.items()})
+    out = res[0].astype(sig.out_dtype).reshape(sig.out_shape)
+    if not call.return_lse:
+        return out
+    return out, res[1].astype(sig.lse_dtype).reshape(sig.lse_shape)
+
+
+# Built custom_vjp functions by _Call.key, oldest first.  Outside jax.jit, JAX compiles
+# each callback primitive for its callback object: reusing one per kind of call lets
+# eager calls hit that cache instead of compiling anew every time.
+_FUNCTIONS: dict = {}
+_MAX_FUNCTIONS = 256
+
+
+def _function(call: _Call):
+    """The custom_vjp function for ``call``'s kind of call, built once and kept."""
+    function = _FUNCTIONS.get(call.key)
+    if function is None:
+        function = _build(call)
+        while len(_FUNCTIONS) >= _MAX_FUNCTIONS:
+            _FUNCTIONS.pop(next(iter(_FUNCTIONS)), None)
+        _FUNCTIONS[call.key] = function
+    return function
+
+
+def _build(call: _Call):
+    """The call as a ``jax.custom_vjp`` function of its dict of arrays.
+
+    It returns the residuals, ``(out,)`` or ``(out, lse)`` in the compute
+    dtype and the callbacks' layout; :func:`_call` casts and reshapes them.
+    """
+    specs = tuple(jax.ShapeDtypeStruct(s, call.residual_dtype) for s in call.residuals)
+    host_forward = functools.partial(_host_forward, call)
+    host_backward = functools.partial(_host_backward, call)
+
+    def forward(arrays):
+        return jax.pure_callback(host_forward, specs, arrays, vmap_method=_VMAP_METHOD)
+
+    def fwd(arrays):
+        res = forward(arrays)
+        return res, (arrays, res)
+
+    def bwd(saved, cotangents):
+        arrays, res = saved
+        dlse = cotangents[1] if call.return_lse else None  # else: lse is not an output
+        grads = jax.pure_callback(host_backward, call.grads, arrays, res, cotangents[0], dlse,
+                                  vmap_method=_VMAP_METHOD)
+        return ({a: grads.get(a) for a in arrays},)  # None: mask and integer arrays
+
+    function = jax.custom_vjp(forward)
+    function.defvjp(fwd, bwd)
+    return function
+
+
+def _host_forward(call: _Call, arrays):
+    arrays, lead = _broadcast(call, arrays)
+    _, residuals = _bridge.forward(call.name, arrays, call.static)
+    return tuple(np.asarray(r).reshape(lead + s) for r, s in zip(residuals, call.residuals))
+
+
+def _host_backward(call: _Call, arrays, res, dout, dlse):
+    extra = {"out": (res[0], call.residuals[0]), "dout": (dout, call.residuals[0])}
+    if len(res) > 1:
+        extra["lse"] = (res[1], call.residuals[1])
+    if dlse is not None:
+        extra["dlse"] = (dlse, call.residuals[1])
+    arrays, lead = _broadcast(call, arrays, extra)
+    residuals = (arrays["out"], arrays.get("lse"))
+    grads = _bridge.backward(call.name, {a: arrays[a] for a in call.shapes}, call.static,
+                             residuals, arrays["dout"], arrays.get("dlse"))
+    return {a: np.asarray(grads[a]).astype(spec.dtype, copy=False)
+            for a, spec in call.grads.items()}
+
+
+def _broadcast(call: _Call, arrays, extra=None):
+    """Broadcast the vmap axes of every argument against each other (zero-copy views).
+
+    Under ``vmap_method="expand_dims"`` each argument arrives with ``n``
+    leading axes more than its traced shape (``n`` vmap levels), of size 1
+    where it is not batched.  Returns the arrays, each of shape ``lead +``
+    its traced shape, and ``lead``: so every result and every gradient gets
+    the full vmap axes that JAX expects.
+    """
+    named = {a: (np.asarray(x), call.shapes[a]) for a, x in arrays.items()}
+    named.update({a: (np.asarray(x), s) for a, (x, s) in (extra or {}).items()})
+    n = named["q"][0].ndim - len(call.shapes["q"])
+    lead = tuple(np.broadcast_shapes(*(x.shape[:n] for x, _ in named.values())))
+    return {a: np.broadcast_to(x, lead + tuple(s)) for a, (x, s) in named.items()}, lead
