@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from ._progress import progress
+
 DEFAULT_REPEATS = 7
 QUICK_REPEATS = 3
 DEFAULT_BUDGET_S = 4.0  # seconds of timed rounds per case (quick: none beyond the repeats)
@@ -51,37 +53,6 @@ def sgemm_gflops(n: int = 2048, repeats: int = 5) -> float:
         np.dot(a, b)
         times.append(time.perf_counter() - t)
     return 2.0 * n**3 / float(np.median(times)) / 1e9
-
-
-class _TextBar:
-    """A minimal progress bar on stderr, for when tqdm is not installed."""
-
-    def __init__(self, total, desc=""):
-        self.total, self.n, self.desc = max(total, 1), 0, desc
-
-    def update(self, k=1):
-        self.n += k
-        width = 30
-        done = int(width * self.n / self.total)
-        sys.stderr.write(f"\r{self.desc} [{'#' * done}{'.' * (width - done)}] "
-                         f"{self.n}/{self.total}")
-        sys.stderr.flush()
-
-    def set_description(self, desc):
-        self.desc = desc
-
-    def close(self):
-        sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
-def progress(total, desc="bench"):
-    """tqdm when importable, else :class:`_TextBar`."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _TextBar(total, desc)
-    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
 
 
 def discover(only: str | None = None) -> list[tuple[str, object]]:

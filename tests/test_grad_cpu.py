@@ -175,3 +175,18 @@ def test_a_masked_inf_key_reaches_no_gradient(qkv, dtype):
             g, w = np.delete(g, 77, axis=2), np.delete(w, 77, axis=2)
         assert np.isfinite(g).all(), name
         assert np.abs(g - w).max() <= RTOL[dtype] * np.abs(w).max(), name
+
+
+def test_dense_and_sparse_gradients_share_one_compiled_kernel_each(qkv):
+    """The dense path's tile lists and placeholders are typed as a pattern's, so a
+    sparse gradient after a dense one compiles no second dq or dk/dv kernel."""
+    from attnnb.cpu.backward import dkdv_kernel, dq_kernel
+
+    q, k, v = qkv(np.float32)
+    dout = np.ones(q.shape[:-1] + v.shape[-1:], np.float32)
+    attnnb.vjp(attnnb.attention, q, k, v, causal=True, backend="cpu")[1](dout)
+    before = {kernel: list(kernel.signatures) for kernel in (dkdv_kernel, dq_kernel)}
+    pattern = patterns.local((q.shape[2], k.shape[2]), 13)
+    attnnb.vjp(attnnb.sparse_attention, q, k, v, pattern, backend="cpu")[1](dout)
+    for kernel, signatures in before.items():
+        assert kernel.signatures == signatures, kernel.py_func.__name__

@@ -59,5 +59,8 @@ def cases():
                                                  causal=True)),
             (f"grad diff_attention {tag}",
              _case(26, dtype, diff_attention, extra=(0.4,), bias=(70, 131), causal=True)),
+            (f"grad diff_attention rectified {tag}",
+             _case(28, dtype, diff_attention, extra=(0.6,), bias=(70, 131), key_size=(2, 131),
+                   causal=True, mode="rectified")),
         ]
     return out

@@ -1,7 +1,9 @@
 """The ``cpu`` backend: Numba ``njit(parallel=True, cache=True)`` kernels.
 
-Importing this package loads Numba and selects the threading layer (see
-:mod:`attnnb.cpu._threading`); nothing compiles until a kernel is called.
+Importing this package loads Numba, imports Numba's array lowering without
+SciPy's linear algebra (see :mod:`attnnb.cpu._startup`) and selects the
+threading layer (see :mod:`attnnb.cpu._threading`, before the first parallel
+call); nothing compiles until a kernel is called.
 """
 
-from . import _threading  # noqa: F401  (must run before the first parallel call)
+from . import _startup, _threading  # noqa: F401

@@ -1,24 +1,32 @@
 """Make Numba's on-disk cache notice an edit to any module of :mod:`attnnb.cpu`.
 
-Numba stamps each cached function with the modification time and size of
-*its own* source file only.  A kernel defined in ``attention.py`` compiles in
-the shared loops of ``_tiles.py`` and ``_exp.py``, so after an edit to one of
-those the next process would load the old kernel from disk (seen here: a
-changed ``finish_rows`` ignored until ``attention.py`` was touched).  A fresh
-install rewrites every file and is safe; a source checkout being worked on
-is not.
+Numba stamps each cached function with *its own* source file only (its
+modification time and size before Numba 0.68, a hash of its contents
+since).  A kernel defined in ``attention.py`` compiles in the shared loops
+of ``_tiles.py`` and ``_exp.py``, so after an edit to one of those the next
+process would load the old kernel from disk (seen here: a changed
+``finish_rows`` ignored until ``attention.py`` was touched).
 
 :func:`track_sources` gives every cached dispatcher of this package one
-stamp covering all of the package's modules, so any edit makes every entry
-stale and it is recompiled (and saved again) on its next first call.  It
-runs before each kernel launch and costs a length comparison when no module
-was imported since.  It relies on Numba's cache internals
+stamp covering all of the package's modules: a SHA-256 of their names and
+contents (:func:`package_stamp`).  Any edit makes every entry stale, and it
+is recompiled (and saved again) on its next first call; a reinstall of the
+same files, which gives them new modification times, keeps the cache.  The
+stamp is computed once per process (about 20 small files).  It runs before
+each kernel launch and costs a length comparison when no module was
+imported since.  It relies on Numba's cache internals
 (``dispatcher._cache._cache_file._source_stamp``); where those are missing
 it does nothing, and the cache behaves as Numba's own.
+
+Where the cache goes is Numba's choice, unchanged here: ``NUMBA_CACHE_DIR``
+when set, else ``__pycache__`` next to the sources when that is writable,
+else the user's cache directory (``$XDG_CACHE_HOME/numba``, by default
+``~/.cache/numba`` on Linux), so a read-only installation still caches.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 
@@ -33,16 +41,28 @@ _stamp: tuple | None = None
 _NEUTRAL = ("_codes.py", "_selection.py")
 
 
-def package_stamp() -> tuple:
-    """``(name, mtime, size)`` of every module of this package and of the neutral
-    modules the kernels compile in (:data:`_NEUTRAL`), sorted by name."""
+def package_sources() -> list[str]:
+    """Paths of the modules the stamp covers: every module of this package and the
+    neutral modules the kernels compile in (:data:`_NEUTRAL`), sorted by file name."""
     paths = [os.path.join(_DIR, name) for name in os.listdir(_DIR) if name.endswith(".py")]
     paths += [os.path.join(os.path.dirname(_DIR), name) for name in _NEUTRAL]
-    stamp = []
-    for path in sorted(paths, key=os.path.basename):
-        st = os.stat(path)
-        stamp.append((os.path.basename(path), st.st_mtime, st.st_size))
-    return tuple(stamp)
+    return sorted(paths, key=os.path.basename)
+
+
+def package_stamp() -> tuple:
+    """``("sha256", hex digest)`` of the names and contents of :func:`package_sources`.
+
+    Modification times play no part, so identical files (a reinstall, a
+    copy) give the same stamp.
+    """
+    digest = hashlib.sha256()
+    for path in package_sources():
+        with open(path, "rb") as f:
+            data = f.read()
+        # name and length first, so that no two file sets hash the same bytes
+        digest.update(f"{os.path.basename(path)}\0{len(data)}\0".encode())
+        digest.update(data)
+    return ("sha256", digest.hexdigest())
 
 
 def restamp(dispatcher) -> bool:

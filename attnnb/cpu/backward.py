@@ -45,6 +45,7 @@ from ._grad_tiles import (
     dense_tiles,
     pair_scratch,
     prepare_kv_tiles,
+    read_only,
     transpose_into,
 )
 from ._host import score_arguments
@@ -281,7 +282,9 @@ def tiled_vjp(problem, out, lse, dout, dlse, need_bias, pattern=None, selection=
         return grads
     n_qt, n_kt = -(-Lq // TILE_Q), -(-Lk // TILE_K)
     if pattern is None:
-        p_heads, indptr, indices = 1, np.zeros(1, np.int64), np.zeros(1, np.int64)
+        # placeholders typed as a Pattern's arrays: one compiled kernel for both paths
+        indptr, indices = read_only(np.zeros(1, np.int64)), read_only(np.zeros(1, np.int32))
+        p_heads = 1
         rows = dense_tiles(Lq, Lk, problem.causal)
     else:
         layout = pattern.blocks(TILE_Q, TILE_K)
