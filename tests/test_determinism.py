@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -132,15 +133,29 @@ def kernel_dispatchers():
 
 def test_kernels_call_no_shared_loop():
     """Every compiled kernel has its shared loops inlined: its LLVM IR calls no other
-    function of the package (such a call is what made results depend on the process)."""
+    function of the package (such a call is what made results depend on the process).
+
+    A kernel loaded from the on-disk cache carries no IR (Numba keeps only its
+    machine code), so only kernels compiled by this process are checked; when
+    there are too few (a warm cache, e.g. after ``python -m attnnb warmup``) the
+    test skips rather than pass on nothing.  CI runs on a fresh clone, where the
+    suite compiles the kernels itself.
+    """
     for call in cases().values():
         call()
-    checked = 0
+    checked, cached = 0, 0
     for kernel in kernel_dispatchers():
         for sig in kernel.signatures:
-            ir = kernel.inspect_llvm(sig)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "Inspection disabled for cached code"
+                ir = kernel.inspect_llvm(sig)
+            if not ir:
+                cached += 1
+                continue
             called = set(re.findall(r"call [^@\n]*@(_ZN\d+attnnb[A-Za-z0-9_]+)", ir))
             own = {name for name in called if kernel.py_func.__name__ in name}
             assert called <= own, (kernel.py_func.__name__, sorted(called - own)[:5])
             checked += 1
-    assert checked >= 5
+    if checked < 3:
+        pytest.skip(f"{cached} kernel signatures came from the on-disk cache (no IR to "
+                    f"inspect), {checked} compiled here: run on an empty kernel cache")
