@@ -1,12 +1,35 @@
-"""Compile every CUDA kernel to PTX and check that float32 kernels do float32 arithmetic.
+"""Compile every CUDA kernel to PTX and SASS and gate what the hardware would get.
 
-Runs without a GPU: ``numba.cuda.compile_ptx`` needs NVRTC only
-(``pip install "numba-cuda[cu13]"``).  Every module ``attnnb.cuda.<name>``
-that defines ``ptx_signatures()`` is compiled for compute capability 9.0
-with each of its signatures (float32 and float64).  A float32 kernel fails
-the check when its PTX holds any ``.f64`` instruction (arithmetic, or the
-conversions that come with it): that is a Python float literal, a float64
-``math`` call or an integer-float mix promoting the computation.
+Runs without a GPU: ``numba.cuda.compile_ptx`` needs NVRTC and ptxas runs
+through nvJitLink (both from ``pip install "numba-cuda[cu13]"``).  Every
+module ``attnnb.cuda.<name>`` that defines ``ptx_signatures()`` is compiled
+for compute capability 9.0 with each of its signatures (float32 and float64).
+
+Checks, every kernel:
+
+* a float32 kernel fails when its PTX holds any ``.f64`` instruction
+  (arithmetic, or the conversions that come with it): that is a Python float
+  literal, a float64 ``math`` call or an integer-float mix promoting the
+  computation; a float64 kernel fails when it holds none (so that the
+  detector is seen to work).
+
+Checks, float32 kernels marked register-tiled (``"tiled": True`` in the
+case's options; the performance gate):
+
+* no stack frame and no spill stores or loads (per-thread arrays indexed by
+  run-time values live in local memory: the kernel is not register-tiled);
+* at most ``MAX_REGISTERS`` registers per thread (two blocks of 128 threads
+  or more per SM need it);
+* at least ``MIN_FMA_PER_LOAD`` ``fma.rn.f32`` per ``ld.shared`` instruction
+  in the PTX (static counts: a micro-tile of ``TM x TN`` products per
+  ``TM + TN`` operands loaded, wide loads counting once).
+
+The table printed for every kernel: registers, stack frame, spill stores +
+loads (bytes), FMA per shared load, threads per block, shared memory per
+block (as ptxas reports it: sm_90 adds 1 KiB the system reserves).
+
+A case is ``(name, python function, argument types)`` or the same with an
+options dict ``{"threads": n, "tiled": bool}`` as a fourth element.
 
 Usage: ``python gpu/ptx_check.py [--cc 9.0] [--show]``; exit status 1 on a failure.
 """
@@ -27,6 +50,8 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+MAX_REGISTERS = 128
+MIN_FMA_PER_LOAD = 4.0
 F64_OP = re.compile(r"^\s*(?:@%p\d+\s+)?([a-z][a-z0-9_]*(?:\.[a-z0-9_]+)*)\b.*\.f64\b")
 
 
@@ -63,6 +88,61 @@ def f64_lines(ptx: str) -> list[str]:
     return bad
 
 
+def ptxas_figures(ptx: str, cc) -> dict:
+    """``registers, stack, spill_stores, spill_loads, smem`` (bytes), as ptxas reports them.
+
+    ptxas runs through nvJitLink (``-verbose``); with several functions in
+    the module (device functions not inlined) the largest figures count.
+    """
+    from cuda.bindings import nvjitlink
+
+    options = [f"-arch=sm_{cc[0]}{cc[1]}", "-verbose"]
+    handle = nvjitlink.create(len(options), options)  # the count must match the list
+    try:
+        data = ptx.encode()
+        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
+        nvjitlink.complete(handle)
+        log = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, log)
+    finally:
+        nvjitlink.destroy(handle)
+    return parse_ptxas_log(log.decode(errors="replace"))
+
+
+def parse_ptxas_log(text: str) -> dict:
+    """The figures of a ptxas ``-verbose`` log (see :func:`ptxas_figures`)."""
+    def largest(pattern):
+        return max((int(x) for x in re.findall(pattern, text)), default=0)
+
+    return {
+        "registers": largest(r"[Uu]sed (\d+) registers"),
+        "stack": largest(r"(\d+) bytes stack frame"),
+        "spill_stores": largest(r"(\d+) bytes spill stores"),
+        "spill_loads": largest(r"(\d+) bytes spill loads"),
+        "smem": largest(r"(\d+) bytes smem"),
+    }
+
+
+def fma_per_shared_load(ptx: str) -> tuple[int, int]:
+    """``(fma.rn.f32 count, ld.shared count)`` of the PTX's instructions."""
+    fma = len(re.findall(r"^\s*(?:@!?%p\d+\s+)?fma\.rn\.f32\b", ptx, re.M))
+    loads = len(re.findall(r"^\s*(?:@!?%p\d+\s+)?ld\.shared\b", ptx, re.M))
+    return fma, loads
+
+
+def gate_failures(name: str, figures: dict, fma: int, loads: int) -> list[str]:
+    """Why a register-tiled float32 kernel is not fast by construction (empty: it passes)."""
+    why = []
+    if figures["stack"] or figures["spill_stores"] or figures["spill_loads"]:
+        why.append(f"{figures['stack']} bytes stack frame, {figures['spill_stores']} / "
+                   f"{figures['spill_loads']} bytes spill stores / loads")
+    if figures["registers"] > MAX_REGISTERS:
+        why.append(f"{figures['registers']} registers > {MAX_REGISTERS}")
+    if fma < MIN_FMA_PER_LOAD * max(loads, 1):
+        why.append(f"{fma} fma.rn.f32 per {loads} ld.shared < {MIN_FMA_PER_LOAD}")
+    return why
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cc", default="9.0", help="compute capability (default 9.0)")
@@ -77,7 +157,9 @@ def main(argv=None) -> int:
     if not cases:
         print("no CUDA kernels found")
         return 1
-    for module, name, pyfunc, argtypes in cases:
+    table = []
+    for module, name, pyfunc, argtypes, *rest in cases:
+        options = rest[0] if rest else {}
         t0 = time.perf_counter()
         try:
             ptx, _ = cuda.compile_ptx(pyfunc, argtypes, cc=cc)
@@ -91,14 +173,36 @@ def main(argv=None) -> int:
         else:  # the detector itself must see a float64 kernel's arithmetic
             bad = [] if f64 else ["no float64 instruction found in a float64 kernel"]
             extra = f" ({len(f64)} float64 instructions, as expected)"
-        status = "FAIL" if bad else "ok"
-        failures += bool(bad)
+        figures = ptxas_figures(ptx, cc)
+        fma, loads = fma_per_shared_load(ptx)
+        tiled = bool(options.get("tiled")) and "float32" in name
+        gate = gate_failures(name, figures, fma, loads) if tiled else []
+        status = "FAIL" if bad or gate else "ok"
+        failures += bool(bad or gate)
         print(f"{status:4} {module}: {name}: {len(ptx.splitlines())} PTX lines, "
               f"{time.perf_counter() - t0:.2f} s{extra}")
+        for why in gate:
+            print(f"     gate: {why}")
         if bad and args.show:
             print("\n".join("     " + b for b in bad[:20]))
+        ratio = f"{fma / loads:.1f}" if loads else "-"
+        spill = f"{figures['spill_stores']}/{figures['spill_loads']}"
+        table.append((name, figures["registers"], figures["stack"], spill, ratio,
+                      options.get("threads", "-"), figures["smem"],
+                      "yes" if tiled else ""))
+    print_table(table)
     print(f"{len(cases) - failures} of {len(cases)} kernels passed (cc {args.cc})")
     return 1 if failures else 0
+
+
+def print_table(rows) -> None:
+    """The figures of every kernel as a Markdown table (pasted into gpu/RESULTS.md)."""
+    head = ("kernel", "registers", "stack", "spill st/ld", "FMA/ld.shared", "threads",
+            "smem bytes", "gated")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(x) for x in row) + " |")
 
 
 if __name__ == "__main__":

@@ -55,3 +55,37 @@ def test_ptx_checker_flags_float64_instructions():
     assert f64_lines(ptx) == ["fma.rn.f64 \t%fd3, %fd2, %fd1, %fd0;",
                               "cvt.f64.f32 \t%fd2, %f109;",
                               "@%p2 mul.f64 \t%fd1, %fd1, %fd1;"]
+
+
+def _ptx_check():
+    sys.path.insert(0, os.path.join(ROOT, "gpu"))
+    try:
+        import ptx_check
+    finally:
+        sys.path.pop(0)
+    return ptx_check
+
+
+def test_ptx_gate_reads_ptxas_figures_and_fails_slow_kernels():
+    check = _ptx_check()
+    log = "\n".join([
+        "ptxas         .     768 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads",
+        "ptxas info    : Used 191 registers, used 1 barriers",
+        "info    : used 191 registers, used 1 barriers, 768 stack, 33792 bytes smem",
+    ])
+    figures = check.parse_ptxas_log(log)
+    assert figures == {"registers": 191, "stack": 768, "spill_stores": 8, "spill_loads": 4,
+                       "smem": 33792}
+    why = check.gate_failures("k", figures, fma=10, loads=5)
+    assert len(why) == 3 and "stack" in why[0] and "191" in why[1] and "10 fma" in why[2]
+    clean = dict(figures, registers=96, stack=0, spill_stores=0, spill_loads=0)
+    assert check.gate_failures("k", clean, fma=20, loads=5) == []
+    ptx = "\n".join([
+        "\tfma.rn.f32 \t%f3, %f2, %f1, %f0;",
+        "\t@%p1 fma.rn.f32 \t%f4, %f2, %f1, %f0;",
+        "\tld.shared.v4.f32 \t{%f1, %f2, %f3, %f4}, [%r1];",  # a wide load counts once
+        "\tld.shared.f32 %f5, [%r2];",
+        "\tld.global.f32 %f6, [%rd1];",
+        "// fma.rn.f32 in a comment",
+    ])
+    assert check.fma_per_shared_load(ptx) == (2, 2)

@@ -315,42 +315,37 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
             S1[c] = w if w > ZERO else ZERO
 
     @cuda.jit(device=True)
-    def finish_row(acc, m, l, normalizer, out_row):
-        """Write ``out_row = acc / Z``; return ``lse = m + log(l)``.
+    def finish_value(x, m, l, lse, normalizer):
+        """One output value ``x / Z`` of a finished row (``lse = map_lse(m, l)``).
 
-        Empty rows (no allowed key, or weights summing to zero) get zeros and
-        ``-inf``; rows that met a NaN logit get NaN.  For ``softmax1``
+        Empty rows (no allowed key, or weights summing to zero) get zeros;
+        rows that met a NaN logit get NaN.  For ``softmax1``
         ``Z = l + exp(-m)`` (the ``+1`` in units of ``exp(m)``); the LSE
-        excludes it.  ``acc / Z`` is taken as ``(acc / l) * sigmoid(lse)``,
+        excludes it.  ``x / Z`` is taken as ``(x / l) * sigmoid(lse)``,
         which neither overflows ``exp(-m)`` nor goes through a subnormal
         ``exp(m)`` for very negative logits.  A sum ``l`` below
         ``4 / finfo.max`` (where ``1 / l`` would overflow; :func:`online_row`
         keeps ``relu_expm1``'s sums away from it) is divided by directly.
         """
-        dv = out_row.shape[0]
         if m != m:
-            for e in range(dv):
-                out_row[e] = NAN
             return NAN
         if l == ZERO or m == NINF:
-            for e in range(dv):
-                out_row[e] = ZERO
-            return NINF
-        lse = m + math.log(l)
+            return ZERO
         if normalizer == SOFTMAX1:  # 1 / (l + e^-m) = sigmoid(lse) / l, stably
             a = math.exp(-abs(lse))
             sig = ONE / (ONE + a) if lse >= ZERO else a / (ONE + a)
-            inv = ONE / l
-            for e in range(dv):  # acc / l first: sigmoid(lse) / l can be subnormal
-                out_row[e] = (acc[e] * inv) * sig
-            return lse
+            return (x * (ONE / l)) * sig  # x / l first: sigmoid(lse) / l can be subnormal
         if l < L_MIN:
-            for e in range(dv):
-                out_row[e] = acc[e] / l
-            return lse
-        inv = ONE / l
-        for e in range(dv):
-            out_row[e] = acc[e] * inv
+            return x / l
+        return x * (ONE / l)
+
+    @cuda.jit(device=True)
+    def finish_row(acc, m, l, normalizer, out_row):
+        """Write ``out_row = acc / Z`` (:func:`finish_value`); return ``lse = m + log(l)``
+        (NaN rows NaN, empty rows ``-inf``)."""
+        lse = map_lse(m, l)
+        for e in range(out_row.shape[0]):
+            out_row[e] = finish_value(acc[e], m, l, lse, normalizer)
         return lse
 
     return SimpleNamespace(
@@ -359,6 +354,7 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
         row_logits=row_logits,
         modify_row=modify_row, online_row=online_row, map_lse=map_lse,
         rectified_row=rectified_row, add_weighted_row=add_weighted_row, finish_row=finish_row,
+        finish_value=finish_value,
     )
 
 

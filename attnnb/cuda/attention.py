@@ -1,7 +1,8 @@
-"""Dense attention on the GPU: the tiled core swept over every key tile.
+"""Dense attention on the GPU: the register-tiled core swept over every key tile.
 
-Grid ``(B * Hq, query tiles)``, one thread per query row; see
-:mod:`attnnb.cuda._tiles` for the shared per-row device functions.
+Grid ``(B * Hq, query tiles)``, ``tiling.threads`` threads per block, each
+owning a register micro-tile of ``S`` and of ``O``; see
+:mod:`attnnb.cuda._micro`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from numba import cuda
 
 from .._codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
-from ._tiles import cached_kernel, device_functions, tiles_for
+from ._micro import ALIGN, micro_functions, tiling_for
+from ._tiles import cached_kernel, device_functions
 
 
-def build_dense(dtype, d, dv, tq, tk):
-    """The dense kernel for one compute dtype, head sizes and tile sizes (not compiled yet).
+def build_dense(dtype, tiling):
+    """The register-tiled dense kernel for one compute dtype and :class:`Tiling`
+    (not compiled yet; launch with ``tiling.threads`` threads per block).
 
     Kernel arguments: ``q (B, Hq, Lq, D)``, ``k (B, Hk, Lk, D)``,
     ``v (B, Hk, Lk, Dv)`` of any floating dtype, ``scale`` (compute dtype),
@@ -27,49 +30,79 @@ def build_dense(dtype, d, dv, tq, tk):
     With ``causal`` the sweep stops at the last key tile the block's last
     query may see (causal tile skipping); the diagonal is applied per element.
     """
-    f = device_functions(dtype)
-    nt = numba.from_dtype(np.dtype(dtype))
-    rows, tiles_seen, views = f.rows, f.tiles_seen, f.views
-    load_rows, start_row, row_logits = f.load_rows, f.start_row, f.row_logits
-    modify_row, online_row, finish_row = f.modify_row, f.online_row, f.finish_row
+    f = micro_functions(np.dtype(dtype), tiling)
+    t_ = device_functions(np.dtype(dtype))
+    nt, TM, TN, N_S, N_O, BQ, BK = f.nt, f.TM, f.TN, f.N_S, f.N_O, f.BQ, f.BK
+    N_ALL = f.N_ALL
+    ONE, NINF, NAN, CAST = t_.CAST(1), t_.NINF, t_.NAN, t_.CAST
+    tiles_seen = t_.tiles_seen
+    shared_arrays, thread_place, stage_transposed = (
+        f.shared_arrays, f.thread_place, f.stage_transposed)
+    stage_values, tile_scores, modify_value = f.stage_values, f.tile_scores, f.modify_value
+    row_reduce, tile_weights, tile_values = f.row_reduce, f.tile_weights, f.tile_values
+    start, finish_tile = f.start, f.finish_tile
 
     def dense_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks,
                                causal, normalizer, out, lse):
-        Lq, Lk = q.shape[2], k.shape[2]
-        b, h, g, i0, i, valid, ii = rows(q.shape[1], k.shape[1], Lq, tq, 0)
-        Ks = cuda.shared.array((tk, d), nt)
-        Vs = cuda.shared.array((tk, dv), nt)
-        qr = cuda.local.array(d, nt)
-        acc = cuda.local.array(dv, nt)
-        S = cuda.local.array(tk, nt)
-        F = cuda.local.array(tk, nt)
-        m, l = start_row(q[b, h], ii, scale, qr, acc)
-        diag, last = tiles_seen(i0, tq, Lq, Lk, tk, causal)
-        bias_row, mask_row, logks_row = views(bias, mask, logks, b, h, ii)
+        Hq, Hk, Lq, Lk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+        bh = cuda.blockIdx.x
+        b = bh // Hq
+        h = bh - b * Hq
+        g = h // (Hq // Hk)
+        i0 = cuda.blockIdx.y * BQ
+        smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
+        Qt, KV, Pt, red, rows, flag = shared_arrays(smem)
+        t, row0, key0, col0 = thread_place()
+        S = cuda.local.array(N_S, nt)
+        F = cuda.local.array(N_S, nt)
+        m = cuda.local.array(TM, nt)
+        l = cuda.local.array(TM, nt)
+        part = cuda.local.array(TM, nt)
+        alpha = cuda.local.array(TM, nt)
+        O = cuda.local.array(N_O, nt)
+        T = cuda.local.array(N_O, nt)
+        start(m, l, O)
+        if t == 0:
+            flag[0] = CAST(-1)
+        stage_transposed(q[b, h], i0, min(BQ, Lq - i0), scale, Qt, BQ)
+        diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
         kh = k[b, g]
         vh = v[b, g]
-        for t in range(last):
-            j0 = t * tk
-            nk = min(tk, Lk - j0)
-            load_rows(kh, j0, nk, Ks)
-            load_rows(vh, j0, nk, Vs)
+        for tile in range(last):
+            j0 = tile * BK
+            nk = min(BK, Lk - j0)
+            stage_transposed(kh, j0, nk, ONE, KV, BK)
             cuda.syncthreads()
-            if valid:
-                row_logits(qr, Ks, nk, S)
-                modify_row(S, F, nk, i, j0, diag, bias_row, has_bias, mask_row, has_mask,
-                           logks_row, has_ks, normalizer)
-                m, l = online_row(S, F, nk, Vs, m, l, acc, normalizer)
+            tile_scores(Qt, KV, row0, key0, S)
+            for r in range(TM):
+                i = min(i0 + row0 + r, Lq - 1)  # rows past Lq: read a real row, not kept
+                mx = NINF
+                for c in range(TN):
+                    s, fr = modify_value(S[r * TN + c], i, j0 + key0 + c, Lk, diag, b, h,
+                                         bias, has_bias, mask, has_mask, logks, has_ks,
+                                         normalizer)
+                    S[r * TN + c] = s
+                    F[r * TN + c] = fr
+                    if (s > mx or s != s) and mx == mx:
+                        mx = s
+                part[r] = NAN if mx != mx else mx
+            row_reduce(red, rows, t, row0, key0, part, part, True)  # ends with syncthreads
+            tile_weights(S, F, m, l, alpha, part, normalizer, Pt, row0, key0)
+            if stage_values(vh, j0, nk, KV):
+                flag[0] = CAST(tile)
             cuda.syncthreads()
-        if valid:
-            lse[b, h, i] = finish_row(acc, m, l, normalizer, out[b, h, i])
+            tile_values(Pt, KV, row0, col0, flag[0] == CAST(tile), O, T, alpha)
+            cuda.syncthreads()
+        finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
+                    out[b, h], lse[b, h])
 
     return dense_attention_kernel
 
 
-def dense_kernel(dtype, d, dv, tq, tk):
+def dense_kernel(dtype, tiling):
     """The compiled-on-first-launch dense kernel (cached per configuration)."""
-    key = ("dense", np.dtype(dtype).str, d, dv, tq, tk)
-    return cached_kernel(key, lambda: cuda.jit(build_dense(np.dtype(dtype), d, dv, tq, tk)))
+    key = ("dense", np.dtype(dtype).str, tiling)
+    return cached_kernel(key, lambda: cuda.jit(build_dense(np.dtype(dtype), tiling)))
 
 
 def attention(problem):
@@ -83,10 +116,10 @@ def attention(problem):
     a = device_problem(problem)
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)
     if Lq and B * Hq:
-        tq, tk = tiles_for(a.dtype, D, Dv)
-        kernel = dense_kernel(a.dtype, D, Dv, tq, tk)
-        grid = (B * Hq, (Lq + tq - 1) // tq)
-        kernel[grid, tq](a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.has_bias,
+        tiling = tiling_for(a.dtype, D, Dv)
+        kernel = dense_kernel(a.dtype, tiling)
+        grid = (B * Hq, (Lq + tiling.bq - 1) // tiling.bq)
+        kernel[grid, tiling.threads](a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.has_bias,
                          a.mask, a.has_mask, a.logks, a.has_ks, problem.causal,
                          NORMALIZER_CODES[problem.normalizer], out, lse)
     return finish(a, out, lse)
@@ -104,7 +137,8 @@ def ptx_signatures():
                 types.boolean, arr2, types.boolean, types.boolean, types.int64, arr4,
                 ty[:, :, ::1])
         for d, dv in ((64, 64), (128, 128)):
-            tq, tk = tiles_for(np.dtype(dtype), d, dv)
+            tiling = tiling_for(np.dtype(dtype), d, dv)
             cases.append((f"dense {np.dtype(dtype).name} D={d}",
-                          build_dense(np.dtype(dtype), d, dv, tq, tk), args))
+                          build_dense(np.dtype(dtype), tiling), args,
+                          {"threads": tiling.threads, "tiled": True}))
     return cases

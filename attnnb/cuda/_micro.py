@@ -1,0 +1,386 @@
+"""The register-tiled core of the CUDA kernels: many threads per query row.
+
+A block of ``NT = (BQ / TM) * (BK / TN)`` threads owns a tile of ``BQ``
+query rows.  Thread ``(ty, tx)`` (``t = ty * NX + tx``, ``NX = BK / TN``)
+owns rows ``ty * TM ... + TM`` of the tile and, per key tile of ``BK`` keys,
+a ``TM x TN`` register micro-tile of ``S = Q K^T`` (keys ``tx * TN ... +
+TN``) and a ``TM x TO`` micro-tile of ``O += P V`` (value columns ``tx * TO
+... + TO``, ``TO = ceil(Dv / NX)``).  The ``NX`` threads of a row reduce its
+maximum through shared memory (warp shuffles do not run under the
+simulator); each keeps its own partial sum ``l``, reduced once at the end.
+
+Shared memory, flat 1-D arrays indexed with unsigned 32-bit offsets (no
+negative-index wrap-around, so NVVM merges neighbouring loads into
+``ld.shared.v4``): ``Qt`` (``Dp x BQ``, transposed, pre-scaled), one buffer
+``KV`` that holds the key tile transposed (``Dp x BK``) and then the value
+tile (``BK x Dvp``), ``Pt`` (``BK x BQ``, the weights, transposed) and the
+row reduction (``BQ x NX`` and ``BQ``).  Rows, keys and columns past the
+ends are staged as zeros (keys past ``Lk`` are then masked), so the micro
+tiles need no bounds tests.  Register arrays are indexed only by unrolled
+constants (``range`` over closure constants), so they stay in registers
+(``gpu/ptx_check.py`` checks: no stack frame, no spill).
+
+Numerics are those of :mod:`attnnb.cuda._tiles` (and of the cpu core):
+bias, then mask / causal / key bound to ``-inf``, ``relu_expm1``'s factor
+(tiny factors folded into the logit), ``log key_size``; a NaN logit spoils
+its row; zero weights never touch the values (a tile holding a non-finite
+value takes a guarded product); the tile's ``P V`` is summed on its own
+before ``O = O * alpha + P V``, and ``alpha = 0`` clears ``O``.
+
+:func:`micro_functions` builds the device functions for one compute dtype and
+:class:`Tiling`; the kernels (dense, and the variants) are thin sweeps over
+them.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from types import SimpleNamespace
+from typing import NamedTuple
+
+import numba
+import numpy as np
+from numba import config, cuda
+
+from .._codes import RELU_EXPM1
+from ._tiles import SHARED_BYTES, device_functions
+
+U32 = numba.uint32
+ALIGN = None if config.ENABLE_CUDASIM else 16  # the simulator takes no alignment
+
+
+class Tiling(NamedTuple):
+    """Compile-time tile sizes of a register-tiled kernel.
+
+    ``bq`` query rows and ``bk`` keys per tile; each thread owns ``tm`` rows
+    and ``tn`` keys of ``S``; ``d`` / ``dv`` are the head sizes.
+    """
+
+    bq: int
+    bk: int
+    tm: int
+    tn: int
+    d: int
+    dv: int
+
+    @property
+    def nx(self) -> int:
+        """Threads per row."""
+        return self.bk // self.tn
+
+    @property
+    def threads(self) -> int:
+        return (self.bq // self.tm) * self.nx
+
+    @property
+    def to(self) -> int:
+        """Value columns per thread."""
+        return -(-self.dv // self.nx)
+
+    @property
+    def dp(self) -> int:
+        """``d`` padded to a multiple of 4 (whole wide loads)."""
+        return -(-self.d // 4) * 4
+
+    def shared_parts(self) -> tuple[int, ...]:
+        """Lengths of ``Qt, KV, Pt, red, rows, flag`` (multiples of 4: aligned starts)."""
+        kv = max(self.dp * self.bk, self.bk * self.to * self.nx)
+        return tuple(-(-n // 4) * 4 for n in (
+            self.dp * self.bq, kv, self.bk * self.bq, self.bq * self.nx, self.bq, 1))
+
+    def shared_elements(self) -> int:
+        return sum(self.shared_parts())
+
+
+# production tilings (float32 on sm_90: see gpu/RESULTS.md), by the largest head size
+_PRODUCTION = ((64, (64, 32, 4, 2)), (128, (32, 32, 2, 2)))
+_OVERRIDE: list = [None]
+
+
+def set_micro_tiles(tiles: tuple[int, int, int, int] | None):
+    """Force ``(bq, bk, tm, tn)`` for every register-tiled kernel (tests); returns the old one.
+
+    ``None`` restores the production choice.  ``tm`` must divide ``bq`` and
+    ``tn`` divide ``bk``.
+    """
+    if tiles is not None:
+        bq, bk, tm, tn = tiles
+        if min(tiles) < 1 or bq % tm or bk % tn:
+            raise ValueError(f"micro tiles (bq, bk, tm, tn) must have tm | bq and tn | bk; "
+                             f"got {tiles!r}")
+    old, _OVERRIDE[0] = _OVERRIDE[0], tiles
+    return old
+
+
+def tiling_for(dtype, d: int, dv: int) -> Tiling:
+    """The tiling of a kernel for a compute dtype and head sizes ``d``, ``dv``.
+
+    The production tiles of the head size (the next listed size up) shrink,
+    key tile first, until the shared arrays fit in 48 KiB.
+    """
+    if _OVERRIDE[0] is not None:
+        return Tiling(*_OVERRIDE[0], d, dv)
+    width = max(d, dv)
+    bq, bk, tm, tn = next((t for w, t in _PRODUCTION if width <= w), _PRODUCTION[-1][1])
+    itemsize = np.dtype(dtype).itemsize
+    while True:
+        tiling = Tiling(bq, bk, tm, tn, d, dv)
+        if tiling.shared_elements() * itemsize <= SHARED_BYTES:
+            return tiling
+        if bk > tn * 2:
+            bk //= 2
+        elif bq > tm * 2:
+            bq //= 2
+        else:
+            raise ValueError(f"head sizes d={d}, dv={dv} are too large for the cuda backend: "
+                             f"the smallest tiles need more than {SHARED_BYTES} bytes of "
+                             f"shared memory")
+
+
+@cache
+def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
+    """The device functions of the register-tiled core for one dtype and tiling."""
+    dtype = np.dtype(dtype)
+    nt = numba.from_dtype(dtype)
+    base = device_functions(dtype)
+    CAST, ZERO, ONE, NINF, NAN = base.CAST, base.ZERO, dtype.type(1), base.NINF, base.NAN
+    F_FOLD = dtype.type(2.0**-40)
+    BQ, BK, TM, TN, DV = tiling.bq, tiling.bk, tiling.tm, tiling.tn, tiling.dv
+    NX, NT, TO, DP = tiling.nx, tiling.threads, tiling.to, tiling.dp
+    DVP = TO * NX
+    N_Q, N_KV, N_P, N_RED, N_ROWS, _ = tiling.shared_parts()
+    O_KV = N_Q
+    O_P = O_KV + N_KV
+    O_RED = O_P + N_P
+    O_ROWS = O_RED + N_RED
+    O_FLAG = O_ROWS + N_ROWS
+    N_ALL = tiling.shared_elements()
+    N_S = TM * TN
+    N_O = TM * TO
+    index = base.index
+
+    @cuda.jit(device=True)
+    def shared_arrays(smem):
+        """``(Qt, KV, Pt, red, rows, flag)``: the block's shared arrays (module notes), parts
+        of the one array a kernel declares (``cuda.shared.array(N_ALL, nt, alignment=ALIGN)``)."""
+        return (smem[:O_KV], smem[O_KV:O_P], smem[O_P:O_RED], smem[O_RED:O_ROWS],
+                smem[O_ROWS:O_FLAG], smem[O_FLAG:])
+
+    @cuda.jit(device=True)
+    def thread_place():
+        """``(t, row0, key0, col0)``: the thread and the first row / key / value column
+        it owns in the tile (signed; shared offsets convert them to unsigned)."""
+        t = cuda.threadIdx.x
+        ty = t // NX
+        tx = t - ty * NX
+        return t, ty * TM, tx * TN, tx * TO
+
+    @cuda.jit(device=True)
+    def stage_transposed(src, j0, n, scale, dst, width):
+        """``dst[e * width + r] = scale * src[j0 + r, e]`` for the ``width`` rows of a tile
+        (zeros past ``n`` rows and past the source's columns); block-cooperative."""
+        cols = src.shape[1]
+        for e in range(cuda.threadIdx.x, width * DP, NT):
+            r = e // DP
+            c = e - r * DP
+            x = ZERO
+            if r < n and c < cols:
+                x = CAST(src[j0 + r, c]) * scale
+            dst[U32(c * width + r)] = x
+
+    @cuda.jit(device=True)
+    def stage_values(src, j0, n, dst):
+        """``dst[c * DVP + e] = src[j0 + c, e]`` (zeros past the ends); returns True when
+        this thread staged a non-finite value."""
+        cols = src.shape[1]
+        bad = False
+        for e in range(cuda.threadIdx.x, BK * DVP, NT):
+            r = e // DVP
+            c = e - r * DVP
+            x = ZERO
+            if r < n and c < cols:
+                x = CAST(src[j0 + r, c])
+                if x - x != ZERO:
+                    bad = True
+            dst[U32(r * DVP + c)] = x
+        return bad
+
+    @cuda.jit(device=True)
+    def clear(a, n):
+        for x in range(n):
+            a[x] = ZERO
+
+    def outer_step(na, nb, guarded):
+        """``R[x * nb + y] += A[ao + x] * B[bo + y]``: one rank-1 step of a micro-tile
+        (``guarded``: a zero ``A`` value skips its ``B`` values, which may be non-finite)."""
+        @cuda.jit(device=True)
+        def step(A, ao, B, bo, R):
+            a = cuda.local.array(na, nt)
+            w = cuda.local.array(nb, nt)
+            for x in range(na):
+                a[x] = A[ao + U32(x)]
+            for y in range(nb):
+                w[y] = B[bo + U32(y)]
+            for x in range(na):
+                for y in range(nb):
+                    if guarded:
+                        R[x * nb + y] += a[x] * (w[y] if a[x] != ZERO else ZERO)
+                    else:
+                        R[x * nb + y] += a[x] * w[y]
+        return step
+
+    score_step = outer_step(TM, TN, False)
+    value_step = outer_step(TM, TO, False)
+    guarded_value_step = outer_step(TM, TO, True)
+
+    @cuda.jit(device=True)
+    def tile_scores(Qt, Kt, row0, key0, S):
+        """``S[r * TN + c] = sum_d Qt[d, row0 + r] * Kt[d, key0 + c]``."""
+        clear(S, N_S)
+        for d0 in range(0, DP, 4):
+            for u in range(4):
+                score_step(Qt, U32(d0 + u) * U32(BQ) + U32(row0),
+                           Kt, U32(d0 + u) * U32(BK) + U32(key0), S)
+
+    @cuda.jit(device=True)
+    def modify_value(s, i, j, Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
+                     normalizer):
+        """``(s, f)``: one modified logit and its ``relu_expm1`` factor, as ``modify_row``
+        of :mod:`attnnb.cuda._tiles` (a key outside the set: ``(-inf, 0)``; keys
+        ``j >= Lk`` are outside; row ``i`` must be a real row, ``< Lq``)."""
+        if j >= Lk or j > i + diag:  # past the keys, or beyond the causal limit
+            return NINF, ZERO
+        f = ONE
+        if has_bias:
+            s += CAST(bias[index(b, bias.shape[0]), index(h, bias.shape[1]),
+                           index(i, bias.shape[2]), index(j, bias.shape[3])])
+        if has_mask and not mask[index(b, mask.shape[0]), index(h, mask.shape[1]),
+                                 index(i, mask.shape[2]), index(j, mask.shape[3])]:
+            return NINF, ZERO
+        if normalizer == RELU_EXPM1:
+            if s > ZERO:
+                f = -math.expm1(-s)
+                if f < F_FOLD:  # tiny: fold into the logit so the maximum follows the weight
+                    s += math.log(f)
+                    f = ONE
+            else:
+                f = ZERO
+                if s == s:
+                    s = NINF
+        if has_ks:
+            s += CAST(logks[index(b, logks.shape[0]), index(j, logks.shape[1])])
+        return s, f
+
+    @cuda.jit(device=True)
+    def row_reduce(red, rows, t, row0, key0, part, out, take_max):
+        """``out[r]`` = the max (NaN if any is NaN) or the sum over the ``NX`` threads of
+        row ``row0 + r`` of their ``part[r]``.  Every thread must call it."""
+        tx = U32(key0 // TN)
+        for r in range(TM):
+            red[(U32(row0) + U32(r)) * U32(NX) + tx] = part[r]
+        cuda.syncthreads()
+        if t < BQ:
+            acc = red[U32(t) * U32(NX)]
+            for x in range(1, NX):
+                y = red[U32(t) * U32(NX) + U32(x)]
+                if take_max:
+                    acc = y if (y > acc or y != y) and acc == acc else acc
+                else:
+                    acc += y
+            rows[U32(t)] = acc
+        cuda.syncthreads()
+        for r in range(TM):
+            out[r] = rows[U32(row0) + U32(r)]
+        cuda.syncthreads()  # rows / red are reused by the next call
+
+    @cuda.jit(device=True)
+    def tile_weights(S, F, m, l, alpha, tmax, normalizer, Pt, row0, key0):
+        """Fold a tile's maxima ``tmax`` into the running ``m``; weights ``p`` to ``Pt``
+        (transposed), ``l = l * alpha + sum p`` (this thread's keys); ``alpha[r]``."""
+        for r in range(TM):
+            mo = m[r]
+            mx = tmax[r]
+            a = ONE
+            live = False
+            if mo != mo or mx != mx:
+                m[r] = NAN
+            else:
+                if mo > mx:
+                    mx = mo
+                if mx != NINF:
+                    a = math.exp(mo - mx)
+                    live = True
+                m[r] = mx
+            alpha[r] = a
+            tot = ZERO
+            for c in range(TN):
+                p = ZERO
+                if live:
+                    p = math.exp(S[r * TN + c] - mx)
+                    if normalizer == RELU_EXPM1:
+                        p *= F[r * TN + c]
+                tot += p
+                Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] = p
+            l[r] = l[r] * a + tot
+
+    @cuda.jit(device=True)
+    def tile_values(Pt, Vs, row0, col0, guarded, O, T, alpha):
+        """``O = O * alpha + Pt^T Vs`` over the thread's micro-tile (``T``: scratch).
+
+        ``guarded`` (a tile holding a non-finite value): zero weights skip
+        their values, so a key outside a row's set never reaches it.
+        """
+        clear(T, N_O)
+        for c0 in range(0, BK, 2):
+            for u in range(2):  # two keys a step: longer straight runs for the scheduler
+                if c0 + u < BK:
+                    po = U32(c0 + u) * U32(BQ) + U32(row0)
+                    vo = U32(c0 + u) * U32(DVP) + U32(col0)
+                    if guarded:
+                        guarded_value_step(Pt, po, Vs, vo, T)
+                    else:
+                        value_step(Pt, po, Vs, vo, T)
+        for r in range(TM):
+            a = alpha[r]
+            for e in range(TO):
+                # alpha = 0: the earlier weights underflowed; 0 * inf would be NaN
+                O[r * TO + e] = T[r * TO + e] if a == ZERO else O[r * TO + e] * a + T[r * TO + e]
+
+    map_lse, finish_value = base.map_lse, base.finish_value
+
+    @cuda.jit(device=True)
+    def start(m, l, O):
+        for r in range(TM):
+            m[r] = NINF
+            l[r] = ZERO
+        for x in range(N_O):
+            O[x] = ZERO
+
+    @cuda.jit(device=True)
+    def finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, lrow, normalizer,
+                    out, lse):
+        """Reduce the partial sums ``l`` per row, write the thread's ``out`` values and
+        (first thread of a row) the row's ``lse``.  Every thread must call it."""
+        row_reduce(red, rows, t, row0, key0, l, lrow, False)
+        for r in range(TM):
+            i = i0 + row0 + r
+            if i < Lq:
+                row_lse = map_lse(m[r], lrow[r])
+                if key0 == 0:
+                    lse[i] = row_lse
+                for e in range(TO):
+                    col = col0 + e
+                    if col < DV:
+                        out[i, col] = finish_value(O[r * TO + e], m[r], lrow[r], row_lse,
+                                                   normalizer)
+
+    return SimpleNamespace(
+        nt=nt, N_ALL=N_ALL, N_S=N_S, N_O=N_O, TM=TM, TN=TN, TO=TO, BQ=BQ, BK=BK, NT=NT,
+        start=start, finish_tile=finish_tile,
+        shared_arrays=shared_arrays, thread_place=thread_place,
+        stage_transposed=stage_transposed, stage_values=stage_values, clear=clear,
+        tile_scores=tile_scores, modify_value=modify_value, row_reduce=row_reduce,
+        tile_weights=tile_weights, tile_values=tile_values,
+    )
+
