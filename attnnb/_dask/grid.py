@@ -30,6 +30,7 @@ import dask.array as da
 import numpy as np
 
 from .._validate import check_qkv, host_float_array
+from ..diff import check_head_axis
 from . import any_dask
 
 
@@ -217,6 +218,8 @@ def make_grid(q, k, v, *, pairs: bool = False) -> Grid:
     """Check, cast and align ``q``, ``k``, ``v``; see the module docstring."""
     q, k, v = (_as_dask(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
     batch, squeeze, comp, out_dtype = check_qkv(q, k, v, head_pairs=pairs)
+    if pairs:
+        check_head_axis(squeeze, q.shape[-2:])
     _single_chunk("q", q, "head dimension D")
     _single_chunk("k", k, "head dimension D")
     if squeeze:

@@ -27,7 +27,7 @@ import numpy as np
 from .._checks import broadcast_pairwise, log_key_sizes
 from .._dispatch import requested_backend
 from .._validate import check_bool, check_normalizer, check_scale, lse_dtype
-from ..diff import check_head_axis, check_mode, lambda_rows
+from ..diff import check_mode, lambda_rows
 from ..sparse import _check_pattern, _check_top_k
 from . import any_dask, blocks, select
 from .graph import Graph
@@ -48,8 +48,6 @@ class Call:
     def __init__(self, op, q, k, v, *, mask=None, bias=None, key_size=None, lam=None,
                  scale=None, backend=None, pairs=False, params=()):
         self.grid = g = make_grid(q, k, v, pairs=pairs)
-        if pairs:
-            check_head_axis(g.squeeze, g.q.shape[-2:])
         self.scale = check_scale(scale, g.shape[4])
         self.backend = requested_backend(backend)
         extras = {"mask": self._pairwise("mask", mask, np.bool_),
