@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import pathlib
+import re
 import time
 
 import numpy as np
@@ -360,3 +362,15 @@ def started_twice(token, dask_scheduler):
     runs = collections.Counter(str(t[0]) for t in dask_scheduler.transition_log
                                if t[2] == "processing" and token in str(t[0]))
     return sorted(key for key, n in runs.items() if n > 1)
+
+
+def test_readme_dask_block_runs():
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    match = re.search(r"<!-- usage:dask -->\n```python\n(.*?)```\n<!-- /usage:dask -->", text,
+                      re.S)
+    assert match, "README has no usage:dask block"
+    namespace = {"__name__": "__main__"}
+    exec(compile(match.group(1), "README.md:usage:dask", "exec"), namespace)
+    assert namespace["out"].shape == (1, 4, 8192, 64)
+    qn, kn, vn = namespace["qn"], namespace["kn"], namespace["vn"]
+    assert_close(namespace["merged"], attnnb.attention(qn, kn, vn), rtol=1e-5)

@@ -43,12 +43,13 @@ def native(x, like):
 
 
 def key_heads(k, v, heads, pairs=False):
-    """The key heads a query chunk reads: all of the chunk, or key units ``heads``."""
+    """The key heads a query chunk reads: all of the chunk, or key units ``heads``
+    (``v`` may be None)."""
     if heads is None:
         return k, v
     a, b = heads
     unit = 2 if pairs else 1
-    return k[..., a * unit:b * unit, :, :], v[..., a:b, :, :]
+    return k[..., a * unit:b * unit, :, :], None if v is None else v[..., a:b, :, :]
 
 
 def restrict(mask, limit, nq, nk):

@@ -75,7 +75,7 @@ def _best(values, index, top_k):
 
 def candidates(q, k, mask, key_size, *, start, top_k, limit, heads, scale):
     """Phase 1 on one key block: ``(values, key indices, nan rows)`` of its best keys."""
-    k, _ = key_heads(k, k, heads)
+    k, _ = key_heads(k, None, heads)
     x, _ = ranking_logits(q, k, mask, key_size, limit, scale)
     xp = namespace(x)
     nan = xp.isnan(x).any(axis=-1)
