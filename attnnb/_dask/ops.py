@@ -131,10 +131,11 @@ class Call:
     def position(self, index) -> tuple:
         return (*(index[f"b{a}"] for a in range(self.grid.nb)), index["h"], index["q"])
 
-    def common(self, index, spec):
-        """The keywords every part of query block ``index`` takes."""
-        return dict(limit=spec, heads=self.grid.heads.key_slice[index["h"]], scale=self.scale,
-                    backend=self.backend)
+    def common(self, index, spec, drop=()):
+        """The keywords the parts of query block ``index`` take (less those in ``drop``)."""
+        kw = dict(limit=spec, heads=self.grid.heads.key_slice[index["h"]], scale=self.scale,
+                  backend=self.backend)
+        return {k: v for k, v in kw.items() if k not in drop}
 
     def reduce(self, stage, index, parts, merge):
         return self.graph.reduce(stage, self.position(index), parts, merge)
@@ -227,9 +228,8 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
         parts = []
         for kb, whole in row:
             where = None if whole else (head_spans[index["h"]], q_spans[index["q"]], k_spans[kb])
-            common = c.common(index, None)
-            del common["limit"]
-            fn = partial(blocks.sparse_part, where=where, normalizer=norm, **common)
+            fn = partial(blocks.sparse_part, where=where, normalizer=norm,
+                         **c.common(index, None, drop=("limit",)))
             parts.append(c.part("part", index, kb, fn, ("q", "k", "v", "key_size"), stored))
         c.lse_finish(index, parts, norm != normalizer)
     return c.outputs(return_lse)
@@ -259,7 +259,7 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
             continue
         found = [c.part("candidates", index, kb,
                         partial(select.candidates, start=k_starts[kb], top_k=top_k,
-                                **_without_backend(c.common(index, spec))),
+                                **c.common(index, spec, drop=("backend",))),
                         ("q", "k", "mask", "key_size")) for kb, spec in row]
         merged = c.reduce("cmerge", index, found, partial(select.merge_candidates, top_k=top_k))
         chosen = c.graph.add("selection", c.position(index),
@@ -269,10 +269,6 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
                         names, chosen) for kb, spec in row]
         c.lse_finish(index, parts, False)
     return c.outputs(return_lse)
-
-
-def _without_backend(common):
-    return {k: v for k, v in common.items() if k != "backend"}
 
 
 def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
