@@ -13,6 +13,7 @@ import sys as _sys
 from . import diff, patterns, tome
 from ._dispatch import backends, use_backend
 from .attention import attention
+from .combine import combine
 from .diff import diff_attention
 from .sparse import sparse_attention, topk_attention
 from .vjp import vjp
@@ -55,6 +56,7 @@ def release_buffers() -> None:
 __all__ = [
     "attention",
     "backends",
+    "combine",
     "diff",
     "diff_attention",
     "patterns",

@@ -127,18 +127,29 @@ def use_backend(name: str) -> Iterator[str]:
         stack.pop()
 
 
-def choose_backend(backend: str | None, on_device: bool) -> str:
-    """Resolve ``backend`` (None, "auto" or a name) to a backend that can run."""
+def requested_backend(backend: str | None) -> str:
+    """The backend name a call asks for: ``"auto"`` or a backend, not yet checked to run.
+
+    ``backend=None`` reads the innermost :func:`use_backend` context of this
+    thread, then ``ATTNNB_BACKEND``, then ``"auto"``.  An unknown name is a
+    ``ValueError`` naming where it came from.
+    """
     if backend is None:
         stack = getattr(_CONTEXT, "stack", None)
         backend = stack[-1] if stack else os.environ.get("ATTNNB_BACKEND", "auto") or "auto"
         source = "ATTNNB_BACKEND" if not stack else "use_backend()"
     else:
         source = "backend"
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"{source} must be one of {BACKENDS + ('auto',)}; got {backend!r}")
+    return backend
+
+
+def choose_backend(backend: str | None, on_device: bool) -> str:
+    """Resolve ``backend`` (None, "auto" or a name) to a backend that can run."""
+    backend = requested_backend(backend)
     if backend == "auto":
         backend = "cuda" if on_device else "cpu"
-    if backend not in BACKENDS:
-        raise ValueError(f"{source} must be one of {BACKENDS + ('auto',)}; got {backend!r}")
     if on_device and backend != "cuda":
         raise TypeError(
             f"inputs are CUDA device arrays but backend {backend!r} runs on the host; "

@@ -212,11 +212,39 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
         # Numba device arrays (also the simulator's) are used as they are; other
         # objects exposing __cuda_array_interface__ are wrapped without a copy.
         arrs = [device_view(x) for x in (q, k, v)]
-        for name, a in zip((q_name, k_name, v_name), arrs):
-            float_dtype_of(name, a.dtype)
     else:
         arrs = [host_float_array(n, x) for n, x in zip((q_name, k_name, v_name), (q, k, v))]
     qa, ka, va = arrs
+    batch, squeeze, comp, out_dtype = check_qkv(qa, ka, va, q_name=q_name, k_name=k_name,
+                                                v_name=v_name, head_pairs=head_pairs)
+
+    def to4(a):
+        if squeeze:
+            return a.reshape((1, 1) + tuple(a.shape))
+        B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+        return a.reshape((B,) + tuple(a.shape[-3:]))
+
+    if all(on_dev):
+        out = [to4(a) for a in arrs]
+    else:
+        out = [_kernel_ready(to4(a), comp) for a in arrs]
+    return out[0], out[1], out[2], batch, squeeze, out_dtype, all(on_dev)
+
+
+def check_qkv(qa, ka, va, *, q_name="q", k_name="k", v_name="v", head_pairs=False):
+    """The shape and dtype rules of q, k, v, on anything with ``.shape`` and ``.dtype``.
+
+    Reads no data, so lazy arrays (Dask) are checked without computing them.
+
+    Returns
+    -------
+    batch_shape : tuple
+    squeeze_head : bool
+        2-D ``(L, D)`` inputs.
+    compute_dtype, out_dtype : numpy dtypes
+    """
+    for name, a in zip((q_name, k_name, v_name), (qa, ka, va)):
+        float_dtype_of(name, a.dtype)
     batch, squeeze = _split_qkv_shapes(qa.shape, ka.shape, va.shape,
                                        q_name=q_name, k_name=k_name, v_name=v_name)
     D = qa.shape[-1]
@@ -253,18 +281,7 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
                 f"({ka.shape[-3]}) for grouped-query attention"
             )
     comp, out_dtype = compute_dtypes(qa.dtype, ka.dtype, va.dtype)
-
-    def to4(a):
-        if squeeze:
-            return a.reshape((1, 1) + tuple(a.shape))
-        B = int(np.prod(batch, dtype=np.int64)) if batch else 1
-        return a.reshape((B,) + tuple(a.shape[-3:]))
-
-    if all(on_dev):
-        out = [to4(a) for a in arrs]
-    else:
-        out = [_kernel_ready(to4(a), comp) for a in arrs]
-    return out[0], out[1], out[2], batch, squeeze, out_dtype, all(on_dev)
+    return batch, squeeze, comp, out_dtype
 
 
 def _check_even_heads(name, shape, pairs):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import _dispatch
+from ._dask import any_dask
 from ._validate import attention_problem, check_bool
 
 
@@ -53,6 +54,11 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     Choices where the contract is silent: a zero head dimension ``D`` is a
     ``ValueError``; a longdouble input is computed and returned as float64.
     """
+    if any_dask(q, k, v):
+        from ._dask.ops import attention as lazy
+
+        return lazy(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
+                    scale=scale, normalizer=normalizer, return_lse=return_lse, backend=backend)
     return_lse = check_bool("return_lse", return_lse)
     problem = attention_problem(q, k, v, mask=mask, bias=bias, key_size=key_size,
                                 causal=causal, scale=scale, normalizer=normalizer)

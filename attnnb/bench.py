@@ -121,7 +121,7 @@ def run_cases(cases: list[dict], repeats: int, bar=None, budget: float = 0.0) ->
             rows.append({"case": case["name"], "label": label, "median": med, "unit": unit,
                          "work": case.get("work"), "ratio": med / first if first else np.nan,
                          "target": case.get("target", ""), "measure": case.get("measure", "time"),
-                         "rounds": len(vals)})
+                         "compare": case.get("compare", False), "rounds": len(vals)})
     return rows
 
 
@@ -138,7 +138,7 @@ def format_table(rows: list[dict], sgemm: float) -> str:
             ratio = f"{r['ratio']:6.2f}"
         else:
             med = f"{r['median']:8.3g} {r['unit']}"
-            ratio = ""
+            ratio = f"{r['ratio']:6.2f}" if r.get("compare") else ""
         gf = share = ""
         if r["work"] and r["measure"] == "time":
             g = r["work"] / r["median"] / 1e9

@@ -24,6 +24,7 @@ import numpy as np
 from . import _dispatch
 from ._checks import where_first
 from ._codes import DIFF_MODE_CODES
+from ._dask import any_dask
 from ._validate import attention_problem, compute_dtypes, float_dtype_of, is_device_array
 
 MODES = tuple(DIFF_MODE_CODES)  # the public names; the kernels see the codes
@@ -90,15 +91,15 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
     2-D input is rejected: the head axis carries the pairs.  Unlike softmax
     attention, the output may leave the convex hull of the values.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    if any_dask(q, k, v):
+        from ._dask.ops import diff_attention as lazy
+
+        return lazy(q, k, v, lam, mask=mask, bias=bias, key_size=key_size, causal=causal,
+                    scale=scale, mode=mode, backend=backend)
+    check_mode(mode)
     problem = attention_problem(q, k, v, mask=mask, bias=bias, key_size=key_size,
                                 causal=causal, scale=scale, head_pairs=True)
-    if problem.squeeze_head:
-        raise ValueError(
-            "q, k and v must have a head axis: (*batch, 2H, L, d), (*batch, 2Hk, L, d) and "
-            f"(*batch, Hk, L, Dv); got 2-D q of shape {np.shape(problem.q)[2:]}"
-        )
+    check_head_axis(problem.squeeze_head, np.shape(problem.q)[2:])
     B, H2, _, Lq, _, _, Dv = problem.shape
     H = H2 // 2
     comp = compute_dtypes(problem.q.dtype, problem.k.dtype, problem.v.dtype)[0]  # device too
@@ -108,6 +109,20 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
     if not problem.on_device:
         out = out.astype(problem.out_dtype, copy=False)
     return out
+
+
+def check_mode(mode):
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+
+
+def check_head_axis(squeeze: bool, q_shape) -> None:
+    """Differential attention needs a head axis (it carries the pairs): no 2-D input."""
+    if squeeze:
+        raise ValueError(
+            "q, k and v must have a head axis: (*batch, 2H, L, d), (*batch, 2Hk, L, d) and "
+            f"(*batch, Hk, L, Dv); got 2-D q of shape {tuple(q_shape)}"
+        )
 
 
 def lambda_rows(lam, batch_shape, B, H, Lq, dtype):

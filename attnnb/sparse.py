@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import _dispatch
+from ._dask import any_dask
 from ._validate import attention_problem, check_bool
 from .patterns import Pattern
 
@@ -84,6 +85,11 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     >>> out.shape
     (2, 512, 32)
     """
+    if any_dask(q, k, v):
+        from ._dask.ops import sparse_attention as lazy
+
+        return lazy(q, k, v, pattern, key_size=key_size, scale=scale, normalizer=normalizer,
+                    return_lse=return_lse, backend=backend)
     return_lse = check_bool("return_lse", return_lse)
     problem = attention_problem(q, k, v, key_size=key_size, scale=scale, normalizer=normalizer)
     B, Hq, _, Lq, Lk, _, _ = problem.shape
@@ -129,6 +135,11 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     not ranked). Only ``"softmax"`` is offered: the ranking is by the
     softmax weights.
     """
+    if any_dask(q, k, v):
+        from ._dask.ops import topk_attention as lazy
+
+        return lazy(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size, scale=scale,
+                    return_lse=return_lse, backend=backend)
     return_lse = check_bool("return_lse", return_lse)
     top_k = _check_top_k(top_k)
     problem = attention_problem(q, k, v, mask=mask, key_size=key_size, causal=causal,

@@ -188,13 +188,14 @@ t0 = time.perf_counter()
 import attnnb
 dt = time.perf_counter() - t0
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("numba", "llvmlite", "torch",
-                                                           "numba_cuda", "scipy"))
+                                                           "numba_cuda", "scipy", "dask",
+                                                           "distributed"))
 print(json.dumps({"seconds": dt, "heavy": heavy}))
 """
 
 
 def test_import_is_light():
-    """``import attnnb`` imports neither Numba nor numba.cuda (nor scipy, torch)."""
+    """``import attnnb`` imports neither Numba nor numba.cuda (nor scipy, torch, dask)."""
     proc = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True,
                           timeout=120, check=True)
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -27,6 +27,9 @@ Optional keys:
     rows use 1).
 ``target`` : str
     A short note printed beside the row (e.g. ``"< 256 MiB"``).
+``compare`` : bool
+    Also print the ratio to the first candidate for a ``"value"`` row
+    (values of one unit measured alike, such as two times).
 
 A module may raise ``ImportError`` from ``cases`` when what it measures is
 unavailable; the engine reports it and goes on.

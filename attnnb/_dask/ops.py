@@ -1,0 +1,311 @@
+"""The attention functions on Dask arrays: lazy task graphs (docs/contract.md §7.2).
+
+Each function checks its arguments as its eager twin does (errors raised
+before any graph exists, without computing anything), aligns the blocks
+(:mod:`attnnb._dask.grid`), decides which key blocks each query block sees
+(:mod:`attnnb._dask.visible`) and builds the graph (:mod:`attnnb._dask.graph`)
+whose tasks run :mod:`attnnb._dask.blocks`:
+
+* ``attention``, ``sparse_attention``: one part per visible block, merged
+  through the LSEs; ``softmax1`` parts are computed as softmax and finished
+  after the merge (its ``+1`` belongs to the whole row);
+* ``topk_attention``: a query block with several key blocks first selects
+  (:mod:`attnnb._dask.select`), then attends over the kept keys;
+* ``diff_attention``: both streams merged through their LSEs, then
+  ``o1 - lam * o2``; the rectified mode first merges each stream's LSE, then
+  adds up every block's clipped share.
+
+A query block that sees a single key block runs the function itself on it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+
+from .._checks import broadcast_pairwise, log_key_sizes
+from .._dispatch import requested_backend
+from .._validate import check_bool, check_normalizer, check_scale, lse_dtype
+from ..diff import check_mode, lambda_rows
+from ..sparse import _check_pattern, _check_top_k
+from . import any_dask, blocks, select
+from .graph import Graph
+from .grid import make_grid, spans
+from .visible import dense_blocks, pattern_blocks
+
+ROLES = {"mask": ("h", "q", "k"), "bias": ("h", "q", "k"), "key_size": ("k",), "lam": ("h", "q")}
+
+
+def _stand_in(x, dtype=None):
+    """A zero-stride NumPy array of ``x``'s shape (and ``dtype``): shape checks, no memory."""
+    return np.broadcast_to(np.zeros((), x.dtype if dtype is None else dtype), x.shape)
+
+
+class Call:
+    """One Dask call: its grid, its chunked extras and its graph."""
+
+    def __init__(self, op, q, k, v, *, mask=None, bias=None, key_size=None, lam=None,
+                 scale=None, backend=None, pairs=False, params=()):
+        self.grid = g = make_grid(q, k, v, pairs=pairs)
+        self.scale = check_scale(scale, g.shape[4])
+        self.backend = requested_backend(backend)
+        extras = {"mask": self._pairwise("mask", mask, np.bool_),
+                  "bias": self._pairwise("bias", bias, g.compute_dtype),
+                  "key_size": self._sizes(key_size), "lam": self._lam(lam)}
+        self.extras = {n: g.extra(x, ROLES[n]) for n, x in extras.items()}
+        arrays = [g.q, g.k, g.v] + [e.array for e in self.extras.values() if e is not None]
+        self.graph = Graph(op, arrays, self.scale, self.backend, *params)
+        self.finals = {}
+
+    # -- checks of the extras, as the eager functions make them ------------------------------
+    def _facts(self):
+        g = self.grid
+        B = int(np.prod(g.batch_shape, dtype=np.int64))
+        return g.batch_shape, g.squeeze, B
+
+    def _pairwise(self, name, x, dtype):
+        if x is None:
+            return None
+        batch, squeeze, B = self._facts()
+        _, _, Lq, Lk, _, _ = self.grid.shape
+        rows = self.grid.row_heads
+        if any_dask(x):  # the dtype on a 0-d stand-in, the shape on one of the target dtype
+            broadcast_pairwise(name, np.zeros((), x.dtype), batch, squeeze, B, rows, Lq, Lk,
+                               dtype)
+            broadcast_pairwise(name, _stand_in(x, dtype), batch, squeeze, B, rows, Lq, Lk,
+                               dtype)
+            return x
+        broadcast_pairwise(name, x, batch, squeeze, B, rows, Lq, Lk, dtype)
+        return np.asarray(x)
+
+    def _sizes(self, key_size):
+        """Check ``key_size`` (values too, when NumPy; a Dask one's values are checked per
+        chunk by the tasks); drop ToMe's trailing axis of one."""
+        if key_size is None:
+            return None
+        batch, squeeze, B = self._facts()
+        Lk = self.grid.shape[3]
+        x = key_size if any_dask(key_size) else np.asarray(key_size)
+        probe = np.broadcast_to(np.ones((), x.dtype), x.shape) if any_dask(x) else x
+        log_key_sizes(probe, batch, squeeze, B, Lk, self.grid.compute_dtype)
+        if x.ndim >= 1 and x.shape[-1] == 1 and x.ndim == len(batch) + 2:
+            x = x[..., 0]
+        return x
+
+    def _lam(self, lam):
+        """``lam`` of differential attention: checked and broadcast when NumPy (or a
+        number); a Dask one's shape and dtype now, its values per chunk by the tasks."""
+        if not self.grid.pairs:
+            return None
+        batch, _, B = self._facts()
+        _, _, Lq, _, _, _ = self.grid.shape
+        H = self.grid.row_heads
+        comp = self.grid.compute_dtype
+        if any_dask(lam):
+            lambda_rows(np.ones((), lam.dtype), batch, B, H, Lq, comp)
+            lambda_rows(_stand_in(lam, comp), batch, B, H, Lq, comp)
+            return lam
+        return lambda_rows(lam, batch, B, H, Lq, comp).reshape(batch + (H, Lq))
+
+    # -- tasks ------------------------------------------------------------------------------
+    def keys(self, index, kb, names):
+        """The keys of the chunks ``names`` (q, k, v, mask, ...) for query block ``index``
+        and key block ``kb``; None for an extra not given."""
+        g = self.grid
+        k, v = g.kv_keys(index, kb)
+        out = []
+        for n in names:
+            if n in ("q", "k", "v"):
+                out.append({"q": g.q_key(index), "k": k, "v": v}[n])
+            else:
+                extra = self.extras[n]
+                out.append(None if extra is None else extra.key({**index, "k": kb}))
+        return out
+
+    def part(self, stage, index, kb, fn, names, *more):
+        """Add one block's task ``fn(*chunks, *more)``; returns its key."""
+        return self.graph.add(stage, self.position(index) + (kb,),
+                              (fn, *self.keys(index, kb, names), *more))
+
+    def position(self, index) -> tuple:
+        return (*(index[f"b{a}"] for a in range(self.grid.nb)), index["h"], index["q"])
+
+    def common(self, index, spec, drop=()):
+        """The keywords the parts of query block ``index`` take (less those in ``drop``)."""
+        kw = dict(limit=spec, heads=self.grid.heads.key_slice[index["h"]], scale=self.scale,
+                  backend=self.backend)
+        return {k: v for k, v in kw.items() if k not in drop}
+
+    def reduce(self, stage, index, parts, merge):
+        return self.graph.reduce(stage, self.position(index), parts, merge)
+
+    def finish(self, index, fn, key, *more, picks=(0, 1)):
+        """The finish task of query block ``index``, ``fn(merged, *more)``; ``picks`` say
+        where its output and LSE are in what it returns (None: the value itself)."""
+        at = self.position(index)
+        self.finals[at] = (self.graph.add("finish", at, (fn, key, *more)), picks)
+
+    def empty(self, index):
+        """A query block that sees no key: zeros, and ``-inf`` LSEs."""
+        g = self.grid
+        out_dtype = g.out_dtype
+        fn = partial(blocks.empty, shape=g.block_shape(index, g.shape[5]), dtype=out_dtype,
+                     lse_dtype=lse_dtype(out_dtype), like=g.q._meta)
+        at = self.position(index)
+        self.finals[at] = (self.graph.add("empty", at, (fn,)), (0, 1))
+
+    def lse_finish(self, index, parts, softmax1):
+        """Merge ``(out, lse)`` parts and finish them; no parts: an empty block."""
+        if not parts:
+            return self.empty(index)
+        key = self.reduce("merge", index, parts, blocks.merge_attention)
+        dtype = self.grid.out_dtype
+        fn = partial(blocks.finish_attention, softmax1=softmax1, out_dtype=dtype,
+                     lse_dtype=lse_dtype(dtype))
+        self.finish(index, fn, key)
+
+    def outputs(self, return_lse):
+        """The output arrays (``(out, lse)`` with ``return_lse``) in the user's layout."""
+        g = self.grid
+        batch = tuple(g.chunks[f"b{a}"] for a in range(g.nb))
+        rows = batch + (g.chunks["h"], g.chunks["q"])
+        dtype = g.out_dtype
+        outs = {at + (0,): (key, picks[0]) for at, (key, picks) in self.finals.items()}
+        out = g.restore(self.graph.array("out", outs, rows + ((g.shape[5],),), dtype, g.q._meta))
+        if not return_lse:
+            return out
+        lses = {at: (key, picks[1]) for at, (key, picks) in self.finals.items()}
+        lse = g.restore(self.graph.array("lse", lses, rows, lse_dtype(dtype), g.q._meta))
+        return out, lse
+
+
+def dense_parts(c, index, row, normalizer):
+    """Parts of dense (masked, causal) attention for one query block."""
+    fn = partial(blocks.attention_part, normalizer=normalizer)
+    return [c.part("part", index, kb, partial(fn, **c.common(index, spec)),
+                   ("q", "k", "v", "mask", "bias", "key_size")) for kb, spec in row]
+
+
+def part_normalizer(normalizer, row):
+    """softmax1 over several key blocks is computed as softmax and finished after the merge."""
+    return "softmax" if normalizer == "softmax1" and len(row) > 1 else normalizer
+
+
+def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
+              normalizer="softmax", return_lse=False, backend=None):
+    """:func:`attnnb.attention` on Dask arrays."""
+    return_lse = check_bool("return_lse", return_lse)
+    check_normalizer(normalizer)
+    causal = check_bool("causal", causal)
+    c = Call("attention", q, k, v, mask=mask, bias=bias, key_size=key_size, scale=scale,
+             backend=backend, params=(causal, normalizer))
+    visible = dense_blocks(c.grid.q_edges, c.grid.k_edges, causal)
+    for index in c.grid.query_blocks():
+        row = visible[index["q"]]
+        norm = part_normalizer(normalizer, row)
+        c.lse_finish(index, dense_parts(c, index, row, norm), norm != normalizer)
+    return c.outputs(return_lse)
+
+
+def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
+                     return_lse=False, backend=None):
+    """:func:`attnnb.sparse_attention` on Dask arrays."""
+    return_lse = check_bool("return_lse", return_lse)
+    check_normalizer(normalizer)
+    c = Call("sparse", q, k, v, key_size=key_size, scale=scale, backend=backend,
+             params=(normalizer, getattr(pattern, "indptr", None),
+                     getattr(pattern, "indices", None)))
+    g = c.grid
+    Hq, _, Lq, Lk, _, _ = g.shape
+    _check_pattern(pattern, Lq, Lk, Hq)
+    touched = pattern_blocks(pattern, g.heads.rows, g.q_edges, g.k_edges)
+    stored = c.graph.add("pattern", (), pattern)  # one copy, sent to the workers that need it
+    head_spans, q_spans, k_spans = spans(g.heads.rows), spans(g.q_edges), spans(g.k_edges)
+    for index in g.query_blocks():
+        row = touched[index["h"], index["q"]]
+        norm = part_normalizer(normalizer, row)
+        parts = []
+        for kb, whole in row:
+            where = None if whole else (head_spans[index["h"]], q_spans[index["q"]], k_spans[kb])
+            fn = partial(blocks.sparse_part, where=where, normalizer=norm,
+                         **c.common(index, None, drop=("limit",)))
+            parts.append(c.part("part", index, kb, fn, ("q", "k", "v", "key_size"), stored))
+        c.lse_finish(index, parts, norm != normalizer)
+    return c.outputs(return_lse)
+
+
+def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
+                   return_lse=False, backend=None):
+    """:func:`attnnb.topk_attention` on Dask arrays: an exact, global selection."""
+    return_lse = check_bool("return_lse", return_lse)
+    top_k = _check_top_k(top_k)
+    causal = check_bool("causal", causal)
+    c = Call("topk", q, k, v, mask=mask, key_size=key_size, scale=scale, backend=backend,
+             params=(top_k, causal))
+    Lk = c.grid.shape[3]
+    visible = dense_blocks(c.grid.q_edges, c.grid.k_edges, causal)
+    k_starts = c.grid.k_edges
+    names = ("q", "k", "v", "mask", "key_size")
+    for index in c.grid.query_blocks():
+        row = visible[index["q"]] if top_k else []
+        if top_k >= Lk or len(row) <= 1:
+            if top_k >= Lk or not row:  # every allowed key is kept: plain masked attention
+                parts = dense_parts(c, index, row, "softmax")
+            else:
+                fn = partial(blocks.topk_solo, top_k=top_k, **c.common(index, row[0][1]))
+                parts = [c.part("part", index, row[0][0], fn, names)]
+            c.lse_finish(index, parts, False)
+            continue
+        found = [c.part("candidates", index, kb,
+                        partial(select.candidates, start=k_starts[kb], top_k=top_k,
+                                **c.common(index, spec, drop=("backend",))),
+                        ("q", "k", "mask", "key_size")) for kb, spec in row]
+        merged = c.reduce("cmerge", index, found, partial(select.merge_candidates, top_k=top_k))
+        chosen = c.graph.add("selection", c.position(index),
+                             (partial(select.selection, top_k=top_k), merged))
+        parts = [c.part("part", index, kb,
+                        partial(select.topk_part, start=k_starts[kb], **c.common(index, spec)),
+                        names, chosen) for kb, spec in row]
+        c.lse_finish(index, parts, False)
+    return c.outputs(return_lse)
+
+
+def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
+                   scale=None, mode="difference", backend=None):
+    """:func:`attnnb.diff_attention` on Dask arrays."""
+    check_mode(mode)
+    causal = check_bool("causal", causal)
+    c = Call("diff", q, k, v, mask=mask, bias=bias, key_size=key_size, lam=lam, scale=scale,
+             backend=backend, pairs=True, params=(causal, mode))
+    visible = dense_blocks(c.grid.q_edges, c.grid.k_edges, causal)
+    names = ("q", "k", "v", "mask", "bias", "key_size")
+    cast = partial(blocks.finish_cast, dtype=c.grid.out_dtype)
+    for index in c.grid.query_blocks():
+        row = visible[index["q"]]
+        lam_key = c.keys(index, 0, ("lam",))[0]
+        if not row:
+            c.empty(index)
+        elif len(row) == 1:
+            kb, spec = row[0]
+            fn = partial(blocks.diff_solo, mode=mode, **c.common(index, spec))
+            c.finish(index, cast, c.part("part", index, kb, fn, names + ("lam",)),
+                     picks=(None, None))
+        elif mode == "difference":
+            parts = [c.part("part", index, kb,
+                            partial(blocks.streams_part, lse_only=False, **c.common(index, spec)),
+                            names) for kb, spec in row]
+            merged = c.reduce("merge", index, parts, blocks.merge_streams)
+            c.finish(index, partial(blocks.finish_difference, out_dtype=c.grid.out_dtype),
+                     merged, lam_key, picks=(None, None))
+        else:
+            local = {kb: c.part("lse", index, kb,
+                                partial(blocks.streams_part, lse_only=True,
+                                        **c.common(index, spec)), names) for kb, spec in row}
+            total = c.reduce("lmerge", index, list(local.values()), blocks.merge_lses)
+            parts = [c.part("part", index, kb,
+                            partial(blocks.rectified_part, **c.common(index, spec)),
+                            names + ("lam",), local[kb], total) for kb, spec in row]
+            c.finish(index, cast, c.reduce("merge", index, parts, blocks.merge_sum),
+                     picks=(None, None))
+    return c.outputs(False)
