@@ -391,9 +391,8 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     Parameters and results otherwise as :func:`attention` here.
     """
     (q, k, v), result = _qkv(q, k, v)
-    indptr, indices, heads = _pattern_tensors(pattern)
-    if q.device.type != "cpu":
-        indptr, indices = indptr.to(q.device), indices.to(q.device)
+    indptr, indices, heads = _pattern_tensors(pattern)  # host tensors on every device: the
+    # pattern is rebuilt on the host inside the operator
     out, lse = _OPS["sparse_attention"](
         q, k, v, indptr, indices, heads,
         _optional("key_size", key_size, q.device, floating=True), _scale(scale), normalizer,
