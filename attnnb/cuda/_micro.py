@@ -20,7 +20,7 @@ tiles need no bounds tests.  Register arrays are indexed only by unrolled
 constants (``range`` over closure constants), so they stay in registers
 (``gpu/ptx_check.py`` checks: no stack frame, no spill).
 
-Numerics are those of :mod:`attnnb.cuda._tiles` (and of the cpu core):
+Numerics are those of the cpu core (:mod:`attnnb.cpu._tiles`):
 bias, then mask / causal / key bound to ``-inf``, ``relu_expm1``'s factor
 (tiny factors folded into the logit), ``log key_size``; a NaN logit spoils
 its row; zero weights never touch the values (a tile holding a non-finite
@@ -44,7 +44,7 @@ import numpy as np
 from numba import config, cuda
 
 from .._codes import RELU_EXPM1
-from ._tiles import SHARED_BYTES, device_functions
+from ._tiles import SHARED_BYTES, cached_kernel, device_functions
 
 U32 = numba.uint32
 ALIGN = None if config.ENABLE_CUDASIM else 16  # the simulator takes no alignment
@@ -118,6 +118,28 @@ def set_micro_tiles(tiles: tuple[int, int, int, int] | None):
                              f"got {tiles!r}")
     old, _OVERRIDE[0] = _OVERRIDE[0], tiles
     return old
+
+
+def tiled_kernel(name: str, build, dtype, tiling: Tiling):
+    """The compiled-on-first-launch kernel ``build(dtype, tiling)``, cached per
+    ``(name, dtype, tiling)``."""
+    key = (name, np.dtype(dtype).str, tiling)
+    return cached_kernel(key, lambda: cuda.jit(build(np.dtype(dtype), tiling)))
+
+
+def ptx_cases(label: str, build, argtypes, d: int, dv: int, streams: int = 1) -> list:
+    """``[(name, python function, argument types, options)]`` of a register-tiled kernel
+    for the PTX check: float32 (gated) and float64, production tiles at ``d``, ``dv``.
+
+    ``argtypes(ty)`` gives the kernel's argument types for the Numba float type ``ty``.
+    """
+    cases = []
+    for dtype in (np.dtype(np.float32), np.dtype(np.float64)):
+        tiling = tiling_for(dtype, d, dv, streams)
+        cases.append((f"{label} {dtype.name} {'d' if streams > 1 else 'D'}={d}",
+                      build(dtype, tiling), argtypes(numba.from_dtype(dtype)),
+                      {"threads": tiling.threads, "tiled": True}))
+    return cases
 
 
 def tiling_for(dtype, d: int, dv: int, streams: int = 1) -> Tiling:
@@ -254,9 +276,9 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
     @cuda.jit(device=True)
     def modify_value(s, i, j, Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
                      normalizer):
-        """``(s, f)``: one modified logit and its ``relu_expm1`` factor, as ``modify_row``
-        of :mod:`attnnb.cuda._tiles` (a key outside the set: ``(-inf, 0)``; keys
-        ``j >= Lk`` are outside; row ``i`` must be a real row, ``< Lq``)."""
+        """``(s, f)``: one modified logit and its ``relu_expm1`` factor, as the cpu core's
+        ``modify_logits`` (a key outside the set: ``(-inf, 0)``; keys ``j >= Lk`` are
+        outside; row ``i`` must be a real row, ``< Lq``)."""
         if j >= Lk or j > i + diag:  # past the keys, or beyond the causal limit
             return NINF, ZERO
         f = ONE
@@ -306,15 +328,14 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
     def modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                     has_mask, logks, has_ks, normalizer):
         """:func:`modify_value` over the thread's micro-tile of ``S`` (key tile at ``j0``);
-        ``F``: the factors, written for ``relu_expm1`` only (else ``F`` may be ``S``)."""
+        ``F``: the factors (1 but for ``relu_expm1``; not ``S`` itself)."""
         for r in range(TM):
             i = min(i0 + row0 + r, Lq - 1)  # rows past Lq: read a real row, not kept
             for c in range(TN):
                 s, fr = modify_value(S[r * TN + c], i, j0 + key0 + c, Lk, diag, b, h, bias,
                                      has_bias, mask, has_mask, logks, has_ks, normalizer)
                 S[r * TN + c] = s
-                if normalizer == RELU_EXPM1:
-                    F[r * TN + c] = fr
+                F[r * TN + c] = fr
 
     @cuda.jit(device=True)
     def thread_max(S, part):

@@ -7,14 +7,13 @@ owning a register micro-tile of ``S`` and of ``O``; see
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import cuda
 
 from .._codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
-from ._micro import ALIGN, micro_functions, tiling_for
-from ._tiles import cached_kernel, device_functions
+from ._micro import ALIGN, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._tiles import device_functions
 
 
 def build_dense(dtype, tiling):
@@ -76,8 +75,7 @@ def build_dense(dtype, tiling):
 
 def dense_kernel(dtype, tiling):
     """The compiled-on-first-launch dense kernel (cached per configuration)."""
-    key = ("dense", np.dtype(dtype).str, tiling)
-    return cached_kernel(key, lambda: cuda.jit(build_dense(np.dtype(dtype), tiling)))
+    return tiled_kernel("dense", build_dense, dtype, tiling)
 
 
 def attention(problem):
@@ -101,19 +99,13 @@ def attention(problem):
 
 
 def ptx_signatures():
-    """``[(name, python function, argument types)]`` for the PTX check, float32 and float64."""
+    """``[(name, python function, argument types, options)]`` for the PTX check."""
     from numba import types
 
-    cases = []
-    for dtype in (np.float32, np.float64):
-        ty = numba.from_dtype(np.dtype(dtype))
-        arr4, arr2 = ty[:, :, :, ::1], ty[:, ::1]
-        args = (arr4, arr4, arr4, ty, arr4, types.boolean, types.boolean[:, :, :, ::1],
-                types.boolean, arr2, types.boolean, types.boolean, types.int64, arr4,
+    def argtypes(ty):
+        arr4 = ty[:, :, :, ::1]
+        return (arr4, arr4, arr4, ty, arr4, types.boolean, types.boolean[:, :, :, ::1],
+                types.boolean, ty[:, ::1], types.boolean, types.boolean, types.int64, arr4,
                 ty[:, :, ::1])
-        for d, dv in ((64, 64), (128, 128)):
-            tiling = tiling_for(np.dtype(dtype), d, dv)
-            cases.append((f"dense {np.dtype(dtype).name} D={d}",
-                          build_dense(np.dtype(dtype), tiling), args,
-                          {"threads": tiling.threads, "tiled": True}))
-    return cases
+
+    return [case for d in (64, 128) for case in ptx_cases("dense", build_dense, argtypes, d, d)]

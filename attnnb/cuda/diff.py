@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 from numba import cuda
 
 from .._codes import DIFF_MODE_CODES, RECTIFIED, SOFTMAX
 from ._arrays import device_problem, finish
-from ._micro import ALIGN, U32, micro_functions, tiling_for
-from ._tiles import cached_kernel, device_functions
+from ._micro import ALIGN, U32, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._tiles import device_functions
 
 
 def build_diff(dtype, tiling):
@@ -62,19 +61,19 @@ def build_diff(dtype, tiling):
     start, start_rows, map_lse = f.start, f.start_rows, f.map_lse
 
     @cuda.jit(device=True)
-    def pair_scores(Qt, KV, k1h, k2h, j0, nk, row0, key0, S1, S2, i0, Lq, Lk, diag, b, h,
+    def pair_scores(Qt, KV, k1h, k2h, j0, nk, row0, key0, S1, S2, F, i0, Lq, Lk, diag, b, h,
                     bias, has_bias, mask, has_mask, logks, has_ks):
         """Stage both components' key tiles at ``j0``; both modified logit micro-tiles
-        (``-inf`` outside the allowed set).  Every thread must call it; a barrier must
-        follow before ``KV`` is staged again."""
+        (``-inf`` outside the allowed set; ``F``: scratch for the unused factors).  Every
+        thread must call it; a barrier must follow before ``KV`` is staged again."""
         stage_transposed(k1h, j0, nk, ONE, KV, BK)
         stage_transposed(k2h, j0, nk, ONE, KV[N_KS:], BK)
         cuda.syncthreads()
         tile_scores(Qt, KV, row0, key0, S1)
-        modify_tile(S1, S1, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+        modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                     has_mask, logks, has_ks, SOFTMAX)
         tile_scores(Qt[N_QS:], KV[N_KS:], row0, key0, S2)
-        modify_tile(S2, S2, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+        modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                     has_mask, logks, has_ks, SOFTMAX)
 
     @cuda.jit(device=True)
@@ -116,6 +115,7 @@ def build_diff(dtype, tiling):
         t, row0, key0, col0 = thread_place()
         S1 = cuda.local.array(N_S, nt)
         S2 = cuda.local.array(N_S, nt)
+        F = cuda.local.array(N_S, nt)  # the factors: unused (softmax)
         m1 = cuda.local.array(TM, nt)  # pass 2: the LSEs
         l1 = cuda.local.array(TM, nt)  # pass 2: 1 (the first map's coefficient)
         m2 = cuda.local.array(TM, nt)
@@ -136,7 +136,7 @@ def build_diff(dtype, tiling):
         # pass 1: both streams' running maxima and sums (no values): their LSEs
         for tile in range(last):
             pair_scores(Qt, KV, k1h, k2h, tile * BK, min(BK, Lk - tile * BK), row0, key0,
-                        S1, S2, i0, Lq, Lk, diag, b, h, bias, has_bias, mask, has_mask, logks,
+                        S1, S2, F, i0, Lq, Lk, diag, b, h, bias, has_bias, mask, has_mask, logks,
                         has_ks)
             sweep_max(S1, part, m1, l1, alpha, Pt, red, rows, t, row0, key0)
             sweep_max(S2, part, m2, l2, alpha, Pt, red, rows, t, row0, key0)  # ends: barrier
@@ -151,7 +151,7 @@ def build_diff(dtype, tiling):
         for tile in range(last):
             j0 = tile * BK
             nk = min(BK, Lk - j0)
-            pair_scores(Qt, KV, k1h, k2h, j0, nk, row0, key0, S1, S2, i0, Lq, Lk, diag, b,
+            pair_scores(Qt, KV, k1h, k2h, j0, nk, row0, key0, S1, S2, F, i0, Lq, Lk, diag, b,
                         h, bias, has_bias, mask, has_mask, logks, has_ks)
             normalise(S1, m1)
             normalise(S2, m2)
@@ -188,8 +188,7 @@ def build_diff(dtype, tiling):
 
 def diff_kernel(dtype, tiling):
     """The compiled-on-first-launch differential kernel (cached per configuration)."""
-    key = ("diff", np.dtype(dtype).str, tiling)
-    return cached_kernel(key, lambda: cuda.jit(build_diff(np.dtype(dtype), tiling)))
+    return tiled_kernel("diff", build_diff, dtype, tiling)
 
 
 def diff_attention(problem, lam, mode="difference"):
@@ -223,20 +222,13 @@ def diff_attention(problem, lam, mode="difference"):
 
 
 def ptx_signatures():
-    """``[(name, python function, argument types, options)]`` for the PTX check, float32
-    and float64."""
+    """``[(name, python function, argument types, options)]`` for the PTX check."""
     from numba import types
 
-    cases = []
-    for dtype in (np.float32, np.float64):
-        ty = numba.from_dtype(np.dtype(dtype))
+    def argtypes(ty):
         arr4 = ty[:, :, :, ::1]
-        args = (arr4, arr4, arr4, ty[:, :, ::1], ty, arr4, types.boolean,
+        return (arr4, arr4, arr4, ty[:, :, ::1], ty, arr4, types.boolean,
                 types.boolean[:, :, :, ::1], types.boolean, ty[:, ::1], types.boolean,
                 types.boolean, types.int64, arr4)
-        d, dv = 64, 128
-        tiling = tiling_for(np.dtype(dtype), d, dv, streams=2)
-        cases.append((f"diff {np.dtype(dtype).name} d={d}",
-                      build_diff(np.dtype(dtype), tiling), args,
-                      {"threads": tiling.threads, "tiled": True}))
-    return cases
+
+    return ptx_cases("diff", build_diff, argtypes, 64, 128, streams=2)

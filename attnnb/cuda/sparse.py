@@ -12,14 +12,13 @@ full tiles skip the element mask.  Mirrors :mod:`attnnb.cpu.sparse`.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import cuda
 
 from .._codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
-from ._micro import ALIGN, U32, micro_functions, tiling_for
-from ._tiles import cached_kernel, device_functions
+from ._micro import ALIGN, U32, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._tiles import device_functions
 
 
 def build_sparse(dtype, tiling):
@@ -113,8 +112,7 @@ def build_sparse(dtype, tiling):
 
 def sparse_kernel(dtype, tiling):
     """The compiled-on-first-launch sparse kernel (cached per configuration)."""
-    key = ("sparse", np.dtype(dtype).str, tiling)
-    return cached_kernel(key, lambda: cuda.jit(build_sparse(np.dtype(dtype), tiling)))
+    return tiled_kernel("sparse", build_sparse, dtype, tiling)
 
 
 def sparse_attention(problem, pattern):
@@ -140,19 +138,13 @@ def sparse_attention(problem, pattern):
 
 
 def ptx_signatures():
-    """``[(name, python function, argument types, options)]`` for the PTX check, float32
-    and float64."""
+    """``[(name, python function, argument types, options)]`` for the PTX check."""
     from numba import types
 
-    cases = []
-    for dtype in (np.float32, np.float64):
-        ty = numba.from_dtype(np.dtype(dtype))
+    def argtypes(ty):
         arr4 = ty[:, :, :, ::1]
-        args = (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], ty[:, ::1],
+        return (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], ty[:, ::1],
                 types.boolean, types.int64, types.int64, types.int64[::1], types.int32[::1],
                 types.int64[::1], types.int32[::1], types.boolean[::1], arr4, ty[:, :, ::1])
-        tiling = tiling_for(np.dtype(dtype), 64, 64)
-        cases.append((f"sparse {np.dtype(dtype).name} D=64",
-                      build_sparse(np.dtype(dtype), tiling), args,
-                      {"threads": tiling.threads, "tiled": True}))
-    return cases
+
+    return ptx_cases("sparse", build_sparse, argtypes, 64, 64)

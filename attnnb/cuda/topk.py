@@ -24,8 +24,8 @@ from numba import cuda
 from .. import _selection
 from .._codes import SOFTMAX
 from ._arrays import device_problem, finish, outputs
-from ._micro import ALIGN, U32, micro_functions, tiling_for
-from ._tiles import cached_kernel, device_functions
+from ._micro import ALIGN, U32, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._tiles import device_functions
 
 SCRATCH_ELEMENTS = 1 << 24  # per launch: 64 MiB in float32
 
@@ -100,6 +100,7 @@ def build_topk(dtype, tiling):
         cuts = cuda.shared.array(BQ, numba.int64)
         t, row0, key0, col0 = thread_place()
         S = cuda.local.array(N_S, nt)
+        F = cuda.local.array(N_S, nt)  # the factors: unused (softmax)
         m = cuda.local.array(TM, nt)
         l = cuda.local.array(TM, nt)
         part = cuda.local.array(TM, nt)
@@ -120,7 +121,7 @@ def build_topk(dtype, tiling):
             stage_transposed(kh, j0, min(BK, Lk - j0), ONE, KV, BK)
             cuda.syncthreads()
             tile_scores(Qt, KV, row0, key0, S)
-            modify_tile(S, S, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, False, mask,
+            modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, False, mask,
                         has_mask, logks, has_ks, SOFTMAX)
             for r in range(TM):
                 for c in range(TN):
@@ -151,8 +152,7 @@ def build_topk(dtype, tiling):
 
 def topk_kernel(dtype, tiling):
     """The compiled-on-first-launch top-k kernel (cached per configuration)."""
-    key = ("topk", np.dtype(dtype).str, tiling)
-    return cached_kernel(key, lambda: cuda.jit(build_topk(np.dtype(dtype), tiling)))
+    return tiled_kernel("topk", build_topk, dtype, tiling)
 
 
 def topk_attention(problem, top_k):
@@ -176,18 +176,13 @@ def topk_attention(problem, top_k):
 
 
 def ptx_signatures():
-    """``[(name, python function, argument types, options)]`` for the PTX check, float32
-    and float64."""
+    """``[(name, python function, argument types, options)]`` for the PTX check."""
     from numba import types
 
-    cases = []
-    for dtype in (np.float32, np.float64):
-        ty = numba.from_dtype(np.dtype(dtype))
+    def argtypes(ty):
         arr4, arr3 = ty[:, :, :, ::1], ty[:, :, ::1]
-        args = (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], types.boolean, ty[:, ::1],
-                types.boolean, types.boolean, types.int64, types.int64, arr3, arr3, arr4, arr3)
-        tiling = tiling_for(np.dtype(dtype), 64, 64)
-        cases.append((f"topk {np.dtype(dtype).name} D=64",
-                      build_topk(np.dtype(dtype), tiling), args,
-                      {"threads": tiling.threads, "tiled": True}))
-    return cases
+        return (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], types.boolean,
+                ty[:, ::1], types.boolean, types.boolean, types.int64, types.int64, arr3, arr3,
+                arr4, arr3)
+
+    return ptx_cases("topk", build_topk, argtypes, 64, 64)
