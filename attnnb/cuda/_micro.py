@@ -20,7 +20,7 @@ tiles need no bounds tests.  Register arrays are indexed only by unrolled
 constants (``range`` over closure constants), so they stay in registers
 (``gpu/ptx_check.py`` checks: no stack frame, no spill).
 
-Numerics are those of :mod:`attnnb.cuda._tiles` (and of the cpu core):
+Numerics are those of the cpu core (:mod:`attnnb.cpu._tiles`):
 bias, then mask / causal / key bound to ``-inf``, ``relu_expm1``'s factor
 (tiny factors folded into the logit), ``log key_size``; a NaN logit spoils
 its row; zero weights never touch the values (a tile holding a non-finite
@@ -44,7 +44,7 @@ import numpy as np
 from numba import config, cuda
 
 from .._codes import RELU_EXPM1
-from ._tiles import SHARED_BYTES, device_functions
+from ._tiles import SHARED_BYTES, cached_kernel, device_functions
 
 U32 = numba.uint32
 ALIGN = None if config.ENABLE_CUDASIM else 16  # the simulator takes no alignment
@@ -54,7 +54,8 @@ class Tiling(NamedTuple):
     """Compile-time tile sizes of a register-tiled kernel.
 
     ``bq`` query rows and ``bk`` keys per tile; each thread owns ``tm`` rows
-    and ``tn`` keys of ``S``; ``d`` / ``dv`` are the head sizes.
+    and ``tn`` keys of ``S``; ``d`` / ``dv`` are the head sizes; ``streams``
+    query / key tiles are staged side by side (2: differential attention).
     """
 
     bq: int
@@ -63,6 +64,7 @@ class Tiling(NamedTuple):
     tn: int
     d: int
     dv: int
+    streams: int = 1
 
     @property
     def nx(self) -> int:
@@ -84,10 +86,15 @@ class Tiling(NamedTuple):
         return -(-self.d // 4) * 4
 
     def shared_parts(self) -> tuple[int, ...]:
-        """Lengths of ``Qt, KV, Pt, red, rows, flag`` (multiples of 4: aligned starts)."""
-        kv = max(self.dp * self.bk, self.bk * self.to * self.nx)
+        """Lengths of ``Qt, KV, Pt, red, rows, flag`` (multiples of 4: aligned starts).
+
+        ``Qt`` holds ``streams`` query tiles and ``KV`` ``streams`` key tiles
+        (or the value tile), each stream's part at a multiple of 4.
+        """
+        kv = max(self.streams * self.dp * self.bk, self.bk * self.to * self.nx)
         return tuple(-(-n // 4) * 4 for n in (
-            self.dp * self.bq, kv, self.bk * self.bq, self.bq * self.nx, self.bq, 1))
+            self.streams * self.dp * self.bq, kv, self.bk * self.bq, self.bq * self.nx,
+            self.bq, 1))
 
     def shared_elements(self) -> int:
         return sum(self.shared_parts())
@@ -113,19 +120,42 @@ def set_micro_tiles(tiles: tuple[int, int, int, int] | None):
     return old
 
 
-def tiling_for(dtype, d: int, dv: int) -> Tiling:
-    """The tiling of a kernel for a compute dtype and head sizes ``d``, ``dv``.
+def tiled_kernel(name: str, build, dtype, tiling: Tiling):
+    """The compiled-on-first-launch kernel ``build(dtype, tiling)``, cached per
+    ``(name, dtype, tiling)``."""
+    key = (name, np.dtype(dtype).str, tiling)
+    return cached_kernel(key, lambda: cuda.jit(build(np.dtype(dtype), tiling)))
+
+
+def ptx_cases(label: str, build, argtypes, d: int, dv: int, streams: int = 1) -> list:
+    """``[(name, python function, argument types, options)]`` of a register-tiled kernel
+    for the PTX check: float32 (gated) and float64, production tiles at ``d``, ``dv``.
+
+    ``argtypes(ty)`` gives the kernel's argument types for the Numba float type ``ty``.
+    """
+    cases = []
+    for dtype in (np.dtype(np.float32), np.dtype(np.float64)):
+        tiling = tiling_for(dtype, d, dv, streams)
+        cases.append((f"{label} {dtype.name} {'d' if streams > 1 else 'D'}={d}",
+                      build(dtype, tiling), argtypes(numba.from_dtype(dtype)),
+                      {"threads": tiling.threads, "tiled": True}))
+    return cases
+
+
+def tiling_for(dtype, d: int, dv: int, streams: int = 1) -> Tiling:
+    """The tiling of a kernel for a compute dtype, head sizes ``d``, ``dv`` and
+    ``streams`` score streams.
 
     The production tiles of the head size (the next listed size up) shrink,
     key tile first, until the shared arrays fit in 48 KiB.
     """
     if _OVERRIDE[0] is not None:
-        return Tiling(*_OVERRIDE[0], d, dv)
+        return Tiling(*_OVERRIDE[0], d, dv, streams)
     width = max(d, dv)
     bq, bk, tm, tn = next((t for w, t in _PRODUCTION if width <= w), _PRODUCTION[-1][1])
     itemsize = np.dtype(dtype).itemsize
     while True:
-        tiling = Tiling(bq, bk, tm, tn, d, dv)
+        tiling = Tiling(bq, bk, tm, tn, d, dv, streams)
         if tiling.shared_elements() * itemsize <= SHARED_BYTES:
             return tiling
         if bk > tn * 2:
@@ -246,9 +276,9 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
     @cuda.jit(device=True)
     def modify_value(s, i, j, Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
                      normalizer):
-        """``(s, f)``: one modified logit and its ``relu_expm1`` factor, as ``modify_row``
-        of :mod:`attnnb.cuda._tiles` (a key outside the set: ``(-inf, 0)``; keys
-        ``j >= Lk`` are outside; row ``i`` must be a real row, ``< Lq``)."""
+        """``(s, f)``: one modified logit and its ``relu_expm1`` factor, as the cpu core's
+        ``modify_logits`` (a key outside the set: ``(-inf, 0)``; keys ``j >= Lk`` are
+        outside; row ``i`` must be a real row, ``< Lq``)."""
         if j >= Lk or j > i + diag:  # past the keys, or beyond the causal limit
             return NINF, ZERO
         f = ONE
@@ -295,38 +325,78 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
         cuda.syncthreads()  # rows / red are reused by the next call
 
     @cuda.jit(device=True)
-    def tile_weights(S, F, m, l, alpha, tmax, normalizer, Pt, row0, key0):
-        """Fold a tile's maxima ``tmax`` into the running ``m``; weights ``p`` to ``Pt``
-        (transposed), ``l = l * alpha + sum p`` (this thread's keys); ``alpha[r]``."""
+    def modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                    has_mask, logks, has_ks, normalizer):
+        """:func:`modify_value` over the thread's micro-tile of ``S`` (key tile at ``j0``);
+        ``F``: the factors (1 but for ``relu_expm1``; not ``S`` itself)."""
         for r in range(TM):
-            mo = m[r]
-            mx = tmax[r]
-            a = ONE
-            live = False
-            if mo != mo or mx != mx:
-                m[r] = NAN
-            else:
-                if mo > mx:
-                    mx = mo
-                if mx != NINF:
-                    a = math.exp(mo - mx)
-                    live = True
-                m[r] = mx
-            alpha[r] = a
-            tot = ZERO
+            i = min(i0 + row0 + r, Lq - 1)  # rows past Lq: read a real row, not kept
             for c in range(TN):
-                p = ZERO
-                if live:
-                    p = math.exp(S[r * TN + c] - mx)
-                    if normalizer == RELU_EXPM1:
-                        p *= F[r * TN + c]
-                tot += p
-                Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] = p
-            l[r] = l[r] * a + tot
+                s, fr = modify_value(S[r * TN + c], i, j0 + key0 + c, Lk, diag, b, h, bias,
+                                     has_bias, mask, has_mask, logks, has_ks, normalizer)
+                S[r * TN + c] = s
+                F[r * TN + c] = fr
 
     @cuda.jit(device=True)
-    def tile_values(Pt, Vs, row0, col0, guarded, O, T, alpha):
-        """``O = O * alpha + Pt^T Vs`` over the thread's micro-tile (``T``: scratch).
+    def thread_max(S, part):
+        """``part[r]`` = the maximum of the thread's logits of row ``r`` (NaN if any is)."""
+        for r in range(TM):
+            mx = NINF
+            for c in range(TN):
+                s = S[r * TN + c]
+                if (s > mx or s != s) and mx == mx:
+                    mx = s
+            part[r] = mx
+
+    @cuda.jit(device=True)
+    def store_tile(W, Pt, row0, key0):
+        """``Pt[key0 + c, row0 + r] = W[r, c]``: the thread's weights, transposed."""
+        for r in range(TM):
+            for c in range(TN):
+                Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] = W[r * TN + c]
+
+    def weights_function(store):
+        """:func:`tile_weights` (``store``: the weights go to ``Pt``) or the sums alone."""
+        @cuda.jit(device=True)
+        def weights(S, F, m, l, alpha, tmax, normalizer, Pt, row0, key0):
+            """Fold a tile's maxima ``tmax`` into the running ``m``; ``S`` becomes the
+            weights ``p`` (to ``Pt``, transposed, when stored), ``l = l * alpha + sum p``
+            (this thread's keys); ``alpha[r]``."""
+            for r in range(TM):
+                mo = m[r]
+                mx = tmax[r]
+                a = ONE
+                live = False
+                if mo != mo or mx != mx:
+                    m[r] = NAN
+                else:
+                    if mo > mx:
+                        mx = mo
+                    if mx != NINF:
+                        a = math.exp(mo - mx)
+                        live = True
+                    m[r] = mx
+                alpha[r] = a
+                tot = ZERO
+                for c in range(TN):
+                    p = ZERO
+                    if live:
+                        p = math.exp(S[r * TN + c] - mx)
+                        if normalizer == RELU_EXPM1:
+                            p *= F[r * TN + c]
+                    tot += p
+                    S[r * TN + c] = p
+                l[r] = l[r] * a + tot
+            if store:
+                store_tile(S, Pt, row0, key0)
+        return weights
+
+    tile_weights = weights_function(True)
+    tile_sums = weights_function(False)
+
+    @cuda.jit(device=True)
+    def tile_product(Pt, Vs, row0, col0, guarded, T):
+        """``T = Pt^T Vs`` over the thread's micro-tile.
 
         ``guarded`` (a tile holding a non-finite value): zero weights skip
         their values, so a key outside a row's set never reaches it.
@@ -341,21 +411,69 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
                         guarded_value_step(Pt, po, Vs, vo, T)
                     else:
                         value_step(Pt, po, Vs, vo, T)
+
+    @cuda.jit(device=True)
+    def tile_values(Pt, Vs, row0, col0, guarded, O, T, alpha):
+        """``O = O * alpha + Pt^T Vs`` (:func:`tile_product`; ``T``: scratch)."""
+        tile_product(Pt, Vs, row0, col0, guarded, T)
         for r in range(TM):
             a = alpha[r]
             for e in range(TO):
                 # alpha = 0: the earlier weights underflowed; 0 * inf would be NaN
                 O[r * TO + e] = T[r * TO + e] if a == ZERO else O[r * TO + e] * a + T[r * TO + e]
 
+    @cuda.jit(device=True)
+    def add_tile(O, T, coef):
+        """``O += coef[r] * T`` over the thread's micro-tile (``coef[r] = 1``: ``O + T``
+        exactly)."""
+        for r in range(TM):
+            for e in range(TO):
+                O[r * TO + e] += coef[r] * T[r * TO + e]
+
+    @cuda.jit(device=True)
+    def online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, tile, KV, Pt, red, rows,
+                    flag, t, row0, key0, col0, O, T):
+        """One key tile of the online softmax after its logits ``S`` (factors ``F``) are
+        final: row maxima, weights to ``Pt``, the value tile staged in ``KV`` (over the
+        key tile: the row reduction's barriers come first), ``O = O * alpha + P V``.
+
+        ``tile`` names this step (unique within the sweep) for the non-finite flag.
+        Every thread must call it.
+        """
+        thread_max(S, part)
+        row_reduce(red, rows, t, row0, key0, part, part, True)  # ends with syncthreads
+        tile_weights(S, F, m, l, alpha, part, normalizer, Pt, row0, key0)
+        if stage_values(vh, j0, nk, KV):
+            flag[0] = CAST(tile)
+        cuda.syncthreads()
+        tile_values(Pt, KV, row0, col0, flag[0] == CAST(tile), O, T, alpha)
+        cuda.syncthreads()
+
     map_lse, finish_value = base.map_lse, base.finish_value
 
     @cuda.jit(device=True)
-    def start(m, l, O):
+    def block_tile(Hq, Hk, qt0):
+        """``(b, h, g, i0)``: the block's batch, query head, key / value head (grouped
+        queries: ``g = h // (Hq // Hk)``) and first query row (query tile ``qt0 +
+        blockIdx.y``)."""
+        bh = cuda.blockIdx.x
+        b = bh // Hq
+        h = bh - b * Hq
+        return b, h, h // (Hq // Hk), (qt0 + cuda.blockIdx.y) * BQ
+
+    @cuda.jit(device=True)
+    def start_rows(m, l):
         for r in range(TM):
             m[r] = NINF
             l[r] = ZERO
-        for x in range(N_O):
-            O[x] = ZERO
+
+    @cuda.jit(device=True)
+    def start(m, l, O, flag):
+        """An empty online state; the non-finite flag set to no tile (first thread)."""
+        start_rows(m, l)
+        clear(O, N_O)
+        if cuda.threadIdx.x == 0:
+            flag[0] = CAST(-1)
 
     @cuda.jit(device=True)
     def finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, lrow, normalizer,
@@ -376,11 +494,13 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
                                                    normalizer)
 
     return SimpleNamespace(
-        nt=nt, N_ALL=N_ALL, N_S=N_S, N_O=N_O, TM=TM, TN=TN, TO=TO, BQ=BQ, BK=BK, NT=NT,
-        start=start, finish_tile=finish_tile,
+        nt=nt, N_ALL=N_ALL, N_S=N_S, N_O=N_O, TM=TM, TN=TN, TO=TO, BQ=BQ, BK=BK, NT=NT, DV=DV,
+        N_QS=DP * BQ, N_KS=DP * BK,
+        block_tile=block_tile, start=start, start_rows=start_rows, finish_tile=finish_tile,
         shared_arrays=shared_arrays, thread_place=thread_place,
         stage_transposed=stage_transposed, stage_values=stage_values, clear=clear,
-        tile_scores=tile_scores, modify_value=modify_value, row_reduce=row_reduce,
-        tile_weights=tile_weights, tile_values=tile_values,
+        tile_scores=tile_scores, modify_value=modify_value, modify_tile=modify_tile,
+        thread_max=thread_max, row_reduce=row_reduce, store_tile=store_tile,
+        tile_weights=tile_weights, tile_sums=tile_sums, tile_product=tile_product,
+        tile_values=tile_values, add_tile=add_tile, online_tile=online_tile, map_lse=map_lse,
     )
-

@@ -7,14 +7,13 @@ owning a register micro-tile of ``S`` and of ``O``; see
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import cuda
 
 from .._codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
-from ._micro import ALIGN, micro_functions, tiling_for
-from ._tiles import cached_kernel, device_functions
+from ._micro import ALIGN, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._tiles import device_functions
 
 
 def build_dense(dtype, tiling):
@@ -31,25 +30,17 @@ def build_dense(dtype, tiling):
     query may see (causal tile skipping); the diagonal is applied per element.
     """
     f = micro_functions(np.dtype(dtype), tiling)
+    nt, TM, N_S, N_O, BQ, BK, N_ALL = f.nt, f.TM, f.N_S, f.N_O, f.BQ, f.BK, f.N_ALL
     t_ = device_functions(np.dtype(dtype))
-    nt, TM, TN, N_S, N_O, BQ, BK = f.nt, f.TM, f.TN, f.N_S, f.N_O, f.BQ, f.BK
-    N_ALL = f.N_ALL
-    ONE, NINF, NAN, CAST = t_.CAST(1), t_.NINF, t_.NAN, t_.CAST
-    tiles_seen = t_.tiles_seen
-    shared_arrays, thread_place, stage_transposed = (
-        f.shared_arrays, f.thread_place, f.stage_transposed)
-    stage_values, tile_scores, modify_value = f.stage_values, f.tile_scores, f.modify_value
-    row_reduce, tile_weights, tile_values = f.row_reduce, f.tile_weights, f.tile_values
-    start, finish_tile = f.start, f.finish_tile
+    ONE, tiles_seen = t_.CAST(1), t_.tiles_seen
+    block_tile, shared_arrays, thread_place = f.block_tile, f.shared_arrays, f.thread_place
+    stage_transposed, tile_scores, modify_tile = f.stage_transposed, f.tile_scores, f.modify_tile
+    start, online_tile, finish_tile = f.start, f.online_tile, f.finish_tile
 
     def dense_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks,
                                causal, normalizer, out, lse):
-        Hq, Hk, Lq, Lk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
-        bh = cuda.blockIdx.x
-        b = bh // Hq
-        h = bh - b * Hq
-        g = h // (Hq // Hk)
-        i0 = cuda.blockIdx.y * BQ
+        Lq, Lk = q.shape[2], k.shape[2]
+        b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
         smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
         Qt, KV, Pt, red, rows, flag = shared_arrays(smem)
         t, row0, key0, col0 = thread_place()
@@ -61,9 +52,7 @@ def build_dense(dtype, tiling):
         alpha = cuda.local.array(TM, nt)
         O = cuda.local.array(N_O, nt)
         T = cuda.local.array(N_O, nt)
-        start(m, l, O)
-        if t == 0:
-            flag[0] = CAST(-1)
+        start(m, l, O, flag)
         stage_transposed(q[b, h], i0, min(BQ, Lq - i0), scale, Qt, BQ)
         diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
         kh = k[b, g]
@@ -74,25 +63,10 @@ def build_dense(dtype, tiling):
             stage_transposed(kh, j0, nk, ONE, KV, BK)
             cuda.syncthreads()
             tile_scores(Qt, KV, row0, key0, S)
-            for r in range(TM):
-                i = min(i0 + row0 + r, Lq - 1)  # rows past Lq: read a real row, not kept
-                mx = NINF
-                for c in range(TN):
-                    s, fr = modify_value(S[r * TN + c], i, j0 + key0 + c, Lk, diag, b, h,
-                                         bias, has_bias, mask, has_mask, logks, has_ks,
-                                         normalizer)
-                    S[r * TN + c] = s
-                    F[r * TN + c] = fr
-                    if (s > mx or s != s) and mx == mx:
-                        mx = s
-                part[r] = NAN if mx != mx else mx
-            row_reduce(red, rows, t, row0, key0, part, part, True)  # ends with syncthreads
-            tile_weights(S, F, m, l, alpha, part, normalizer, Pt, row0, key0)
-            if stage_values(vh, j0, nk, KV):
-                flag[0] = CAST(tile)
-            cuda.syncthreads()
-            tile_values(Pt, KV, row0, col0, flag[0] == CAST(tile), O, T, alpha)
-            cuda.syncthreads()
+            modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                        has_mask, logks, has_ks, normalizer)
+            online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, tile, KV, Pt, red,
+                        rows, flag, t, row0, key0, col0, O, T)
         finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
                     out[b, h], lse[b, h])
 
@@ -101,8 +75,7 @@ def build_dense(dtype, tiling):
 
 def dense_kernel(dtype, tiling):
     """The compiled-on-first-launch dense kernel (cached per configuration)."""
-    key = ("dense", np.dtype(dtype).str, tiling)
-    return cached_kernel(key, lambda: cuda.jit(build_dense(np.dtype(dtype), tiling)))
+    return tiled_kernel("dense", build_dense, dtype, tiling)
 
 
 def attention(problem):
@@ -126,19 +99,13 @@ def attention(problem):
 
 
 def ptx_signatures():
-    """``[(name, python function, argument types)]`` for the PTX check, float32 and float64."""
+    """``[(name, python function, argument types, options)]`` for the PTX check."""
     from numba import types
 
-    cases = []
-    for dtype in (np.float32, np.float64):
-        ty = numba.from_dtype(np.dtype(dtype))
-        arr4, arr2 = ty[:, :, :, ::1], ty[:, ::1]
-        args = (arr4, arr4, arr4, ty, arr4, types.boolean, types.boolean[:, :, :, ::1],
-                types.boolean, arr2, types.boolean, types.boolean, types.int64, arr4,
+    def argtypes(ty):
+        arr4 = ty[:, :, :, ::1]
+        return (arr4, arr4, arr4, ty, arr4, types.boolean, types.boolean[:, :, :, ::1],
+                types.boolean, ty[:, ::1], types.boolean, types.boolean, types.int64, arr4,
                 ty[:, :, ::1])
-        for d, dv in ((64, 64), (128, 128)):
-            tiling = tiling_for(np.dtype(dtype), d, dv)
-            cases.append((f"dense {np.dtype(dtype).name} D={d}",
-                          build_dense(np.dtype(dtype), tiling), args,
-                          {"threads": tiling.threads, "tiled": True}))
-    return cases
+
+    return [case for d in (64, 128) for case in ptx_cases("dense", build_dense, argtypes, d, d)]

@@ -1,127 +1,194 @@
 """Differential attention on the GPU: two score streams over the same K/V tiles.
 
-Grid ``(B * H, query tiles)``, one thread per query row of head pair ``h``.
-The block stages both components' key tiles (``k[2g]``, ``k[2g+1]``) and the
-pair's value tile in shared memory once per tile.  ``mode="difference"``
-runs the shared online update of :mod:`attnnb.cuda._tiles` on both streams
-and writes ``o1 - lam * o2``.  ``mode="rectified"`` must know both maps'
-normalisers before it can clip ``A1 - lam * A2``: pass 1 runs the same
-online update with no values (only the LSEs), pass 2 recomputes the logits
-and accumulates ``max(0, A1 - lam * A2) @ v``.  Mirrors
-:mod:`attnnb.cpu.diff`.
+Grid ``(B * H, query tiles)`` of register-tiled blocks (:mod:`attnnb.cuda._micro`)
+over head pair ``h``: both components' query tiles (``q[2h]``, ``q[2h+1]``)
+sit side by side in shared memory, and so do their key tiles (``k[2g]``,
+``k[2g+1]``), staged once per key tile; each thread owns the same micro-tile
+of both score streams.  Two passes, for both modes:
+
+* pass 1 runs the online maximum / sum of both streams (no values): each
+  row's two LSEs;
+* pass 2 recomputes the logits, turns them into the normalised maps
+  ``A1 = exp(s1 - lse1)``, ``A2 = exp(s2 - lse2)`` and accumulates
+  ``W V`` into one ``O`` micro-tile, ``W = A1 - lam * A2`` (``"difference"``)
+  or ``max(0, A1 - lam * A2)`` (``"rectified"``).
+
+With values twice the key width (the paper's ``Dv = 2d``) the two passes
+do the multiply-adds of one pass that keeps two value accumulators (four
+``Q K^T`` products of width ``d`` against two ``P V`` products of width
+``Dv``), with half the registers.  A value tile holding a non-finite value
+takes, in ``"difference"`` mode, the two maps' products on their own,
+``O += A1 V - lam * (A2 V)`` (as two attention calls subtracted: an Inf that
+both maps weight gives NaN); in ``"rectified"`` mode a clipped weight never
+carries a value.  A row where either map meets a NaN logit is NaN.
+Mirrors :mod:`attnnb.cpu.diff`.
 """
 
 from __future__ import annotations
 
-import numba
+import math
+
 import numpy as np
 from numba import cuda
 
 from .._codes import DIFF_MODE_CODES, RECTIFIED, SOFTMAX
 from ._arrays import device_problem, finish
-from ._tiles import cached_kernel, device_functions, tiles_for
+from ._micro import ALIGN, U32, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._tiles import device_functions
 
 
-def build_diff(dtype, d, dv, tq, tk):
-    """The differential kernel for one compute dtype, head sizes and tile sizes.
+def build_diff(dtype, tiling):
+    """The differential kernel for one compute dtype and :class:`~attnnb.cuda._micro.Tiling`
+    (``streams=2``; not compiled yet; launch with ``tiling.threads`` threads per block).
 
     Kernel arguments: ``q (B, 2H, Lq, d)``, ``k (B, 2Hk, Lk, d)``,
     ``v (B, Hk, Lk, Dv)``, ``lam (B, H, Lq)``, ``scale``, ``bias`` / ``mask``
     (4-D over pairs, each axis full or 1) with flags, ``logks`` with its flag,
     ``causal``, the mode code and ``out (B, H, Lq, Dv)``.
     """
-    f = device_functions(dtype)
-    nt = numba.from_dtype(np.dtype(dtype))
-    CAST, NAN = f.CAST, f.NAN
-    rows, tiles_seen, views = f.rows, f.tiles_seen, f.views
-    load_rows, start_row = f.load_rows, f.start_row
-    row_logits, modify_row, online_row = f.row_logits, f.modify_row, f.online_row
-    map_lse, rectified_row, add_weighted_row = f.map_lse, f.rectified_row, f.add_weighted_row
-    finish_row = f.finish_row
+    f = micro_functions(np.dtype(dtype), tiling)
+    nt, TM, TN, TO, N_S, N_O, BQ, BK = f.nt, f.TM, f.TN, f.TO, f.N_S, f.N_O, f.BQ, f.BK
+    N_ALL, N_QS, N_KS, DV = f.N_ALL, f.N_QS, f.N_KS, f.DV
+    t_ = device_functions(np.dtype(dtype))
+    CAST, ZERO, NINF, NAN, tiles_seen = t_.CAST, t_.ZERO, t_.NINF, t_.NAN, t_.tiles_seen
+    ONE = CAST(1)
+    block_tile, shared_arrays, thread_place = f.block_tile, f.shared_arrays, f.thread_place
+    stage_transposed, stage_values, tile_scores = (
+        f.stage_transposed, f.stage_values, f.tile_scores)
+    modify_tile, thread_max, row_reduce = f.modify_tile, f.thread_max, f.row_reduce
+    tile_sums, store_tile, tile_product, add_tile = (
+        f.tile_sums, f.store_tile, f.tile_product, f.add_tile)
+    start, start_rows, map_lse = f.start, f.start_rows, f.map_lse
 
     @cuda.jit(device=True)
-    def pair_logits(q1, q2, K1s, K2s, nk, S1, S2, i, j0, diag, bias_row, has_bias, mask_row,
-                    has_mask, logks_row, has_ks):
-        """Both components' modified logits for one key tile (``-inf`` outside the set)."""
-        row_logits(q1, K1s, nk, S1)
-        modify_row(S1, S1, nk, i, j0, diag, bias_row, has_bias, mask_row, has_mask,
-                   logks_row, has_ks, SOFTMAX)
-        row_logits(q2, K2s, nk, S2)
-        modify_row(S2, S2, nk, i, j0, diag, bias_row, has_bias, mask_row, has_mask,
-                   logks_row, has_ks, SOFTMAX)
+    def pair_scores(Qt, KV, k1h, k2h, j0, nk, row0, key0, S1, S2, F, i0, Lq, Lk, diag, b, h,
+                    bias, has_bias, mask, has_mask, logks, has_ks):
+        """Stage both components' key tiles at ``j0``; both modified logit micro-tiles
+        (``-inf`` outside the allowed set; ``F``: scratch for the unused factors).  Every
+        thread must call it; a barrier must follow before ``KV`` is staged again."""
+        stage_transposed(k1h, j0, nk, ONE, KV, BK)
+        stage_transposed(k2h, j0, nk, ONE, KV[N_KS:], BK)
+        cuda.syncthreads()
+        tile_scores(Qt, KV, row0, key0, S1)
+        modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                    has_mask, logks, has_ks, SOFTMAX)
+        tile_scores(Qt[N_QS:], KV[N_KS:], row0, key0, S2)
+        modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                    has_mask, logks, has_ks, SOFTMAX)
+
+    @cuda.jit(device=True)
+    def sweep_max(S, part, m, l, alpha, Pt, red, rows, t, row0, key0):
+        """Fold one stream's tile into its running ``(m, l)`` (every thread calls it)."""
+        thread_max(S, part)
+        row_reduce(red, rows, t, row0, key0, part, part, True)
+        tile_sums(S, S, m, l, alpha, part, SOFTMAX, Pt, row0, key0)
+
+    @cuda.jit(device=True)
+    def stream_lse(m, l, part, red, rows, t, row0, key0):
+        """``m[r]`` becomes the row's LSE of a finished pass-1 sweep (``l``: partial sums)."""
+        row_reduce(red, rows, t, row0, key0, l, part, False)
+        for r in range(TM):
+            m[r] = map_lse(m[r], part[r])
+
+    @cuda.jit(device=True)
+    def normalise(S, lse):
+        """``S = exp(S - lse)``: one map's weights (an empty map, ``lse = -inf``, is 0)."""
+        for r in range(TM):
+            for c in range(TN):
+                S[r * TN + c] = ZERO if lse[r] == NINF else math.exp(S[r * TN + c] - lse[r])
+
+    @cuda.jit(device=True)
+    def combine(A1, A2, lamr, rectified, Pt, row0, key0):
+        """``Pt = (A1 - lam * A2)^T``, clipped at 0 when ``rectified``."""
+        for r in range(TM):
+            for c in range(TN):
+                w = A1[r * TN + c] - lamr[r] * A2[r * TN + c]
+                Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] = (
+                    w if not rectified or w > ZERO else ZERO)
 
     def diff_attention_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks,
                               has_ks, causal, mode, out):
         Lq, Lk = q.shape[2], k.shape[2]
-        b, h, g, i0, i, valid, ii = rows(q.shape[1] // 2, k.shape[1] // 2, Lq, tq, 0)
-        K1s = cuda.shared.array((tk, d), nt)
-        K2s = cuda.shared.array((tk, d), nt)
-        Vs = cuda.shared.array((tk, dv), nt)
-        q1 = cuda.local.array(d, nt)
-        q2 = cuda.local.array(d, nt)
-        acc1 = cuda.local.array(dv, nt)
-        acc2 = cuda.local.array(dv, nt)
-        S1 = cuda.local.array(tk, nt)
-        S2 = cuda.local.array(tk, nt)
-        m1, l1 = start_row(q[b, 2 * h], ii, scale, q1, acc1)
-        m2, l2 = start_row(q[b, 2 * h + 1], ii, scale, q2, acc2)
-        lam_i = CAST(lam[b, h, ii])
-        diag, last = tiles_seen(i0, tq, Lq, Lk, tk, causal)
-        bias_row, mask_row, logks_row = views(bias, mask, logks, b, h, ii)
+        b, h, g, i0 = block_tile(q.shape[1] // 2, k.shape[1] // 2, 0)
+        smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
+        Qt, KV, Pt, red, rows, flag = shared_arrays(smem)
+        t, row0, key0, col0 = thread_place()
+        S1 = cuda.local.array(N_S, nt)
+        S2 = cuda.local.array(N_S, nt)
+        F = cuda.local.array(N_S, nt)  # the factors: unused (softmax)
+        m1 = cuda.local.array(TM, nt)  # pass 2: the LSEs
+        l1 = cuda.local.array(TM, nt)  # pass 2: 1 (the first map's coefficient)
+        m2 = cuda.local.array(TM, nt)
+        l2 = cuda.local.array(TM, nt)  # pass 2: -lam (the second map's)
+        part = cuda.local.array(TM, nt)  # pass 2: lam
+        alpha = cuda.local.array(TM, nt)
+        O = cuda.local.array(N_O, nt)
+        T = cuda.local.array(N_O, nt)
+        start(m1, l1, O, flag)
+        start_rows(m2, l2)
+        nq = min(BQ, Lq - i0)
+        stage_transposed(q[b, 2 * h], i0, nq, scale, Qt, BQ)
+        stage_transposed(q[b, 2 * h + 1], i0, nq, scale, Qt[N_QS:], BQ)
+        diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
         k1h = k[b, 2 * g]
         k2h = k[b, 2 * g + 1]
         vh = v[b, g]
+        # pass 1: both streams' running maxima and sums (no values): their LSEs
+        for tile in range(last):
+            pair_scores(Qt, KV, k1h, k2h, tile * BK, min(BK, Lk - tile * BK), row0, key0,
+                        S1, S2, F, i0, Lq, Lk, diag, b, h, bias, has_bias, mask, has_mask, logks,
+                        has_ks)
+            sweep_max(S1, part, m1, l1, alpha, Pt, red, rows, t, row0, key0)
+            sweep_max(S2, part, m2, l2, alpha, Pt, red, rows, t, row0, key0)  # ends: barrier
+        stream_lse(m1, l1, part, red, rows, t, row0, key0)
+        stream_lse(m2, l2, part, red, rows, t, row0, key0)
         rectified = mode == RECTIFIED
-        # pass 1: both online sweeps (rectified: LSEs only, the values wait for pass 2)
-        for t in range(last):
-            j0 = t * tk
-            nk = min(tk, Lk - j0)
-            load_rows(k1h, j0, nk, K1s)
-            load_rows(k2h, j0, nk, K2s)
-            if not rectified:
-                load_rows(vh, j0, nk, Vs)
+        for r in range(TM):
+            part[r] = CAST(lam[b, h, min(i0 + row0 + r, Lq - 1)])
+            l1[r] = ONE
+            l2[r] = -part[r]
+        # pass 2: the combined weights of the two normalised maps, times the values
+        for tile in range(last):
+            j0 = tile * BK
+            nk = min(BK, Lk - j0)
+            pair_scores(Qt, KV, k1h, k2h, j0, nk, row0, key0, S1, S2, F, i0, Lq, Lk, diag, b,
+                        h, bias, has_bias, mask, has_mask, logks, has_ks)
+            normalise(S1, m1)
+            normalise(S2, m2)
+            combine(S1, S2, part, rectified, Pt, row0, key0)  # Pt is free: a barrier ended
+            cuda.syncthreads()  # the key tiles are read: stage the values over them
+            if stage_values(vh, j0, nk, KV):
+                flag[0] = CAST(tile)
             cuda.syncthreads()
-            if valid:
-                pair_logits(q1, q2, K1s, K2s, nk, S1, S2, i, j0, diag, bias_row, has_bias,
-                            mask_row, has_mask, logks_row, has_ks)
-                width = 0 if rectified else dv
-                m1, l1 = online_row(S1, S1, nk, Vs, m1, l1, acc1[:width], SOFTMAX)
-                m2, l2 = online_row(S2, S2, nk, Vs, m2, l2, acc2[:width], SOFTMAX)
+            guarded = flag[0] == CAST(tile)
+            if guarded and not rectified:  # as two attention calls: A1 V - lam * (A2 V)
+                store_tile(S1, Pt, row0, key0)
+                cuda.syncthreads()
+                tile_product(Pt, KV, row0, col0, True, T)
+                add_tile(O, T, l1)
+                cuda.syncthreads()
+                store_tile(S2, Pt, row0, key0)
+                cuda.syncthreads()
+                tile_product(Pt, KV, row0, col0, True, T)
+                add_tile(O, T, l2)
+            else:
+                tile_product(Pt, KV, row0, col0, guarded, T)
+                add_tile(O, T, l1)
             cuda.syncthreads()
-        if not rectified:
-            if valid:
-                finish_row(acc1, m1, l1, SOFTMAX, acc1)
-                finish_row(acc2, m2, l2, SOFTMAX, acc2)
-                for e in range(dv):  # empty rows of map 2 are zeros, and lam is finite
-                    out[b, h, i, e] = acc1[e] - lam_i * acc2[e]
-            return
-        lse1 = map_lse(m1, l1)
-        lse2 = map_lse(m2, l2)
-        spoiled = lse1 != lse1 or lse2 != lse2
-        # pass 2: the clipped difference of the two normalised maps, times the values
-        for t in range(last):
-            j0 = t * tk
-            nk = min(tk, Lk - j0)
-            load_rows(k1h, j0, nk, K1s)
-            load_rows(k2h, j0, nk, K2s)
-            load_rows(vh, j0, nk, Vs)
-            cuda.syncthreads()
-            if valid and not spoiled:
-                pair_logits(q1, q2, K1s, K2s, nk, S1, S2, i, j0, diag, bias_row, has_bias,
-                            mask_row, has_mask, logks_row, has_ks)
-                rectified_row(S1, S2, nk, lse1, lse2, lam_i)
-                add_weighted_row(S1, nk, Vs, acc1)
-            cuda.syncthreads()
-        if valid:
-            for e in range(dv):
-                out[b, h, i, e] = NAN if spoiled else acc1[e]
+        for r in range(TM):
+            i = i0 + row0 + r
+            spoiled = m1[r] != m1[r] or m2[r] != m2[r]
+            if i < Lq:
+                for e in range(TO):
+                    if col0 + e < DV:
+                        out[b, h, i, col0 + e] = NAN if spoiled else O[r * TO + e]
 
     return diff_attention_kernel
 
 
-def diff_kernel(dtype, d, dv, tq, tk):
-    key = ("diff", np.dtype(dtype).str, d, dv, tq, tk)
-    return cached_kernel(key, lambda: cuda.jit(build_diff(np.dtype(dtype), d, dv, tq, tk)))
+def diff_kernel(dtype, tiling):
+    """The compiled-on-first-launch differential kernel (cached per configuration)."""
+    return tiled_kernel("diff", build_diff, dtype, tiling)
 
 
 def diff_attention(problem, lam, mode="difference"):
@@ -144,29 +211,24 @@ def diff_attention(problem, lam, mode="difference"):
     a = device_problem(problem)
     out = cuda.device_array((B, H, Lq, Dv), a.out_dtype)
     if Lq and B * H:
-        tq, tk = tiles_for(a.dtype, D, D, Dv)
-        kernel = diff_kernel(a.dtype, D, Dv, tq, tk)
+        tiling = tiling_for(a.dtype, D, Dv, streams=2)
+        kernel = diff_kernel(a.dtype, tiling)
         lam_d = lam if hasattr(lam, "copy_to_host") else cuda.to_device(
             np.ascontiguousarray(lam))
-        kernel[(B * H, (Lq + tq - 1) // tq), tq](
+        kernel[(B * H, (Lq + tiling.bq - 1) // tiling.bq), tiling.threads](
             a.q, a.k, a.v, lam_d, a.dtype.type(problem.scale), a.bias, a.has_bias, a.mask,
             a.has_mask, a.logks, a.has_ks, problem.causal, DIFF_MODE_CODES[mode], out)
     return finish(a, out)[0]
 
 
 def ptx_signatures():
-    """``[(name, python function, argument types)]`` for the PTX check, float32 and float64."""
+    """``[(name, python function, argument types, options)]`` for the PTX check."""
     from numba import types
 
-    cases = []
-    for dtype in (np.float32, np.float64):
-        ty = numba.from_dtype(np.dtype(dtype))
+    def argtypes(ty):
         arr4 = ty[:, :, :, ::1]
-        args = (arr4, arr4, arr4, ty[:, :, ::1], ty, arr4, types.boolean,
+        return (arr4, arr4, arr4, ty[:, :, ::1], ty, arr4, types.boolean,
                 types.boolean[:, :, :, ::1], types.boolean, ty[:, ::1], types.boolean,
                 types.boolean, types.int64, arr4)
-        d, dv = 64, 128
-        tq, tk = tiles_for(np.dtype(dtype), d, d, dv)
-        cases.append((f"diff {np.dtype(dtype).name} d={d}",
-                      build_diff(np.dtype(dtype), d, dv, tq, tk), args))
-    return cases
+
+    return ptx_cases("diff", build_diff, argtypes, 64, 128, streams=2)

@@ -1,97 +1,118 @@
-"""Sparse-pattern attention on the GPU: the tiled core over the pattern's tiles only.
+"""Sparse-pattern attention on the GPU: the register-tiled core over the pattern's tiles.
 
-Grid ``(B * Hq, query tiles)`` as the dense kernel, but a block visits only
-the key tiles of its query tile in the pattern's block layout
-(:meth:`attnnb.patterns.Pattern.blocks` with this backend's tile sizes), so
-the work is proportional to the touched tiles.  Each thread masks the keys
-of a tile its CSR row does not hold (a cursor that walks the row once);
+Grid ``(B * Hq, query tiles)`` of register-tiled blocks as the dense kernel
+(:mod:`attnnb.cuda._micro`), but a block visits only the key tiles of its
+query tile in the pattern's block layout (:meth:`attnnb.patterns.Pattern.blocks`
+with the kernel's tile sizes), so the work is proportional to the touched
+tiles.  A partial tile's mask is staged in the weights' shared tile ``Pt``
+from the CSR runs (one thread a row, with a cursor that walks the row's run
+once over the sweep) and applied by each thread to its micro-tile of ``S``;
 full tiles skip the element mask.  Mirrors :mod:`attnnb.cpu.sparse`.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import cuda
 
 from .._codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
-from ._tiles import cached_kernel, device_functions, tiles_for
+from ._micro import ALIGN, U32, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._tiles import device_functions
 
 
-def build_sparse(dtype, d, dv, tq, tk):
-    """The sparse kernel for one compute dtype, head sizes and tile sizes.
+def build_sparse(dtype, tiling):
+    """The sparse kernel for one compute dtype and :class:`~attnnb.cuda._micro.Tiling`
+    (not compiled yet; launch with ``tiling.threads`` threads per block).
 
-    Kernel arguments: ``q, k, v`` as the dense kernel, ``scale``, ``logks``
-    with its flag, the normalizer code, ``p_heads`` (the pattern's head
-    count, 1 = shared), its CSR ``indptr`` / ``indices``, the block layout's
-    ``tile_ptr`` / ``tile_idx`` / ``tile_full``, ``out`` and ``lse``.
+    Kernel arguments: ``q, k, v`` as the dense kernel, ``scale``, ``bias`` /
+    ``mask`` (placeholders: a pattern takes neither), ``logks`` with its flag,
+    the normalizer code, ``p_heads`` (the pattern's head count, 1 = shared),
+    its CSR ``indptr`` / ``indices``, the block layout's ``tile_ptr`` /
+    ``tile_idx`` / ``tile_full``, ``out`` and ``lse``.
     """
-    f = device_functions(dtype)
-    nt = numba.from_dtype(np.dtype(dtype))
-    NINF, rows = f.NINF, f.rows
-    load_rows, start_row, row_logits = f.load_rows, f.start_row, f.row_logits
-    modify_row, online_row, finish_row = f.modify_row, f.online_row, f.finish_row
+    f = micro_functions(np.dtype(dtype), tiling)
+    nt, TM, TN, N_S, N_O, BQ, BK, N_ALL = f.nt, f.TM, f.TN, f.N_S, f.N_O, f.BQ, f.BK, f.N_ALL
+    t_ = device_functions(np.dtype(dtype))
+    ZERO, ONE, NINF = t_.ZERO, t_.CAST(1), t_.NINF
+    block_tile, shared_arrays, thread_place = f.block_tile, f.shared_arrays, f.thread_place
+    stage_transposed, tile_scores, modify_tile = f.stage_transposed, f.tile_scores, f.modify_tile
+    start, online_tile, finish_tile = f.start, f.online_tile, f.finish_tile
 
     @cuda.jit(device=True)
-    def csr_row_mask(S, nk, j0, indices, p, end):
-        """``S[c] = -inf`` unless key ``j0 + c`` is in the CSR row ``indices[p:end]``.
-
-        ``p`` is a position in the row no later than its first key ``>= j0``;
-        returns the position past the tile, so visiting a row's tiles in
-        increasing order reads each stored key once.
-        """
+    def stage_tile_mask(Pt, t, i, p, j0, indptr, indices):
+        """``Pt[c, t] = 1`` where key ``j0 + c`` is in the CSR run of row ``i`` (pattern
+        row), else 0; thread ``t < BQ`` walks its row from position ``p`` (no later than
+        the run's first key ``>= j0``) and returns the position past the tile, so a
+        row's stored keys are read once over the sweep."""
+        if t >= BQ:
+            return p
+        for c in range(BK):
+            Pt[U32(c) * U32(BQ) + U32(t)] = ZERO
+        end = indptr[i + 1]
         while p < end and indices[p] < j0:
             p += 1
-        for c in range(nk):
-            if p < end and indices[p] == j0 + c:
-                p += 1
-            else:
-                S[c] = NINF
+        while p < end and indices[p] < j0 + BK:
+            Pt[U32(indices[p] - j0) * U32(BQ) + U32(t)] = ONE
+            p += 1
         return p
 
-    def sparse_attention_kernel(q, k, v, scale, logks, has_ks, normalizer, p_heads, indptr,
-                                indices, tile_ptr, tile_idx, tile_full, out, lse):
+    @cuda.jit(device=True)
+    def apply_tile_mask(S, Pt, row0, key0):
+        """``S = -inf`` where the tile mask in ``Pt`` is 0 (the thread's micro-tile)."""
+        for r in range(TM):
+            for c in range(TN):
+                if Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] == ZERO:
+                    S[r * TN + c] = NINF
+
+    def sparse_attention_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer,
+                                p_heads, indptr, indices, tile_ptr, tile_idx, tile_full, out,
+                                lse):
         Lq, Lk = q.shape[2], k.shape[2]
-        b, h, g, i0, i, valid, ii = rows(q.shape[1], k.shape[1], Lq, tq, 0)
-        Ks = cuda.shared.array((tk, d), nt)
-        Vs = cuda.shared.array((tk, dv), nt)
-        qr = cuda.local.array(d, nt)
-        acc = cuda.local.array(dv, nt)
-        S = cuda.local.array(tk, nt)
-        F = cuda.local.array(tk, nt)
-        m, l = start_row(q[b, h], ii, scale, qr, acc)
+        b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
+        smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
+        Qt, KV, Pt, red, rows, flag = shared_arrays(smem)
+        t, row0, key0, col0 = thread_place()
+        S = cuda.local.array(N_S, nt)
+        F = cuda.local.array(N_S, nt)
+        m = cuda.local.array(TM, nt)
+        l = cuda.local.array(TM, nt)
+        part = cuda.local.array(TM, nt)
+        alpha = cuda.local.array(TM, nt)
+        O = cuda.local.array(N_O, nt)
+        T = cuda.local.array(N_O, nt)
+        start(m, l, O, flag)
+        stage_transposed(q[b, h], i0, min(BQ, Lq - i0), scale, Qt, BQ)
         ph = h if p_heads > 1 else 0
-        p = indptr[ph * Lq + ii]
-        end = indptr[ph * Lq + ii + 1]
-        tr = ph * ((Lq + tq - 1) // tq) + i0 // tq  # block-layout row of this query tile
-        logks_row = logks[b if logks.shape[0] > 1 else 0]
+        i = ph * Lq + min(i0 + t, Lq - 1)  # thread t < BQ: row t's CSR cursor (past Lq: clipped)
+        p = indptr[i]
+        tr = ph * ((Lq + BQ - 1) // BQ) + i0 // BQ  # block-layout row of this query tile
         kh = k[b, g]
         vh = v[b, g]
         for s in range(tile_ptr[tr], tile_ptr[tr + 1]):
-            j0 = tile_idx[s] * tk
-            nk = min(tk, Lk - j0)
-            load_rows(kh, j0, nk, Ks)
-            load_rows(vh, j0, nk, Vs)
+            j0 = tile_idx[s] * BK
+            nk = min(BK, Lk - j0)
+            partial = not tile_full[s]
+            if partial:  # Pt is free: the last tile ended with a barrier
+                p = stage_tile_mask(Pt, t, i, p, j0, indptr, indices)
+            stage_transposed(kh, j0, nk, ONE, KV, BK)
             cuda.syncthreads()
-            if valid:
-                row_logits(qr, Ks, nk, S)
-                if not tile_full[s]:
-                    p = csr_row_mask(S, nk, j0, indices, p, end)
-                # no bias or mask here: the logks row stands in for both (never read)
-                modify_row(S, F, nk, i, j0, Lk, logks_row, False, logks_row, False, logks_row,
-                           has_ks, normalizer)
-                m, l = online_row(S, F, nk, Vs, m, l, acc, normalizer)
-            cuda.syncthreads()
-        if valid:
-            lse[b, h, i] = finish_row(acc, m, l, normalizer, out[b, h, i])
+            tile_scores(Qt, KV, row0, key0, S)
+            if partial:
+                apply_tile_mask(S, Pt, row0, key0)  # Pt is rewritten after online_tile's barrier
+            modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, Lk, b, h, bias, False, mask, False,
+                        logks, has_ks, normalizer)
+            online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, s, KV, Pt, red,
+                        rows, flag, t, row0, key0, col0, O, T)
+        finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
+                    out[b, h], lse[b, h])
 
     return sparse_attention_kernel
 
 
-def sparse_kernel(dtype, d, dv, tq, tk):
-    key = ("sparse", np.dtype(dtype).str, d, dv, tq, tk)
-    return cached_kernel(key, lambda: cuda.jit(build_sparse(np.dtype(dtype), d, dv, tq, tk)))
+def sparse_kernel(dtype, tiling):
+    """The compiled-on-first-launch sparse kernel (cached per configuration)."""
+    return tiled_kernel("sparse", build_sparse, dtype, tiling)
 
 
 def sparse_attention(problem, pattern):
@@ -104,30 +125,26 @@ def sparse_attention(problem, pattern):
     a = device_problem(problem)
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)
     if Lq and B * Hq:
-        tq, tk = tiles_for(a.dtype, D, Dv)
-        layout = pattern.blocks(tq, tk)
-        kernel = sparse_kernel(a.dtype, D, Dv, tq, tk)
+        tiling = tiling_for(a.dtype, D, Dv)
+        layout = pattern.blocks(tiling.bq, tiling.bk)
+        kernel = sparse_kernel(a.dtype, tiling)
         dev = [cuda.to_device(np.ascontiguousarray(x)) for x in (
             pattern.indptr, pattern.indices, layout.tile_ptr, layout.tile_idx,
             layout.tile_full)]
-        kernel[(B * Hq, (Lq + tq - 1) // tq), tq](
-            a.q, a.k, a.v, a.dtype.type(problem.scale), a.logks, a.has_ks,
+        kernel[(B * Hq, (Lq + tiling.bq - 1) // tiling.bq), tiling.threads](
+            a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.mask, a.logks, a.has_ks,
             NORMALIZER_CODES[problem.normalizer], pattern.n_heads, *dev, out, lse)
     return finish(a, out, lse)
 
 
 def ptx_signatures():
-    """``[(name, python function, argument types)]`` for the PTX check, float32 and float64."""
+    """``[(name, python function, argument types, options)]`` for the PTX check."""
     from numba import types
 
-    cases = []
-    for dtype in (np.float32, np.float64):
-        ty = numba.from_dtype(np.dtype(dtype))
+    def argtypes(ty):
         arr4 = ty[:, :, :, ::1]
-        args = (arr4, arr4, arr4, ty, ty[:, ::1], types.boolean, types.int64, types.int64,
-                types.int64[::1], types.int32[::1], types.int64[::1], types.int32[::1],
-                types.boolean[::1], arr4, ty[:, :, ::1])
-        tq, tk = tiles_for(np.dtype(dtype), 64, 64)
-        cases.append((f"sparse {np.dtype(dtype).name} D=64",
-                      build_sparse(np.dtype(dtype), 64, 64, tq, tk), args))
-    return cases
+        return (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], ty[:, ::1],
+                types.boolean, types.int64, types.int64, types.int64[::1], types.int32[::1],
+                types.int64[::1], types.int32[::1], types.boolean[::1], arr4, ty[:, :, ::1])
+
+    return ptx_cases("sparse", build_sparse, argtypes, 64, 64)

@@ -1,12 +1,14 @@
-"""Top-k attention on the GPU: two passes per query tile over the tiled core.
+"""Top-k attention on the GPU: two passes per query tile over the register-tiled core.
 
-Pass 1 sweeps the key tiles (staged in shared memory) and stores each
-thread's row of modified logits (``s + log key_size``, ``-inf`` outside the
-mask / causal limit) in a global scratch row of length ``Lk``, then finds
-the row's threshold by selection (ties to the lower key index).  Pass 2
-sweeps the value tiles and runs the shared online softmax over the selected
-keys only, reading the logits pass 1 stored, so it keeps exactly the keys
-pass 1 counted.  Mirrors :mod:`attnnb.cpu.topk`.
+Blocks as the dense kernel's (:mod:`attnnb.cuda._micro`).  Pass 1 sweeps
+the key tiles and each thread stores its micro-tile of modified logits
+(``s + log key_size``, ``-inf`` outside the mask / causal limit) in the
+global scratch rows of its query rows (length ``Lk``); then one thread per
+row finds the row's threshold by selection (ties to the lower key index)
+and leaves it in shared memory.  Pass 2 sweeps the value tiles with the
+core's online softmax over the selected keys only, reading back the logits
+pass 1 stored, so it keeps exactly the keys pass 1 counted.  Mirrors
+:mod:`attnnb.cpu.topk`.
 
 Scratch is two ``Lk`` rows per query row in flight, never ``Lq x Lk`` per
 head: the query tiles are launched in chunks so that the scratch stays
@@ -22,13 +24,15 @@ from numba import cuda
 from .. import _selection
 from .._codes import SOFTMAX
 from ._arrays import device_problem, finish, outputs
-from ._tiles import cached_kernel, device_functions, tiles_for
+from ._micro import ALIGN, U32, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._tiles import device_functions
 
 SCRATCH_ELEMENTS = 1 << 24  # per launch: 64 MiB in float32
 
 
-def build_topk(dtype, d, dv, tq, tk):
-    """The top-k kernel for one compute dtype, head sizes and tile sizes.
+def build_topk(dtype, tiling):
+    """The top-k kernel for one compute dtype and :class:`~attnnb.cuda._micro.Tiling`
+    (not compiled yet; launch with ``tiling.threads`` threads per block).
 
     Kernel arguments: ``q, k, v``, ``scale``, ``bias`` (a placeholder: top-k
     takes none), ``mask`` with its flag,
@@ -36,13 +40,14 @@ def build_topk(dtype, d, dv, tq, tk):
     of this launch), the scratch ``R`` and ``buf`` (``(B * Hq, rows, Lk)``),
     ``out`` and ``lse``.
     """
-    f = device_functions(dtype)
-    nt = numba.from_dtype(np.dtype(dtype))
-    NINF = f.NINF
+    f = micro_functions(np.dtype(dtype), tiling)
+    nt, TM, TN, N_S, N_O, BQ, BK, N_ALL = f.nt, f.TM, f.TN, f.N_S, f.N_O, f.BQ, f.BK, f.N_ALL
+    t_ = device_functions(np.dtype(dtype))
+    ONE, NINF, tiles_seen = t_.CAST(1), t_.NINF, t_.tiles_seen
     PINF = np.dtype(dtype).type(np.inf)
-    rows, tiles_seen, views = f.rows, f.tiles_seen, f.views
-    load_rows, start_row, row_logits = f.load_rows, f.start_row, f.row_logits
-    modify_row, online_row, finish_row = f.modify_row, f.online_row, f.finish_row
+    block_tile, shared_arrays, thread_place = f.block_tile, f.shared_arrays, f.thread_place
+    stage_transposed, tile_scores, modify_tile = f.stage_transposed, f.tile_scores, f.modify_tile
+    start, online_tile, finish_tile = f.start, f.online_tile, f.finish_tile
 
     # the selection rules the cpu backend compiles too (attnnb/_selection.py)
     kth_smallest = cuda.jit(device=True)(_selection.kth_smallest)
@@ -73,61 +78,81 @@ def build_topk(dtype, d, dv, tq, tk):
         thr = kth_smallest(buf, cnt, cnt - top_k)
         return thr, tie_cut(row, n, top_k, thr)
 
+    @cuda.jit(device=True)
+    def kept_scores(Rows, row0, j, Lk, thr, cut, S):
+        """``S`` = the stored logits of the thread's micro-tile (keys from ``j``), ``-inf``
+        where not selected."""
+        for r in range(TM):
+            for c in range(TN):
+                s = NINF
+                if j + c < Lk:
+                    s = Rows[row0 + r, j + c]
+                    if not (s > thr[r] or s != s or (s == thr[r] and j + c <= cut[r])):
+                        s = NINF
+                S[r * TN + c] = s
+
     def topk_attention_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal,
                               top_k, qt0, R, buf, out, lse):
         Lq, Lk = q.shape[2], k.shape[2]
-        b, h, g, i0, i, valid, ii = rows(q.shape[1], k.shape[1], Lq, tq, qt0)
-        Ks = cuda.shared.array((tk, d), nt)
-        Vs = cuda.shared.array((tk, dv), nt)
-        qr = cuda.local.array(d, nt)
-        acc = cuda.local.array(dv, nt)
-        S = cuda.local.array(tk, nt)
-        m, l = start_row(q[b, h], ii, scale, qr, acc)
-        slot = cuda.blockIdx.y * tq + cuda.threadIdx.x
-        row = R[cuda.blockIdx.x, slot]
-        diag, last = tiles_seen(i0, tq, Lq, Lk, tk, causal)
-        bias_row, mask_row, logks_row = views(bias, mask, logks, b, h, ii)  # bias: placeholder
+        b, h, g, i0 = block_tile(q.shape[1], k.shape[1], qt0)
+        smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
+        Qt, KV, Pt, red, rows, flag = shared_arrays(smem)
+        cuts = cuda.shared.array(BQ, numba.int64)
+        t, row0, key0, col0 = thread_place()
+        S = cuda.local.array(N_S, nt)
+        F = cuda.local.array(N_S, nt)  # the factors: unused (softmax)
+        m = cuda.local.array(TM, nt)
+        l = cuda.local.array(TM, nt)
+        part = cuda.local.array(TM, nt)
+        alpha = cuda.local.array(TM, nt)
+        O = cuda.local.array(N_O, nt)
+        T = cuda.local.array(N_O, nt)
+        thr = cuda.local.array(TM, nt)
+        cut = cuda.local.array(TM, numba.int64)
+        start(m, l, O, flag)
+        stage_transposed(q[b, h], i0, min(BQ, Lq - i0), scale, Qt, BQ)
+        diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
+        Rows = R[cuda.blockIdx.x, cuda.blockIdx.y * BQ:]  # this query tile's scratch rows
         kh = k[b, g]
         vh = v[b, g]
-        # pass 1: every allowed key's logit, then the row's threshold
-        for t in range(last):
-            j0 = t * tk
-            nk = min(tk, Lk - j0)
-            load_rows(kh, j0, nk, Ks)
+        # pass 1: every allowed key's logit, stored
+        for tile in range(last):
+            j0 = tile * BK
+            stage_transposed(kh, j0, min(BK, Lk - j0), ONE, KV, BK)
             cuda.syncthreads()
-            if valid:
-                row_logits(qr, Ks, nk, S)
-                modify_row(S, S, nk, i, j0, diag, bias_row, False, mask_row, has_mask,
-                           logks_row, has_ks, SOFTMAX)
-                for c in range(nk):
-                    row[j0 + c] = S[c]
-            cuda.syncthreads()
-        thr = NINF
-        cut = -1
-        if valid:
-            thr, cut = row_threshold(row, min(Lk, last * tk), top_k, buf[cuda.blockIdx.x, slot])
+            tile_scores(Qt, KV, row0, key0, S)
+            modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, False, mask,
+                        has_mask, logks, has_ks, SOFTMAX)
+            for r in range(TM):
+                for c in range(TN):
+                    if j0 + key0 + c < Lk:
+                        Rows[row0 + r, j0 + key0 + c] = S[r * TN + c]
+            cuda.syncthreads()  # the key tile is read and the logits stored
+        # each row's threshold: one thread a row (rows past Lq: a copy of the last, unused)
+        if t < BQ:
+            x, y = row_threshold(Rows[t], min(Lk, last * BK), top_k,
+                                 buf[cuda.blockIdx.x, cuda.blockIdx.y * BQ + t])
+            rows[U32(t)] = x
+            cuts[t] = y
+        cuda.syncthreads()
+        for r in range(TM):  # rows is rewritten only after the next barrier
+            thr[r] = rows[U32(row0) + U32(r)]
+            cut[r] = cuts[row0 + r]
         # pass 2: the online softmax over the selected keys
-        for t in range(last):
-            j0 = t * tk
-            nk = min(tk, Lk - j0)
-            load_rows(vh, j0, nk, Vs)
-            cuda.syncthreads()
-            if valid:
-                for c in range(nk):
-                    s = row[j0 + c]
-                    keep = s > thr or s != s or (s == thr and j0 + c <= cut)
-                    S[c] = s if keep else NINF
-                m, l = online_row(S, S, nk, Vs, m, l, acc, SOFTMAX)
-            cuda.syncthreads()
-        if valid:
-            lse[b, h, i] = finish_row(acc, m, l, SOFTMAX, out[b, h, i])
+        for tile in range(last):
+            j0 = tile * BK
+            kept_scores(Rows, row0, j0 + key0, Lk, thr, cut, S)
+            online_tile(S, S, part, m, l, alpha, SOFTMAX, vh, j0, min(BK, Lk - j0), tile, KV,
+                        Pt, red, rows, flag, t, row0, key0, col0, O, T)
+        finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, SOFTMAX,
+                    out[b, h], lse[b, h])
 
     return topk_attention_kernel
 
 
-def topk_kernel(dtype, d, dv, tq, tk):
-    key = ("topk", np.dtype(dtype).str, d, dv, tq, tk)
-    return cached_kernel(key, lambda: cuda.jit(build_topk(np.dtype(dtype), d, dv, tq, tk)))
+def topk_kernel(dtype, tiling):
+    """The compiled-on-first-launch top-k kernel (cached per configuration)."""
+    return tiled_kernel("topk", build_topk, dtype, tiling)
 
 
 def topk_attention(problem, top_k):
@@ -136,30 +161,28 @@ def topk_attention(problem, top_k):
     a = device_problem(problem)
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)
     if Lq and B * Hq:
-        tq, tk = tiles_for(a.dtype, D, Dv)
-        kernel = topk_kernel(a.dtype, D, Dv, tq, tk)
+        tiling = tiling_for(a.dtype, D, Dv)
+        tq = tiling.bq
+        kernel = topk_kernel(a.dtype, tiling)
         n_qt = (Lq + tq - 1) // tq
         chunk = max(1, min(n_qt, SCRATCH_ELEMENTS // (2 * B * Hq * tq * max(Lk, 1))))
         R = cuda.device_array((B * Hq, chunk * tq, max(Lk, 1)), a.dtype)
         buf = cuda.device_array((B * Hq, chunk * tq, max(Lk, 1)), a.dtype)
         for qt0 in range(0, n_qt, chunk):
-            kernel[(B * Hq, min(chunk, n_qt - qt0)), tq](
+            kernel[(B * Hq, min(chunk, n_qt - qt0)), tiling.threads](
                 a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.mask, a.has_mask, a.logks,
                 a.has_ks, problem.causal, int(top_k), qt0, R, buf, out, lse)
     return finish(a, out, lse)
 
 
 def ptx_signatures():
-    """``[(name, python function, argument types)]`` for the PTX check, float32 and float64."""
+    """``[(name, python function, argument types, options)]`` for the PTX check."""
     from numba import types
 
-    cases = []
-    for dtype in (np.float32, np.float64):
-        ty = numba.from_dtype(np.dtype(dtype))
+    def argtypes(ty):
         arr4, arr3 = ty[:, :, :, ::1], ty[:, :, ::1]
-        args = (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], types.boolean, ty[:, ::1],
-                types.boolean, types.boolean, types.int64, types.int64, arr3, arr3, arr4, arr3)
-        tq, tk = tiles_for(np.dtype(dtype), 64, 64)
-        cases.append((f"topk {np.dtype(dtype).name} D=64",
-                      build_topk(np.dtype(dtype), 64, 64, tq, tk), args))
-    return cases
+        return (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], types.boolean,
+                ty[:, ::1], types.boolean, types.boolean, types.int64, types.int64, arr3, arr3,
+                arr4, arr3)
+
+    return ptx_cases("topk", build_topk, argtypes, 64, 64)

@@ -38,3 +38,15 @@ def check_against_reference(q, k, v, dtype=None, rtol=None, **kw):
     assert_close(out, ref, dtype or out.dtype, rtol=rtol)
     assert_close(lse, ref_lse, dtype or out.dtype, rtol=rtol, what="lse")
     return out, lse
+
+
+def assert_several_tiles(lq, lk, d, dv, streams=1):
+    """Under the simulator: ``lq`` and ``lk`` span three or more query / key tiles of the
+    register-tiled kernels, and a row's value columns are split over its threads."""
+    if not SIMULATOR:  # a device runs the production tiles
+        return
+    from attnnb.cuda._micro import tiling_for
+
+    tiling = tiling_for(np.float32, d, dv, streams)
+    assert lq > 2 * tiling.bq and lk > 2 * tiling.bk, (lq, lk, tiling)
+    assert tiling.nx > 1 and dv > tiling.to, tiling

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ..helpers import assert_close, randn
-from .common import host, n, to_device
+from .common import assert_several_tiles, host, n, to_device
 
 diff = pytest.importorskip("attnnb.diff", reason="diff_attention is not in this tree yet")
 MODES = ("difference", "rectified")
@@ -73,3 +73,20 @@ def test_device_arrays_in_and_out(rng, mode):
     out = diff.diff_attention(*to_device(q, k, v), lam, mask=to_device(mask)[0], mode=mode)
     assert hasattr(out, "copy_to_host") and out.shape == ref.shape
     assert_close(host(out), ref, np.float32)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_several_tiles_per_axis(rng, mode):
+    """Three query and three key tiles, value columns over the threads of a row (one
+    padded), head size padded, a signed per-token lam (0 for one row) and an Inf value
+    in a middle key tile that both maps weight (difference: NaN or Inf, as two calls)."""
+    lq, lk, d, dv = n(11), n(16), 5, 7
+    assert_several_tiles(lq, lk, d, dv, streams=2)
+    q, k, v = packed(rng, batch=(1,), h=2, hk=1, lq=lq, lk=lk, d=d, dv=dv, dtype=np.float32)
+    lam = rng.uniform(-0.3, 0.9, (1, 2, lq))
+    lam[0, 1, 3] = 0.0
+    compare(q, k, v, lam, mode=mode)
+    v[0, 0, lk // 2, 3] = np.inf
+    for causal in (False, True):
+        out = compare(q, k, v, lam, causal=causal, mode=mode)
+        assert np.isfinite(np.delete(out, 3, axis=-1)).all()

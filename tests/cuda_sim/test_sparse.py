@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ..helpers import assert_close, qkv
-from .common import host, n, to_device
+from .common import SIMULATOR, assert_several_tiles, host, n, to_device
 
 patterns = pytest.importorskip("attnnb.patterns", reason="sparse attention is not in this tree yet")
 sparse = pytest.importorskip("attnnb.sparse")
@@ -69,3 +69,47 @@ def test_topk_nan_rows_and_chunked_launches(rng, monkeypatch):
     assert np.isnan(out[1, 4]).all() and np.isfinite(np.delete(out[1], 4, axis=0)).all()
     d_out = sparse.topk_attention(*to_device(q, k, v), 3)
     assert_close(host(d_out), out, np.float64)
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "relu_expm1"])
+def test_sparse_several_tiles_per_axis(rng, normalizer):
+    """Three query and three key tiles: full, partial and skipped tiles in one sweep,
+    value columns over the threads of a row (one padded), per-head patterns, GQA."""
+    lq, lk, d, dv = n(11), n(16), 5, 7
+    assert_several_tiles(lq, lk, d, dv)
+    q, k, v = qkv(rng, batch=(1,), hq=2, hk=1, lq=lq, lk=lk, d=d, dv=dv, dtype=np.float32)
+    allowed = rng.random((2, lq, lk)) > 0.5
+    allowed[:, :4, :6] = True  # a full tile
+    allowed[:, 4:8, 6:12] = False  # a skipped tile
+    allowed[1, 9] = False  # an empty row
+    pattern = patterns.from_mask(allowed)
+    if SIMULATOR:
+        from attnnb.cuda._micro import tiling_for
+
+        tiling = tiling_for(np.float32, d, dv)
+        layout = pattern.blocks(tiling.bq, tiling.bk)
+        n_grid = pattern.n_heads * -(-lq // tiling.bq) * -(-lk // tiling.bk)
+        assert layout.tile_full.any() and not layout.tile_full.all()
+        assert layout.n_tiles < n_grid
+    key_size = rng.integers(1, 4, (1, lk))
+    compare(sparse.sparse_attention, q, k, v, pattern, key_size=key_size, normalizer=normalizer)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_topk_several_tiles_per_axis(rng, monkeypatch, causal):
+    """Three query and three key tiles, ties across key tiles, a mask, key sizes, one
+    launch per query tile; value columns over the threads of a row."""
+    from attnnb.cuda import topk
+
+    lq, lk, d, dv = n(11), n(16), 5, 7
+    assert_several_tiles(lq, lk, d, dv)
+    q, k, v = qkv(rng, batch=(1,), hq=2, hk=1, lq=lq, lk=lk, d=d, dv=dv, dtype=np.float32)
+    k[..., 13, :] = k[..., 1, :]  # exact ties in the first and the last key tile
+    k[..., 8, :] = k[..., 1, :]
+    mask = rng.random((lq, lk)) > 0.15
+    key_size = rng.integers(1, 3, (1, lk))
+    for top_k in (2, 5):
+        compare(sparse.topk_attention, q, k, v, top_k, mask=mask, key_size=key_size,
+                causal=causal)
+    monkeypatch.setattr(topk, "SCRATCH_ELEMENTS", 1)
+    compare(sparse.topk_attention, q, k, v, 5, mask=mask, causal=causal)
