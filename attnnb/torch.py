@@ -33,6 +33,13 @@ What they do with tensors
   registered, so it traces without running the kernels and without a graph
   break), and ``torch.library.opcheck`` passes on all eight.
 
+**Threads.** PyTorch's OpenMP threads keep spinning after each operator
+and slow the attnnb call that follows.  When ``attnnb.torch`` is imported
+before torch, it sets ``OMP_WAIT_POLICY=PASSIVE`` (unless the variable is
+already set) so that they sleep instead; when torch was imported first the
+policy is already fixed, and setting ``OMP_WAIT_POLICY=PASSIVE`` in the
+environment (or importing ``attnnb.torch`` first) gives the same.
+
 Patterns cross the operator boundary as their CSR arrays (``indptr``,
 ``indices``, ``n_heads``) and are rebuilt inside it, checked again (a cost
 of O(allowed pairs) integer work per call, small next to the attention).
@@ -41,20 +48,30 @@ of O(allowed pairs) integer work per call, small next to the attention).
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
+if "torch" not in sys.modules:
+    # PyTorch's OpenMP threads spin after each operator by default and take the cores
+    # from the kernels' threads that start next: inside a training step that made
+    # attention forward+backward 25 % slower (docs/performance.md).  libgomp reads the
+    # policy once, when torch loads it, so it can only be chosen before `import torch`;
+    # a value the user set is kept.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from . import _bridge
-from ._validate import check_bool
-from .attention import attention as _np_attention
-from .diff import diff_attention as _np_diff_attention
-from .patterns import Pattern
-from .sparse import sparse_attention as _np_sparse_attention
-from .sparse import topk_attention as _np_topk_attention
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from . import _bridge  # noqa: E402
+from ._validate import check_bool  # noqa: E402
+from .attention import attention as _np_attention  # noqa: E402
+from .diff import diff_attention as _np_diff_attention  # noqa: E402
+from .patterns import Pattern  # noqa: E402
+from .sparse import sparse_attention as _np_sparse_attention  # noqa: E402
+from .sparse import topk_attention as _np_topk_attention  # noqa: E402
 
 __all__ = ["attention", "diff_attention", "scaled_dot_product_attention", "sparse_attention",
            "topk_attention"]

@@ -7,6 +7,7 @@ drop-in against ``torch.nn.functional.scaled_dot_product_attention``.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -306,3 +307,13 @@ def test_readme_torch_block_runs(monkeypatch):
     assert namespace["bias"].grad.shape == (256, 256)
     assert namespace["od"].shape == (2, 4, 256, 64)
     assert torch.nn.functional.scaled_dot_product_attention is at.scaled_dot_product_attention
+
+
+@pytest.mark.parametrize("torch_first", [False, True])
+def test_passive_openmp_wait_policy_only_before_torch_loads(torch_first):
+    code = ("import os, sys\n" + ("import torch\n" if torch_first else "")
+            + "import attnnb.torch\nprint(os.environ.get('OMP_WAIT_POLICY', 'unset'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()[-1]
+    assert out == ("unset" if torch_first else "PASSIVE")
