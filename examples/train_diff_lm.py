@@ -135,7 +135,7 @@ def train(route: str, data: np.ndarray, vocab: int, steps: int, seed: int = 0):
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         lams.append(lam)
         if step % 50 == 0 or step == steps - 1:
             print(f"  {route:6s} step {step:4d}  loss {losses[-1]:.3f}  lambda "
