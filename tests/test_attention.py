@@ -106,6 +106,23 @@ def test_shapes(rng, shape, dtype, causal):
         assert np.isfinite(lse[..., lq - lk:]).all()
 
 
+# (d, dv, lq, lk) reaching every path of the register-blocked products: value widths of
+# 16, 64 + 16, 32 + a 16-wide block reaching back over 8 columns (40), 160 = 64 + 64 + 32,
+# and below 16 (row by row); query tiles whose last 4-row block reaches back (69, 66, 131);
+# partial last key tiles of 5, 20, 40 and 2 keys (padded to 16, 32, 64 and 16 columns);
+# fewer than 4 query rows (decoding), where the products go row by row.
+HEAD_SIZES = [(16, 16, 69, 197), (40, 40, 66, 84), (80, 20, 131, 104), (24, 160, 5, 130),
+              (160, 12, 2, 197), (96, 96, 3, 69)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d, dv, lq, lk", HEAD_SIZES)
+def test_head_sizes(rng, d, dv, lq, lk, dtype, causal):
+    q, k, v = qkv(rng, batch=(1,), hq=2, hk=1, lq=lq, lk=lk, d=d, dv=dv, dtype=dtype)
+    compare_backends(q, k, v, causal=causal)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_2d_inputs(rng, causal):
     q, k, v = (rng.standard_normal(s) for s in ((70, 8), (67, 8), (67, 5)))

@@ -15,11 +15,27 @@ import pytest
 from attnnb.cpu import _blocks, _jit
 
 
-def _compile(fn, noalias):
+def _compile(fn, noalias, inline=False):
     opts = dict(fastmath=_jit.FASTMATH, nogil=True)  # no cache: inspection needs a fresh compile
     if noalias:
         opts[_jit._NOALIAS_OPTION] = True
+    if inline:
+        opts["forceinline"] = True
     return numba.njit(**opts)(fn.py_func)
+
+
+def _constant_width_block(width, noalias=True):
+    """:func:`gemm_block` inlined into a caller that passes ``width`` as a constant, as
+    :func:`attnnb.cpu._blocks.block_product` does."""
+    block = _compile(_blocks.gemm_block, noalias, inline=True)
+
+    def call(a, a0, lda, n, b, b0, ldb, blk, c0):
+        block(a, a0, lda, n, b, b0, ldb, blk, c0, width)
+
+    opts = dict(fastmath=_jit.FASTMATH, nogil=True)
+    if noalias:
+        opts[_jit._NOALIAS_OPTION] = True
+    return numba.njit(**opts)(call)
 
 
 def _gemm_args(rng, dtype, n=37):
@@ -40,18 +56,20 @@ def test_noalias_option_is_registered():
     assert _jit.NOALIAS, "numba.core internals changed: the noalias flag is no longer available"
 
 
+@pytest.mark.parametrize("width", _blocks.BLOCK_WIDTHS)
 @pytest.mark.parametrize("noalias", [True, False])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_gemm_block_matches_numpy_with_and_without_noalias(rng, noalias, dtype):
-    fn = _compile(_blocks.gemm_block, noalias)
+def test_gemm_block_matches_numpy_with_and_without_noalias(rng, noalias, dtype, width):
+    fn = _constant_width_block(width, noalias)
     a, b, blk, n = _gemm_args(rng, dtype)
     ldb = _blocks.COLS + 7
     fn(a, 5, n, n, b, 3, ldb, blk, 9)
-    got = blk[9:].reshape(_blocks.ROWS, _blocks.COLS)
-    want = _expected(a, b, n, 5, n, 3, ldb, _blocks.ROWS, _blocks.COLS)
+    got = blk[9:9 + _blocks.ROWS * width].reshape(_blocks.ROWS, width)
+    want = _expected(a, b, n, 5, n, 3, ldb, _blocks.ROWS, width)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
-    assert np.isnan(blk[:9]).all(), "wrote outside the block"
+    assert np.isnan(blk[:9]).all(), "wrote before the block"
+    assert np.isnan(blk[9 + _blocks.ROWS * width:]).all(), "wrote after the block"
 
 
 @pytest.mark.parametrize("noalias", [True, False])
@@ -66,7 +84,7 @@ def test_gemm_row_matches_numpy(rng, noalias):
 def test_noalias_flag_reaches_llvm(rng):
     """With the option the array arguments carry LLVM's ``noalias``; without, they do not."""
     a, b, blk, n = _gemm_args(rng, np.float32)
-    args = (a, 0, n, n, b, 0, _blocks.COLS, blk, 0)
+    args = (a, 0, n, n, b, 0, _blocks.COLS, blk, 0, _blocks.COLS)
     counts = {}
     for flag in (True, False):
         fn = _compile(_blocks.gemm_block, flag)
@@ -85,11 +103,14 @@ def _has_avx512():
 
 
 @pytest.mark.skipif(not _has_avx512(), reason="needs AVX-512")
-def test_blocks_keep_accumulators_in_zmm_registers(rng):
-    """The 4 x 64 float32 block: 16 FMAs on 512-bit registers per step, no reloads."""
-    fn = _compile(_blocks.gemm_block, True)
+@pytest.mark.parametrize("width", _blocks.BLOCK_WIDTHS)
+def test_blocks_keep_accumulators_in_zmm_registers(rng, width):
+    """A 4 x ``width`` float32 block: ``width / 4`` FMAs on 512-bit registers per step."""
+    fn = _constant_width_block(width)
     a, b, blk, n = _gemm_args(rng, np.float32)
     fn(a, 0, n, n, b, 0, _blocks.COLS, blk, 0)
     asm = fn.inspect_asm(fn.signatures[0])
     fmas = re.findall(r"vfmadd\d+ps\s+[^\n]*zmm", asm)
-    assert len(fmas) >= 16, f"{len(fmas)} zmm FMAs"
+    assert len(fmas) >= width // 4, f"{len(fmas)} zmm FMAs"
+    scalar = re.findall(r"vfmadd\d+ss", asm)
+    assert not scalar, f"{len(scalar)} scalar FMAs: the block was not vectorised"

@@ -46,6 +46,10 @@ def cases():
             (f"attention relu_expm1 {tag}", _case(8, dtype, normalizer="relu_expm1",
                                                   key_size=(2, 131), causal=True)),
             (f"attention 2-D scale=3 large logits {tag}", _case2d(9, dtype)),
+            (f"attention D=40 Dv=80 N=197 {tag}", _case(10, dtype, batch=(1,), hq=2, hk=1,
+                                                          lq=197, lk=197, d=40, dv=80)),
+            (f"attention decoding Lq=3 Lk=700 causal {tag}",
+             _case(11, dtype, lq=3, lk=700, causal=True, mask=(2, 1, 3, 700))),
         ]
     return out
 

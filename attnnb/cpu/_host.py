@@ -40,7 +40,7 @@ def score_arguments(problem):
     return bias, mask, logks
 
 
-def run_sweep(kernel_fn, problem, *own, out_heads=None):
+def run_sweep(kernel_fn, problem, *own, out_heads=None, key_tiles=True):
     """Launch a tiled kernel on a canonical problem; returns ``(out, lse)``.
 
     Parameters
@@ -51,6 +51,9 @@ def run_sweep(kernel_fn, problem, *own, out_heads=None):
     *own : the kernel's own arguments, passed between ``causal`` and ``out``.
     out_heads : int, optional
         Heads of the output when not ``Hq`` (differential attention: ``Hq / 2``).
+    key_tiles : bool
+        False for a kernel that transposes its key tiles itself (decoding:
+        :mod:`attnnb.cpu._splits`): ``kt`` and ``v_ok`` then have no tiles.
 
     Returns
     -------
@@ -65,7 +68,7 @@ def run_sweep(kernel_fn, problem, *own, out_heads=None):
     if out.size == 0 and lse.size == 0:
         return out, lse
     bias, mask, logks = score_arguments(problem)
-    with key_tile_buffers(k, v) as (kt, v_ok):
+    with key_tile_buffers(k, v, key_tiles) as (kt, v_ok):
         launch(kernel_fn, q, k, v, kt, v_ok, q.dtype.type(problem.scale), bias,
                problem.bias is not None, mask, problem.mask is not None, logks,
                problem.log_key_size is not None, problem.causal, *own, out, lse)

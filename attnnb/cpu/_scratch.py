@@ -73,15 +73,16 @@ def held_bytes() -> int:
 
 
 @contextmanager
-def key_tile_buffers(k: np.ndarray, v: np.ndarray):
+def key_tile_buffers(k: np.ndarray, v: np.ndarray, tiles: bool = True):
     """``(kt, v_ok)`` for one kernel call, filled by the kernel's prologue.
 
     ``kt``: ``(B, Hk, n_tiles, D, TILE_K)`` in ``k``'s dtype, C-contiguous and
     64-byte aligned, from the pool; ``v_ok``: ``(B, Hv, n_tiles)`` bool, new.
-    ``k (B, Hk, Lk, D)``, ``v (B, Hv, Lk, Dv)``, ``n_tiles = ceil(Lk / TILE_K)``.
+    ``k (B, Hk, Lk, D)``, ``v (B, Hv, Lk, Dv)``, ``n_tiles = ceil(Lk / TILE_K)``,
+    or 0 when not ``tiles`` (a kernel that transposes its tiles itself).
     """
     B, Hk, Lk, D = k.shape
-    n_kt = -(-Lk // TILE_K)
+    n_kt = -(-Lk // TILE_K) if tiles else 0
     shape = (B, Hk, n_kt, D, TILE_K)
     nbytes = math.prod(shape) * k.dtype.itemsize
     buf = _take(nbytes)

@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from .._codes import RELU_EXPM1, SOFTMAX1
-from ._blocks import COLS, ROWS, U, gemm_block, gemm_row
+from ._blocks import COLS, ROWS, U, block_product, block_width, gemm_row, padded_width
 from ._exp import exp_shifted_sum_at, exp_tile_accumulate, maxnum
 from ._jit import blocks, inner, wide_vectors
 
@@ -108,64 +108,130 @@ def tile_logits_t(qs, kth, j0, nk, S_flat):
 
     ``kth`` is this head's keys transposed tile by tile, ``(n_tiles, D,
     TILE_K)`` C-contiguous (one slice of :func:`prepare_key_tile`'s ``kt``; ``j0`` a
-    multiple of ``TILE_K``); ``qs`` is ``(nq, D)`` C-contiguous.
-    Register-blocked (:mod:`attnnb.cpu._blocks`), no BLAS: full tiles take
-    4 x 64 blocks, the rest single rows.  Each key tile is one contiguous
+    multiple of ``TILE_K``); ``qs`` is ``(nq, D)`` C-contiguous; ``S_flat``
+    holds at least ``nq * TILE_K`` elements.  Each key tile is one contiguous
     ``D x TILE_K`` block: with the keys transposed as a whole, ``(D, Lk)``,
     the tile's rows lie ``4 Lk`` bytes apart, a power of two for the usual
     lengths, so they compete for the same few L1 sets (measured: 15-20 %
     slower at Lk = 2048 and 4096).
+
+    Register-blocked (:mod:`attnnb.cpu._blocks`), no BLAS, in 4-row blocks
+    (the last block reaches back over rows already done, which it writes
+    again with the same values).  A partial last key tile is computed in the
+    narrowest block width that holds it (16 or 64), over the tile's zero padding
+    (:func:`transpose_tile`), and then packed to ``nk`` columns: at N = 197
+    (a ViT's tokens) the 5 keys of the last tile cost a quarter of a full
+    tile instead of as much as one row by row.  Fewer than 4 rows go row
+    by row.
     """
     nq, d = qs.shape
     a = qs.reshape(nq * d)
     b = kth[j0 // TILE_K].reshape(d * TILE_K)
+    if nq < ROWS:
+        for r in range(nq):
+            gemm_row(a, r * d, d, b, 0, TILE_K, S_flat, r * nk, nk)
+        return view2d(S_flat, nq, nk)
+    w = padded_width(nk)
     r0 = 0
-    if nk == COLS:
-        while r0 + ROWS <= nq:
-            gemm_block(a, r0 * d, d, d, b, 0, TILE_K, S_flat, r0 * COLS)
-            r0 += ROWS
-    for r in range(r0, nq):
-        gemm_row(a, r * d, d, b, 0, TILE_K, S_flat, r * nk, nk)
+    while r0 < nq:
+        rs = min(r0, nq - ROWS)
+        block_product(a, rs * d, d, d, b, 0, TILE_K, S_flat, rs * w, w)
+        r0 = rs + ROWS
+    if w != nk:  # pack rows of w columns to nk, front to back (each moves left)
+        for r in range(1, nq):
+            for c in range(nk):
+                S_flat[r * nk + c] = S_flat[r * w + c]
     return view2d(S_flat, nq, nk)
 
 
 @blocks
-def _add_rows(dst, d0, ldd, src, rows, width):
-    """``dst[d0 + i * ldd + c] += src[i * COLS + c]`` for ``i < rows``, ``c < width``."""
-    for i in range(U(rows)):
-        o = U(d0) + i * U(ldd)
-        so = i * U(COLS)
-        for c in range(U(width)):
+def _dot(a, a0, b, b0, n):
+    """``sum_e a[a0 + e] * b[b0 + e]`` for ``e < n``, vectorised over ``e``."""
+    wide_vectors()
+    acc = a[0] * 0.0
+    ua = U(a0)
+    ub = U(b0)
+    for e in range(U(n)):
+        acc += a[ua + e] * b[ub + e]
+    return acc
+
+
+@inner
+def tile_logits_rows(qs, kh, j0, nk, S_flat):
+    """``S = qs @ kh[j0:j0+nk].T`` as an ``(nq, nk)`` view of ``S_flat``, from the keys
+    as stored: one dot product per (query, key).
+
+    For fewer than 4 query rows (decoding), where transposing a key tile for
+    :func:`tile_logits_t` costs more than the dot products (measured: 1.5 us a
+    64 x 64 float32 tile, against ~0.3 us for one row of dot products).
+    ``kh (Lk, D)`` and ``qs (nq, D)`` C-contiguous.
+    """
+    nq, d = qs.shape
+    a = qs.reshape(nq * d)
+    b = kh.reshape(kh.shape[0] * d)
+    for r in range(nq):
+        for c in range(nk):
+            S_flat[r * nk + c] = _dot(a, r * d, b, (j0 + c) * d, d)
+    return view2d(S_flat, nq, nk)
+
+
+@inner
+def _add_block(dst, d0, ldd, src, width, r_from, c_from):
+    """``dst[d0 + i * ldd + c] += src[i * width + c]`` for ``r_from <= i < ROWS`` and
+    ``c_from <= c < width``: one block of :func:`values_product`, less the rows and
+    columns an earlier block already added."""
+    for i in range(r_from, ROWS):
+        o = d0 + i * ldd
+        so = i * width
+        for c in range(c_from, width):
             dst[o + c] += src[so + c]
 
 
 @inner
 def values_product(P, vh, j0, acc, T_flat):
-    """``acc += P @ vh[j0:j0+nk]`` with the tile's sum formed first in ``T_flat``.
+    """``acc += P @ vh[j0:j0+nk]``, each block's sum formed first in ``T_flat``.
 
-    Register-blocked: 4 rows x 64 value columns at a time, single rows and
-    the last ``Dv % 64`` columns by plain loops.  Summing the tile on its own
-    and then adding keeps one long FMA chain over every key out (it lost
-    accuracy: 2.5e-6).  ``acc`` is C-contiguous ``(nq, Dv)``.
+    Register-blocked in 4 rows by 64 or 16 value columns
+    (:func:`~attnnb.cpu._blocks.block_product`: a value width of 80 is 64 +
+    16, 160 is 64 + 64 + 16 + 16).  Where fewer than 16 columns or 4 rows
+    remain, the last block reaches back over columns or rows an earlier
+    block added, and adds only its new part (40 is 16 + 16 + the last 8 of a
+    16-wide block), so that only value widths below 16 and tiles of fewer
+    than 4 rows go row by row.  Summing the tile on its own and then adding
+    keeps one long FMA chain over every key out (it lost accuracy: 2.5e-6).
+    ``acc`` is C-contiguous ``(nq, Dv)``; ``T_flat`` holds at least ``ROWS *
+    min(Dv, 64)`` elements.
     """
     nq, nk = P.shape
     dv = acc.shape[1]
     p = P.reshape(nq * nk)
     v = vh.reshape(vh.shape[0] * dv)
     a = acc.reshape(nq * dv)
-    full = dv - dv % COLS
-    r0 = 0
-    while r0 + ROWS <= nq:
-        for c0 in range(0, full, COLS):
-            gemm_block(p, r0 * nk, nk, nk, v, j0 * dv + c0, dv, T_flat, 0)
-            _add_rows(a, r0 * dv + c0, dv, T_flat, ROWS, COLS)
-        r0 += ROWS
-    for r in range(nq):
-        c0 = full if r < r0 else 0
+    r0 = 0  # rows added so far
+    if dv >= 16 and nq >= ROWS:
+        while r0 < nq:
+            rs = min(r0, nq - ROWS)
+            c0 = 0  # columns of these rows added so far
+            while c0 < dv:
+                w = block_width(dv - c0)
+                cs = c0
+                if w == 0:
+                    w = 16
+                    cs = dv - 16
+                block_product(p, rs * nk, nk, nk, v, j0 * dv + cs, dv, T_flat, 0, w)
+                _add_block(a, rs * dv + cs, dv, T_flat, w, r0 - rs, c0 - cs)
+                c0 = cs + w
+            r0 = rs + ROWS
+    for r in range(r0, nq):
+        c0 = 0
         while c0 < dv:
             w = min(COLS, dv - c0)
-            gemm_row(p, r * nk, nk, v, j0 * dv + c0, dv, T_flat, 0, w)
-            _add_rows(a, r * dv + c0, dv, T_flat, 1, w)
+            if w == COLS:
+                gemm_row(p, r * nk, nk, v, j0 * dv + c0, dv, T_flat, 0, COLS)
+            else:
+                gemm_row(p, r * nk, nk, v, j0 * dv + c0, dv, T_flat, 0, w)
+            for c in range(w):
+                a[r * dv + c0 + c] += T_flat[c]
             c0 += w
 
 
@@ -406,24 +472,39 @@ def finish_rows(acc, m, l, normalizer, out_rows, lse_rows):
             inv = 1.0 / z
             for c in range(dv):
                 out_rows[r, c] = acc[r, c] * inv
-            if normalizer == SOFTMAX1:  # 1 / (l + e^-m) = sigmoid(lse) / l, stably
-                a = math.exp(-abs(lse))
-                sig = 1.0 / (1.0 + a) if lse >= 0.0 else a / (1.0 + a)
+            if normalizer == SOFTMAX1:  # 1 / (l + e^-m) = sigmoid(lse) / l
+                sig = sigmoid(lse)
                 for c in range(dv):
                     out_rows[r, c] *= sig
 
 
 @inner
+def sigmoid(x):
+    """``1 / (1 + exp(-x))`` without overflow for any ``x``: ``softmax1``'s factor."""
+    a = math.exp(-abs(x))
+    return 1.0 / (1.0 + a) if x >= 0.0 else a / (1.0 + a)
+
+
+@inner
+def transpose_keys(src, j0, dst):
+    """``dst[:, j - j0] = src[j, :]`` for the key tile starting at ``j0``: ``src (L, D)``,
+    ``dst (D, TILE_K)``.  The columns past the end of a last, partial tile are zeros
+    (:func:`tile_logits_t` computes over them and drops them).  Column by column:
+    contiguous stores (measured 1.55 us a 64 x 64 float32 tile, 2.0 us row by row)."""
+    L, D = src.shape
+    n = min(TILE_K, L - j0)
+    for e in range(D):
+        for j in range(n):
+            dst[e, j] = src[j0 + j, e]
+        for j in range(n, TILE_K):
+            dst[e, j] = 0.0
+
+
+@inner
 def transpose_tile(k, kt, b, h, j0):
-    """``kt[b, h, t, :, j - j0] = k[b, h, j, :]`` for the key tile ``t`` starting
-    at ``j0 = t * TILE_K`` (the columns past the end of a last, partial tile
-    are left unwritten; :func:`tile_logits_t` never reads them)."""
-    L, D = k.shape[2], k.shape[3]
-    src = k[b, h]
-    dst = kt[b, h, j0 // TILE_K]
-    for j in range(j0, min(j0 + TILE_K, L)):
-        for e in range(D):
-            dst[e, j - j0] = src[j, e]
+    """``kt[b, h, t] = k[b, h, j0 : j0 + TILE_K].T`` for the key tile ``t`` starting at
+    ``j0 = t * TILE_K`` (:func:`transpose_keys`)."""
+    transpose_keys(k[b, h], j0, kt[b, h, j0 // TILE_K])
 
 
 @inner

@@ -1,12 +1,16 @@
-"""Dense attention on the CPU: the tiled core swept over every key tile."""
+"""Dense attention on the CPU: the tiled core swept over every key tile (split along the
+keys when decoding: :mod:`attnnb.cpu._splits`)."""
 
 from __future__ import annotations
 
+import numpy as np
 from numba import prange
 
-from .._codes import NORMALIZER_CODES, RELU_EXPM1
+from .._codes import NORMALIZER_CODES, RELU_EXPM1, SOFTMAX, SOFTMAX1
+from ._blocks import ROWS
 from ._host import run_sweep
 from ._jit import kernel, wide_vectors
+from ._splits import LOCAL_TILE_ROWS, key_splits, merge_split_rows
 from ._task import query_task, sweep_geometry
 from ._tiles import (
     SWEEP_TILE_Q,
@@ -16,41 +20,87 @@ from ._tiles import (
     modify_logits,
     online_update,
     prepare_key_tile,
+    tile_is_finite,
+    tile_logits_rows,
     tile_logits_t,
+    transpose_keys,
     view2d,
 )
 
 
 @kernel
 def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                     causal, normalizer, out, lse):
-    """One task per (batch, query head, query tile); see :mod:`attnnb.cpu._tiles`.
+                     causal, normalizer, n_split, part_out, part_lse, out, lse):
+    """One task per (batch, query head, query tile, key split); see :mod:`attnnb.cpu._tiles`.
 
     Leading arguments as every tiled kernel's (:mod:`attnnb.cpu._host`).  With
     ``causal`` the sweep stops at the last key tile the tile's last query may
     see, and only tiles that cross the diagonal are masked element by element.
+
+    Decoding (:mod:`attnnb.cpu._splits`): with at most ``LOCAL_TILE_ROWS``
+    queries there is no prologue (``kt`` and ``v_ok`` have no tiles) and each
+    task transposes and checks its key and value tiles itself; with
+    ``n_split > 1`` each task sweeps one contiguous range of the key tiles
+    into ``part_out (n_split, B, Hq, Lq, Dv)`` and ``part_lse``, and a last
+    pass merges the ranges into ``out`` and ``lse``.
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, SWEEP_TILE_Q, causal)
-    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
-        prepare_key_tile(k, v, kt, v_ok, task)
-    for task in prange(B * Hq * n_qt):
+    local_tiles = Lq <= LOCAL_TILE_ROWS
+    if not local_tiles:
+        for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
+            prepare_key_tile(k, v, kt, v_ok, task)
+    per_split = (n_kt + n_split - 1) // n_split
+    # softmax1's +1 belongs to the whole row: the splits finish as softmax
+    split_normalizer = SOFTMAX if normalizer == SOFTMAX1 and n_split > 1 else normalizer
+    for task in prange(B * Hq * n_qt * n_split):
         wide_vectors()
+        split = task % n_split
         (b, h, _, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat, F_flat,
-         T_flat) = query_task(task, q, kt, v, scale, SWEEP_TILE_Q, group, n_qt)
+         T_flat) = query_task(task // n_split, q, kt, v, scale, SWEEP_TILE_Q, group, n_qt)
         g = h // group
-        last = key_tiles_seen(i0, nq, diag, n_kt)
-        for t in range(last):
+        own_tile = np.empty((1, k.shape[3], TILE_K), q.dtype)
+        last = min(key_tiles_seen(i0, nq, diag, n_kt), (split + 1) * per_split)
+        for t in range(split * per_split, last):
             j0 = t * TILE_K
             nk = min(TILE_K, Lk - j0)
-            S = tile_logits_t(qs, kth, j0, nk, S_flat)
+            # the key tile: from the prologue's buffer, or transposed here (decoding)
+            tiles = kth
+            tile_j0 = j0
+            if local_tiles:
+                v_finite = tile_is_finite(v, b, g, j0)
+                if nq >= ROWS:
+                    transpose_keys(k[b, g], j0, own_tile[0])
+                    tiles = own_tile
+                    tile_j0 = 0
+            else:
+                v_finite = v_ok[b, g, t]
+            if local_tiles and nq < ROWS:  # a row or three: dot products beat transposing
+                S = tile_logits_rows(qs, k[b, g], j0, nk, S_flat)
+            else:
+                S = tile_logits_t(qs, tiles, tile_j0, nk, S_flat)
             # relu_expm1 keeps the logits and the kernel values apart (see modify_logits)
             F = view2d(F_flat, nq, nk) if normalizer == RELU_EXPM1 else S
             modify_logits(S, F, i0, j0, diag, bias[b, h], has_bias, mask[b, h], has_mask,
                           logks[b], has_ks, normalizer)
-            online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_ok[b, g, t], normalizer)
-        finish_rows(acc, m, l, normalizer, out[b, h, i0 : i0 + nq], lse[b, h, i0 : i0 + nq])
+            online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer)
+        dest_out = out
+        dest_lse = lse
+        if n_split > 1:
+            dest_out = part_out[split]
+            dest_lse = part_lse[split]
+        finish_rows(acc, m, l, split_normalizer, dest_out[b, h, i0 : i0 + nq],
+                    dest_lse[b, h, i0 : i0 + nq])
+    if n_split > 1:  # B * Hq * Lq rows of n_split * Dv products: a serial loop is enough
+        for row in range(B * Hq * Lq):
+            merge_split_rows(part_out, part_lse, row, normalizer, out, lse)
 
 
 def attention(problem):
     """Run dense attention of a canonical problem; returns ``(out, lse)``."""
-    return run_sweep(attention_kernel, problem, NORMALIZER_CODES[problem.normalizer])
+    B, Hq, _, Lq, Lk, _, Dv = problem.shape
+    n_split = key_splits(B, Hq, Lq, Lk)
+    dt = problem.q.dtype
+    part_out = np.empty((n_split if n_split > 1 else 0, B, Hq, Lq, Dv), dt)
+    part_lse = np.empty(part_out.shape[:4], dt)
+    return run_sweep(attention_kernel, problem, NORMALIZER_CODES[problem.normalizer], n_split,
+                     part_out, part_lse, key_tiles=Lq > LOCAL_TILE_ROWS)

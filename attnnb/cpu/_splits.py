@@ -1,0 +1,97 @@
+"""Decoding: few query rows against many keys, split along the keys.
+
+A step of autoregressive decoding asks for ``Lq = 1 .. 16`` queries against
+thousands of keys.  Two things of the general sweep then cost more than the
+attention itself:
+
+* the kernels' prologue transposes every key tile into a buffer as large as
+  ``k`` (:func:`attnnb.cpu._tiles.prepare_key_tile`), which pays off only
+  when many query tiles read each key tile.  With at most
+  :data:`LOCAL_TILE_ROWS` query rows a task transposes each key tile itself,
+  into a tile of scratch that stays in L1, just before it uses it (measured
+  at ``Lq = 1``, ``Lk = 4096``, 8 heads: the prologue alone took 2.4 ms of
+  a 3.9 ms call);
+* one task per (batch, head, query tile) is too few tasks to keep every core
+  busy when ``B * H`` is small.  :func:`key_splits` then cuts each row's
+  key tiles into contiguous ranges, one task each, and
+  :func:`merge_split_rows` merges their normalised partial results
+  through their log-sum-exps (the merge of :func:`attnnb.combine`).
+
+The number of splits is a function of the shape alone, never of the thread
+count, so that results are the same on every machine with any number of
+threads (docs/contract.md §1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .._codes import SOFTMAX1
+from ._jit import inner
+from ._tiles import TILE_K, sigmoid
+
+# Query rows up to which tasks transpose their key tiles themselves.
+LOCAL_TILE_ROWS = 16
+# Tasks that the splits aim for, and the least key tiles a split gets.
+SPLIT_TASKS = 32
+MIN_SPLIT_TILES = 4
+
+
+def key_splits(batch: int, heads: int, lq: int, lk: int) -> int:
+    """Key ranges per (batch, head) for a dense call of this shape (1: no split).
+
+    Only calls with at most :data:`LOCAL_TILE_ROWS` queries split: enough
+    ranges that ``batch * heads * splits >= SPLIT_TASKS``, each at least
+    :data:`MIN_SPLIT_TILES` key tiles long.
+    """
+    if lq > LOCAL_TILE_ROWS or batch * heads == 0:
+        return 1
+    n_kt = -(-lk // TILE_K)
+    return max(1, min(n_kt // MIN_SPLIT_TILES, -(-SPLIT_TASKS // (batch * heads))))
+
+
+@inner
+def merge_split_rows(part_out, part_lse, row, normalizer, out, lse):
+    """Merge the key splits of one output row, ``row`` of ``B * H * Lq``.
+
+    ``part_out (n_split, B, H, Lq, Dv)`` and ``part_lse (n_split, B, H, Lq)`` are
+    each split's softmax-normalised output and LSE (``softmax1``'s ``+1`` not
+    yet applied: it belongs to the whole row).  ``out = sum_s exp(lse_s -
+    lse) out_s`` with ``lse = log sum_s exp(lse_s)``, in split order; a NaN
+    split makes the row NaN, splits that saw no key (``lse_s = -inf``) weigh
+    nothing, and a row no split saw is empty (zeros, ``-inf``).  A weight
+    that underflows to 0 skips its split, so that an Inf value behind it
+    leaves no trace, as inside the sweep.
+    """
+    n_split, H, Lq = part_out.shape[0], part_out.shape[2], part_out.shape[3]
+    b, h, i = row // (H * Lq), (row // Lq) % H, row % Lq
+    orow = out[b, h, i]
+    mx = -np.inf
+    for s in range(n_split):
+        x = part_lse[s, b, h, i]
+        if x != x:
+            orow[:] = np.nan
+            lse[b, h, i] = np.nan
+            return
+        mx = max(mx, x)
+    orow[:] = 0.0
+    if mx == -np.inf:
+        lse[b, h, i] = -np.inf
+        return
+    total = 0.0
+    for s in range(n_split):
+        total += math.exp(part_lse[s, b, h, i] - mx)
+    row_lse = mx + math.log(total)
+    for s in range(n_split):
+        w = math.exp(part_lse[s, b, h, i] - row_lse)
+        if w != 0.0:
+            prow = part_out[s, b, h, i]
+            for c in range(orow.shape[0]):
+                orow[c] += w * prow[c]
+    if normalizer == SOFTMAX1:
+        sig = sigmoid(row_lse)
+        for c in range(orow.shape[0]):
+            orow[c] *= sig
+    lse[b, h, i] = row_lse

@@ -1,0 +1,110 @@
+"""Decoding: few queries against many keys (attnnb/cpu/_splits.py).
+
+With at most 16 queries the cpu kernel transposes its key tiles itself (or,
+below 4 rows, takes dot products with the keys as stored), and it splits
+each row's keys into ranges that are merged through their log-sum-exps.
+Each case here is shaped so that the keys are split (checked), and compared
+with the float64 reference: every normalizer, causal with ``Lq != Lk``, GQA,
+masks, biases, key sizes, empty rows and non-finite inputs in a later split.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+import attnnb
+from attnnb.cpu._splits import LOCAL_TILE_ROWS, key_splits
+
+from .helpers import qkv
+from .test_attention import compare_backends
+
+LK = 600  # ten key tiles: two or more splits for the shapes below
+
+
+def split_count(q, k):
+    B, H, Lq = q.shape[0], q.shape[1], q.shape[2]
+    return key_splits(B, H, Lq, k.shape[2])
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "softmax1", "relu_expm1"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("lq", [1, 3, 5, LOCAL_TILE_ROWS])
+def test_split_keys_match_the_reference(rng, lq, dtype, causal, normalizer):
+    q, k, v = qkv(rng, batch=(1,), hq=4, hk=2, lq=lq, lk=LK, d=24, dv=20, dtype=dtype)
+    assert split_count(q, k) > 1
+    compare_backends(q, k, v, causal=causal, normalizer=normalizer)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_masks_bias_and_key_sizes(rng, dtype):
+    q, k, v = qkv(rng, batch=(2,), hq=2, lq=4, lk=LK + 37, d=16, dv=8, dtype=dtype)
+    assert split_count(q, k) > 1
+    mask = rng.random((2, 1, 4, LK + 37)) > 0.3
+    mask[0, 0, 1] = False  # an empty row: zeros and lse = -inf
+    bias = rng.standard_normal((4, LK + 37)).astype(dtype)
+    key_size = rng.integers(1, 5, (2, LK + 37)).astype(dtype)
+    out, lse = compare_backends(q, k, v, mask=mask, bias=bias, key_size=key_size)
+    assert not out[0, :, 1].any() and np.isneginf(lse[0, :, 1]).all()
+
+
+def test_row_lengths_of_one_split_only(rng):
+    """Causal with ``Lq > Lk``-like offsets: the first rows see keys of the first split only."""
+    q, k, v = qkv(rng, batch=(1,), hq=2, lq=9, lk=LK, d=8, dtype=np.float32)
+    mask = np.ones((9, LK), bool)
+    mask[:4, 300:] = False  # these rows' later splits see nothing
+    compare_backends(q, k, v, mask=mask, causal=True)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_inputs_in_a_later_split(rng, where, value):
+    q, k, v = qkv(rng, batch=(1,), hq=2, lq=2, lk=LK, d=8, dtype=np.float32)
+    arrays = {"q": q, "k": k, "v": v}
+    idx = (0, 1, 1, 3) if where == "q" else (0, 1, LK - 5, 3)
+    arrays[where][idx] = value
+    compare_backends(q, k, v)
+
+
+def test_inf_value_behind_a_zero_weight(rng):
+    """A key whose weight is exactly 0 (a -1e4 bias) in a later split leaves no trace."""
+    q, k, v = qkv(rng, batch=(1,), hq=1, lq=1, lk=LK, d=8, dtype=np.float32)
+    v[0, 0, LK - 3] = np.inf
+    bias = np.zeros((1, LK), np.float32)
+    bias[0, LK - 3] = -1e4
+    out, _ = compare_backends(q, k, v, bias=bias)
+    assert np.isfinite(out).all()
+
+
+def test_large_logits_stay_finite(rng):
+    q, k, v = qkv(rng, batch=(1,), hq=2, lq=3, lk=LK, d=8, dtype=np.float32)
+    bias = np.zeros((3, LK), np.float32)
+    bias[:, 10] = 1e4
+    bias[:, 500] = -1e4
+    out, lse = compare_backends(q, k, v, bias=bias)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+
+
+def test_same_bits_with_any_thread_count(rng):
+    q, k, v = qkv(rng, batch=(1,), hq=3, lq=2, lk=4 * LK, d=32, dtype=np.float32)
+    before = numba.get_num_threads()
+    try:
+        results = []
+        for n in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(n)
+            results.append(attnnb.attention(q, k, v, return_lse=True))
+    finally:
+        numba.set_num_threads(before)
+    for out, lse in results[1:]:
+        np.testing.assert_array_equal(out, results[0][0])
+        np.testing.assert_array_equal(lse, results[0][1])
+
+
+def test_split_rule_depends_on_the_shape_only():
+    assert key_splits(1, 8, 1, 4096) == 4
+    assert key_splits(1, 8, LOCAL_TILE_ROWS + 1, 4096) == 1  # not decoding
+    assert key_splits(64, 8, 1, 4096) == 1  # enough tasks already
+    assert key_splits(1, 1, 1, 100) == 1  # too few key tiles to split
+    assert key_splits(1, 1, 1, 64 * 1000) == 32
