@@ -240,7 +240,7 @@ GRADIENT_OPERATIONS = {
     "topk_attention_vjp": ("backward", "topk_attention_vjp"),
     "diff_attention_vjp": ("backward", "diff_attention_vjp"),
 }
-GRADIENT_BACKENDS = ("reference", "cpu")
+GRADIENT_BACKENDS = ("reference", "cpu", "cuda")
 
 for _op, (_module, _function) in GRADIENT_OPERATIONS.items():
     for _backend in GRADIENT_BACKENDS:
