@@ -127,15 +127,17 @@ def tiled_kernel(name: str, build, dtype, tiling: Tiling):
     return cached_kernel(key, lambda: cuda.jit(build(np.dtype(dtype), tiling)))
 
 
-def ptx_cases(label: str, build, argtypes, d: int, dv: int, streams: int = 1) -> list:
+def ptx_cases(label: str, build, argtypes, d: int, dv: int, streams: int = 1,
+              tiles=None) -> list:
     """``[(name, python function, argument types, options)]`` of a register-tiled kernel
     for the PTX check: float32 (gated) and float64, production tiles at ``d``, ``dv``.
 
-    ``argtypes(ty)`` gives the kernel's argument types for the Numba float type ``ty``.
+    ``argtypes(ty)`` gives the kernel's argument types for the Numba float type ``ty``;
+    ``tiles(dtype, d, dv, streams)`` the tiling (default :func:`tiling_for`).
     """
     cases = []
     for dtype in (np.dtype(np.float32), np.dtype(np.float64)):
-        tiling = tiling_for(dtype, d, dv, streams)
+        tiling = (tiles or tiling_for)(dtype, d, dv, streams)
         cases.append((f"{label} {dtype.name} {'d' if streams > 1 else 'D'}={d}",
                       build(dtype, tiling), argtypes(numba.from_dtype(dtype)),
                       {"threads": tiling.threads, "tiled": True}))
@@ -251,6 +253,18 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
     def clear(a, n):
         for x in range(n):
             a[x] = ZERO
+
+    def zeros(n):
+        """``fresh()``: two new register arrays of ``n`` zeros (a constant size; a device
+        function may return local arrays in a tuple only)."""
+        @cuda.jit(device=True)
+        def fresh():
+            a = cuda.local.array(n, nt)
+            b = cuda.local.array(n, nt)
+            clear(a, n)
+            clear(b, n)
+            return a, b
+        return fresh
 
     def outer_step(na, nb, guarded):
         """``R[x * nb + y] += A[ao + x] * B[bo + y]``: one rank-1 step of a micro-tile
@@ -558,7 +572,7 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
         block_tile=block_tile, start=start, start_rows=start_rows, finish_tile=finish_tile,
         shared_arrays=shared_arrays, thread_place=thread_place,
         stage_transposed=stage_transposed, stage_values=stage_values, clear=clear,
-        transposed_stager=transposed_stager, row_stager=row_stager,
+        transposed_stager=transposed_stager, row_stager=row_stager, zeros=zeros,
         scores_product=scores_product, micro_product=micro_product,
         tile_scores=tile_scores, modify_value=modify_value, modify_tile=modify_tile,
         thread_max=thread_max, row_reduce=row_reduce, store_tile=store_tile,

@@ -60,6 +60,7 @@ import math
 
 import numpy as np
 from numba import cuda
+from numba.np.numpy_support import from_dtype as numba_type
 
 from .._checks import is_device_array
 from .._codes import NORMALIZER_CODES, RELU_EXPM1, SOFTMAX, SOFTMAX1
@@ -103,18 +104,22 @@ def dkdv_parts(t: Tiling) -> tuple[int, ...]:
     return (s * t.dp * t.bk, g["DV4"] * t.bk, s * qq, oo, tile, s * tile, tile)
 
 
-def shared_elements(t: Tiling) -> int:
-    """The larger of the two kernels' shared arrays (they share one tiling)."""
-    return max(sum(dq_parts(t)), sum(dkdv_parts(t)))
+# production tiles by the largest head size (float32 on sm_90, see gpu/RESULTS.md), shrunk
+# to fit 48 KiB by tiling_for: the query-tile kernel keeps TM x TD of dQ per thread, the
+# key-tile kernel TN keys of dK and dV (a taller query tile, one key a thread: no spill)
+_PRODUCTION = {
+    "dq": ((64, (32, 64, 2, 4)), (128, (32, 32, 2, 2))),
+    "dkdv": ((64, (64, 32, 4, 1)), (128, (32, 32, 2, 2))),
+}
+_PARTS = {"dq": dq_parts, "dkdv": dkdv_parts}
 
 
-# backward tiles (float32, sm_90): the forward's shapes, shrunk to fit by tiling_for
-_PRODUCTION = ((64, (64, 32, 4, 2)), (128, (32, 32, 2, 2)))
-
-
-def backward_tiling(dtype, d: int, dv: int, streams: int = 1) -> Tiling:
-    """The tiling both backward kernels use for a compute dtype and head sizes."""
-    return tiling_for(dtype, d, dv, streams, elements=shared_elements, production=_PRODUCTION)
+def backward_tiling(dtype, d: int, dv: int, streams: int = 1, kernel: str = "dq") -> Tiling:
+    """The tiling of one backward kernel (``"dq"`` or ``"dkdv"``) for a compute dtype and
+    head sizes."""
+    parts = _PARTS[kernel]
+    return tiling_for(dtype, d, dv, streams, elements=lambda t: sum(parts(t)),
+                      production=_PRODUCTION[kernel])
 
 
 def _offsets(parts):
@@ -132,13 +137,15 @@ def pair_functions(dtype, tiling: Tiling):
     t_ = device_functions(np.dtype(dtype))
     ZERO, NINF = t_.ZERO, t_.NINF
     TM, TN, STREAMS, nt, N_S = tiling.tm, tiling.tn, tiling.streams, f.nt, f.N_S
+    N_ROWV = 3 if STREAMS == 1 else 5  # values a row: lse, r, delta / lse1, lse2, d1, e, lam
+    N_RV = N_ROWV * TM  # (local array sizes must be plain constants)
     modify_tile, tile_scores, apply_tile_mask = f.modify_tile, f.tile_scores, f.apply_tile_mask
     dscores = f.scores_product(_up4(tiling.dv))
 
     @cuda.jit(device=True)
-    def single(S, F, dP, W, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer):
+    def single(S, F, dP, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer):
         """One stream: ``S`` becomes ``ds``, ``dP`` becomes ``g`` (0 where the weight is),
-        ``W`` the weights.  ``rv``: the rows' ``lse, r, delta``; ``thr``, ``cutr``: the
+        ``F`` the weights.  ``rv``: the rows' ``lse, r, delta``; ``thr``, ``cutr``: the
         top-k selection when ``selected``.  Rows past ``nq`` get zeros.  ``S``, ``F``:
         the modified logits and their factors."""
         for r in range(TM):
@@ -162,13 +169,14 @@ def pair_functions(dtype, tiling: Tiling):
                         ds = p * g
                         w = p * F[x] if normalizer == RELU_EXPM1 else p
                 S[x] = ds
-                W[x] = w
+                F[x] = w
                 dP[x] = g
 
     @cuda.jit(device=True)
     def pair(S1, S2, dP, W, rv, rectified, part1, part2, row0, nq):
         """Two streams: ``S1``, ``S2`` become ``ds1``, ``ds2``, ``dP`` becomes ``G``, ``W``
-        the combined weights; ``part1[r] += sum G A1``, ``part2[r] += sum G A2``.  ``rv``:
+        (the factors' scratch) the combined weights; ``part1[r] += sum G A1``,
+        ``part2[r] += sum G A2``.  ``rv``:
         the rows' ``lse1, lse2, d1, e, lam``; ``S1``, ``S2``: the modified logits."""
         for r in range(TM):
             l1 = rv[r]
@@ -201,11 +209,10 @@ def pair_functions(dtype, tiling: Tiling):
 
     @cuda.jit(device=True)
     def pair_registers():
-        """The thread's register arrays of a pair: ``S1, S2, F, dP, W`` (micro-tiles),
-        ``rv`` (five values a row), ``thr``, ``cutr`` (the top-k selection)."""
+        """The thread's register arrays of a pair: ``S1, S2, F, dP`` (micro-tiles),
+        ``rv`` (three or five values a row), ``thr``, ``cutr`` (the top-k selection)."""
         return (cuda.local.array(N_S, nt), cuda.local.array(N_S, nt),
-                cuda.local.array(N_S, nt), cuda.local.array(N_S, nt),
-                cuda.local.array(N_S, nt), cuda.local.array(5 * TM, nt),
+                cuda.local.array(N_S, nt), cuda.local.array(N_S, nt), cuda.local.array(N_RV, nt),
                 cuda.local.array(TM, nt), cuda.local.array(TM, np.int64))
 
     @cuda.jit(device=True)
@@ -214,9 +221,8 @@ def pair_functions(dtype, tiling: Tiling):
         last) and, when ``selected``, the rows' top-k threshold and tie cut."""
         for r in range(TM):
             ii = min(i0 + row0 + r, Lq - 1)
-            for k in range(5):
-                if k < rowv.shape[2]:
-                    rv[k * TM + r] = rowv[b, h, k, ii]
+            for k in range(N_ROWV):
+                rv[k * TM + r] = rowv[b, h, k, ii]
             thr[r] = thr_a[0, 0, 0]
             cutr[r] = 0
             if selected:
@@ -224,12 +230,12 @@ def pair_functions(dtype, tiling: Tiling):
                 cutr[r] = cut_a[b, h, ii]
 
     @cuda.jit(device=True)
-    def tile_gradients(Q1, Q2, K1, K2, Ot, Vt, Mt, partial, S1, S2, F, dP, W, rv, thr, cutr,
+    def tile_gradients(Q1, Q2, K1, K2, Ot, Vt, Mt, partial, S1, S2, F, dP, rv, thr, cutr,
                        selected, rectified, part1, part2, i0, row0, j0, key0, nq, Lq, Lk,
                        diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks, normalizer):
         """The logits (``Q K^T`` per stream), ``dP = dO V^T`` and the pair's weights and
-        logit gradients (:func:`single` or :func:`pair`) from the staged transposed tiles;
-        ``Mt``: a partial tile's mask (``partial``)."""
+        logit gradients (:func:`single` or :func:`pair`; the weights in ``F``) from the
+        staged transposed tiles; ``Mt``: a partial tile's mask (``partial``)."""
         tile_scores(Q1, K1, row0, key0, S1)
         if STREAMS == 2:
             tile_scores(Q2, K2, row0, key0, S2)
@@ -239,16 +245,16 @@ def pair_functions(dtype, tiling: Tiling):
         modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                     has_mask, logks, has_ks, normalizer if STREAMS == 1 else SOFTMAX)
         if STREAMS == 1:
-            single(S1, F, dP, W, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer)
+            single(S1, F, dP, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer)
         else:
             modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                         has_mask, logks, has_ks, SOFTMAX)
-            pair(S1, S2, dP, W, rv, rectified, part1, part2, row0, nq)
+            pair(S1, S2, dP, F, rv, rectified, part1, part2, row0, nq)
 
     return pair_registers, load_rows, tile_gradients
 
 
-def build_dq(dtype, tiling: Tiling):
+def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
     """The query-tile kernel (``dQ``; with two streams also ``d1``, ``e``).
 
     Arguments: ``q, k, v, dout`` (4-D, the forward's head layout), ``scale``,
@@ -258,31 +264,39 @@ def build_dq(dtype, tiling: Tiling):
     ``rectified``, the pattern's ``p_heads``, CSR ``indptr`` / ``indices``
     and ``csr`` flag, the tile lists ``tile_ptr, tile_idx, tile_full`` and
     ``dq``.  Grid ``(B * H, query tiles)``.
+
+    ``variant`` (``"dense"``, ``"sparse"``, ``"topk"``; two streams: any)
+    fixes the ``csr`` and ``selected`` flags at compile time, so that a
+    dense kernel carries neither the CSR mask nor the selection (registers).
     """
     f = micro_functions(np.dtype(dtype), tiling)
     g_ = geometry(tiling)
     nt, TM, TN, BQ, BK = f.nt, f.TM, f.TN, f.BQ, f.BK
     S_, D = tiling.streams, tiling.d
     TD, DQP, DV4 = g_["TD"], g_["DQP"], g_["DV4"]
+    row_zeros, dq_zeros = f.zeros(TM), f.zeros(TM * TD)
     N_QS, N_KS = tiling.dp * BQ, _up4(max(tiling.dp * BK, BK * DQP))
     N_DS = _up4(BK * BQ)
     (O_Q, O_O, O_KV, O_V, O_DS, O_RED, O_ROWS, O_FLAG), N_ALL = _offsets(dq_parts(tiling))
     t_ = device_functions(np.dtype(dtype))
     CAST, ONE = t_.CAST, t_.CAST(1)
     block_tile, thread_place = f.block_tile, f.thread_place
-    stage_transposed, clear = f.stage_transposed, f.clear
+    stage_transposed = f.stage_transposed
     stage_dT = f.transposed_stager(DV4)
     stage_keys = f.row_stager(BK, DQP)
     dq_product = f.micro_product(TM, TD, BK, BQ, DQP)
     store_tile, row_reduce = f.store_tile, f.row_reduce
     stage_tile_mask = f.stage_tile_mask
     pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling)
+    CSR, SELECTED = variant == "sparse", variant == "topk"
 
     def dq_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
                   normalizer, rowv, thr_a, cut_a, selected, rectified, p_heads, indptr, indices,
                   csr, tile_ptr, tile_idx, tile_full, dq):
         Lq, Lk = q.shape[2], k.shape[2]
         diag = Lk - Lq if causal else Lk
+        csr = CSR  # the variant's constants (the arguments only say the same)
+        selected = SELECTED
         b, h, g, i0 = block_tile(q.shape[1] // S_, k.shape[1] // S_, 0)
         smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
         Qt, dOt, KV = smem[O_Q:O_O], smem[O_O:O_KV], smem[O_KV:O_V]
@@ -290,15 +304,9 @@ def build_dq(dtype, tiling: Tiling):
         rows, flag = smem[O_ROWS:O_FLAG], smem[O_FLAG:]
         t, row0, key0, _ = thread_place()
         colq = (key0 // TN) * TD
-        S1, S2, F, dP, W, rv, thr, cutr = pair_registers()
-        part1 = cuda.local.array(TM, nt)
-        part2 = cuda.local.array(TM, nt)
-        Q1 = cuda.local.array(TM * TD, nt)
-        Q2 = cuda.local.array(TM * TD, nt)
-        clear(Q1, TM * TD)
-        clear(Q2, TM * TD)
-        clear(part1, TM)
-        clear(part2, TM)
+        S1, S2, F, dP, rv, thr, cutr = pair_registers()
+        part1, part2 = row_zeros()  # with two streams: the rows' d1 and e
+        Q1, Q2 = dq_zeros()  # each stream's dQ micro-tile
         if t == 0:
             flag[0] = CAST(-1)
         nq = min(BQ, Lq - i0)
@@ -323,7 +331,7 @@ def build_dq(dtype, tiling: Tiling):
                 stage_dT(vh, j0, nk, ONE, Vt, BK)
                 cuda.syncthreads()
                 tile_gradients(Qt, Qt[N_QS:], KV, KV[N_KS:], dOt, Vt, dSt, partial, S1, S2, F,
-                               dP, W, rv, thr, cutr, selected, rectified, part1, part2, i0,
+                               dP, rv, thr, cutr, selected, rectified, part1, part2, i0,
                                row0, j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
                                has_mask, logks, has_ks, normalizer)
                 cuda.syncthreads()  # the key tiles and the tile mask are read
@@ -364,27 +372,28 @@ def build_dq(dtype, tiling: Tiling):
     return dq_kernel
 
 
-def build_dkdv(dtype, tiling: Tiling):
+def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
     """The key-tile kernel (``dK``, ``dV``, the full bias gradient, ``d log key_size``).
 
     Arguments as :func:`build_dq` up to the pattern (``col_ptr, col_qt,
     col_full``: the tile lists read by key tile), then ``need_dbias``,
     ``dk``, ``dv``, ``dbias (B, H, Lq, Lk)`` (or a placeholder) and
     ``dlogks (B, Hk, Lk)`` (zeros on entry; per key head).  Grid ``(B * Hk,
-    key tiles)``.
+    key tiles)``.  ``variant`` as :func:`build_dq`.
     """
     f = micro_functions(np.dtype(dtype), tiling)
     g_ = geometry(tiling)
     nt, TM, TN, BQ, BK, NT = f.nt, f.TM, f.TN, f.BQ, f.BK, f.NT
     S_, D, DV = tiling.streams, tiling.d, tiling.dv
     NX, TDK, DKP, TVK, DVKP, DV4 = (g_[x] for x in ("NX", "TDK", "DKP", "TVK", "DVKP", "DV4"))
+    row_zeros, dk_zeros, dv_zeros = f.zeros(TM), f.zeros(TN * TDK), f.zeros(TN * TVK)
     N_KS, N_TILE = tiling.dp * BK, _up4(BQ * BK)
     N_QQ = _up4(max(tiling.dp * BQ, BQ * DKP))
     (O_K, O_V, O_Q, O_O, O_W, O_DS, O_X), N_ALL = _offsets(dkdv_parts(tiling))
     t_ = device_functions(np.dtype(dtype))
     ZERO, ONE = t_.ZERO, t_.CAST(1)
     thread_place = f.thread_place
-    stage_transposed, clear = f.stage_transposed, f.clear
+    stage_transposed = f.stage_transposed
     stage_dT = f.transposed_stager(DV4)
     stage_q = f.row_stager(BQ, DKP)
     stage_o = f.row_stager(BQ, DVKP)
@@ -392,6 +401,7 @@ def build_dkdv(dtype, tiling: Tiling):
     dk_product = f.micro_product(TN, TDK, BQ, BK, DKP)
     stage_tile_mask = f.stage_tile_mask
     pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling)
+    CSR, SELECTED = variant == "sparse", variant == "topk"
 
     @cuda.jit(device=True)
     def store_rows(X, A, row0, key0):
@@ -405,6 +415,8 @@ def build_dkdv(dtype, tiling: Tiling):
                     indices, csr, col_ptr, col_qt, col_full, need_dbias, dk, dv, dbias, dlogks):
         Lq, Lk = q.shape[2], k.shape[2]
         diag = Lk - Lq if causal else Lk
+        csr = CSR  # the variant's constants (the arguments only say the same)
+        selected = SELECTED
         H, Hk = q.shape[1] // S_, k.shape[1] // S_
         group = H // Hk
         b = cuda.blockIdx.x // Hk
@@ -420,14 +432,10 @@ def build_dkdv(dtype, tiling: Tiling):
         ty = t // NX
         colk = ty * TDK
         colv = ty * TVK
-        S1, S2, F, dP, W, rv, thr, cutr = pair_registers()
-        part = cuda.local.array(TM, nt)
-        K1 = cuda.local.array(TN * TDK, nt)
-        K2 = cuda.local.array(TN * TDK, nt)
-        V1 = cuda.local.array(TN * TVK, nt)
-        clear(K1, TN * TDK)
-        clear(K2, TN * TDK)
-        clear(V1, TN * TVK)
+        S1, S2, F, dP, rv, thr, cutr = pair_registers()
+        part, _ = row_zeros()  # the first sweep's sums: not needed here
+        K1, K2 = dk_zeros()  # dK of each stream
+        V1, _ = dv_zeros()
         for c in range(S_):
             stage_transposed(k[b, S_ * g + c], j0, nk, ONE, Kt[c * N_KS:], BK)
         stage_dT(v[b, g], j0, nk, ONE, Vt, BK)
@@ -448,13 +456,13 @@ def build_dkdv(dtype, tiling: Tiling):
                 stage_dT(dout[b, h], i0, nq, ONE, OO, BQ)
                 cuda.syncthreads()
                 tile_gradients(QQ, QQ[N_QQ:], Kt, Kt[N_KS:], OO, Vt, Wt, partial, S1, S2, F, dP,
-                               W, rv, thr, cutr, selected, rectified, part, part, i0, row0, j0,
+                               rv, thr, cutr, selected, rectified, part, part, i0, row0, j0,
                                key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask, has_mask,
                                logks, has_ks, normalizer)
                 for r in range(TM):  # the contributions to d log key_size (and dbias)
                     for c in range(TN):
                         x = r * TN + c
-                        dP[x] = S1[x] + S2[x] if S_ == 2 else W[x] * dP[x]
+                        dP[x] = S1[x] + S2[x] if S_ == 2 else F[x] * dP[x]
                         if need_dbias and row0 + r < nq and key0 + c < nk:
                             dbias[b, h, i0 + row0 + r, j0 + key0 + c] = (
                                 S1[x] + S2[x] if S_ == 2 else S1[x])
@@ -462,7 +470,7 @@ def build_dkdv(dtype, tiling: Tiling):
                 for c in range(S_):
                     stage_q(q[b, S_ * h + c], i0, nq, QQ[c * N_QQ:])
                 stage_o(dout[b, h], i0, nq, OO)
-                store_rows(W, Wt, row0, key0)
+                store_rows(F, Wt, row0, key0)
                 store_rows(S1, dSb, row0, key0)
                 if S_ == 2:
                     store_rows(S2, dSb[N_TILE:], row0, key0)
@@ -476,7 +484,7 @@ def build_dkdv(dtype, tiling: Tiling):
                 if has_ks:  # one thread a key, rows in order: deterministic
                     for c in range(t, nk, NT):
                         acc = ZERO
-                        for r in range(BQ):
+                        for r in range(nq):  # rows past nq hold zeros
                             acc += X[U32(r) * U32(BK) + U32(c)]
                         dlogks[b, g, j0 + c] += acc
                 cuda.syncthreads()
@@ -580,12 +588,16 @@ def sum_to(x, shape, dtype):
     return y
 
 
-def dq_kernel(dtype, tiling):
-    return tiled_kernel("dq", build_dq, dtype, tiling)
+def _variant_kernel(name, build, dtype, tiling, variant):
+    return tiled_kernel(f"{name}-{variant}", lambda dt, t: build(dt, t, variant), dtype, tiling)
 
 
-def dkdv_kernel(dtype, tiling):
-    return tiled_kernel("dkdv", build_dkdv, dtype, tiling)
+def dq_kernel(dtype, tiling, variant):
+    return _variant_kernel("dq", build_dq, dtype, tiling, variant)
+
+
+def dkdv_kernel(dtype, tiling, variant):
+    return _variant_kernel("dkdv", build_dkdv, dtype, tiling, variant)
 
 
 def _tile_lists(problem, tiling, pattern):
@@ -627,11 +639,11 @@ def _finish(a, *results):
     return tuple(None if r is None else r.copy_to_host() for r in results)
 
 
-def _sweep(problem, a, tiling, rowv, dout, pattern=None, selection=None, rectified=False,
+def _sweep(problem, a, streams, rowv, dout, pattern=None, selection=None, rectified=False,
            need_dbias=False):
     """Launch both kernels; returns device ``(dq, dk, dv, dbias_full, dlogks_per_head)``."""
-    B, Hx, Hkx, Lq, Lk, _, _ = problem.shape
-    S = tiling.streams
+    B, Hx, Hkx, Lq, Lk, D, Dv = problem.shape
+    S = streams
     H, Hk = Hx // S, Hkx // S
     dt = a.dtype
     dq = cuda.device_array(problem.q.shape, dt)
@@ -640,7 +652,10 @@ def _sweep(problem, a, tiling, rowv, dout, pattern=None, selection=None, rectifi
     # zeros: the tiles a causal limit or a pattern skips are never visited
     dbias = cuda.to_device(np.zeros((B, H, Lq, Lk) if need_dbias else (1, 1, 1, 1), dt))
     dlogks = cuda.to_device(np.zeros((B, Hk, Lk) if a.has_ks else (1, 1, 1), dt))
-    p_heads, indptr, indices, csr, rows, cols = _tile_lists(problem, tiling, pattern)
+    t_dq = backward_tiling(a.dtype, D, Dv, S, "dq")
+    t_kv = backward_tiling(a.dtype, D, Dv, S, "dkdv")
+    p_heads, indptr, indices, csr, rows, _ = _tile_lists(problem, t_dq, pattern)
+    cols = _tile_lists(problem, t_kv, pattern)[5]
     if selection is None:
         thr, cut = cuda.to_device(np.zeros((1, 1, 1), dt)), cuda.to_device(
             np.zeros((1, 1, 1), np.int64))
@@ -650,11 +665,12 @@ def _sweep(problem, a, tiling, rowv, dout, pattern=None, selection=None, rectifi
               a.has_mask, a.logks, a.has_ks, problem.causal,
               NORMALIZER_CODES[problem.normalizer], rowv, thr, cut, selection is not None,
               rectified, p_heads, indptr, indices, csr)
-    n_qt, n_kt = -(-Lq // tiling.bq), -(-Lk // tiling.bk)
+    n_qt, n_kt = -(-Lq // t_dq.bq), -(-Lk // t_kv.bk)
     # the query-tile kernel first: with two streams it forms d1 and e for the other
-    dq_kernel(dt, tiling)[(B * H, n_qt), tiling.threads](*common, *rows, dq)
-    dkdv_kernel(dt, tiling)[(B * Hk, n_kt), tiling.threads](*common, *cols, need_dbias, dk,
-                                                            dv, dbias, dlogks)
+    variant = "sparse" if pattern is not None else "topk" if selection is not None else "dense"
+    dq_kernel(dt, t_dq, variant)[(B * H, n_qt), t_dq.threads](*common, *rows, dq)
+    dkdv_kernel(dt, t_kv, variant)[(B * Hk, n_kt), t_kv.threads](
+        *common, *cols, need_dbias, dk, dv, dbias, dlogks)
     return dq, dk, dv, dbias, dlogks
 
 
@@ -682,7 +698,6 @@ def _single(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_k=None
         from .topk import topk_selection
 
         selection = topk_selection(problem, top_k, a)[2:]
-    tiling = backward_tiling(dt, D, Dv)
     dout = _on_device(dout)
     rowv = cuda.device_array((B, Hq, 3, Lq), dt)
     grid, threads = _blocks(B * Hq * Lq)
@@ -690,7 +705,7 @@ def _single(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_k=None
     _helper("row_terms", build_row_terms, dt)[grid, threads](
         _on_device(out), dout, _on_device(lse), dlse_d if dlse is not None else rowv,
         dlse is not None, NORMALIZER_CODES[problem.normalizer], rowv)
-    dq, dk, dv, dbias, dlogks = _sweep(problem, a, tiling, rowv, dout, pattern=pattern,
+    dq, dk, dv, dbias, dlogks = _sweep(problem, a, 1, rowv, dout, pattern=pattern,
                                        selection=selection, need_dbias=dbias_shape is not None)
     dbias = None if dbias_shape is None else sum_to(dbias, dbias_shape, dt)
     dlks = None
@@ -745,9 +760,8 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     rowv = cuda.to_device(host_rows)
     diff_forward(problem, cuda.to_device(np.ascontiguousarray(host_rows[:, :, 4])), mode, a,
                  lses=rowv)
-    tiling = backward_tiling(dt, D, Dv, streams=2)
     dq, dk, dv, dbias, dlogks = _sweep(
-        problem, a, tiling, rowv, _on_device(dout),
+        problem, a, 2, rowv, _on_device(dout),
         rectified=DIFF_MODE_CODES[mode] == RECTIFIED, need_dbias=dbias_shape is not None)
     dbias = None if dbias_shape is None else sum_to(dbias, dbias_shape, dt)
     dlks = None
@@ -759,3 +773,46 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
         dlam = cuda.to_device(np.ascontiguousarray(dlam))
         return dq, dk, dv, dbias, dlks, dlam
     return (*_finish(a, dq, dk, dv, dbias, dlks), np.ascontiguousarray(dlam))
+
+
+def ptx_signatures():
+    """``[(name, python function, argument types, options)]`` for the PTX check: both
+    kernels, one stream (dense, sparse, top-k) at D = 64 and 128, two (differential
+    attention) at d = 64, Dv = 128; the helper kernels."""
+    from numba import types
+
+    from ._micro import ptx_cases
+
+    b_ = types.boolean
+    i64, i32, flags = types.int64[::1], types.int32[::1], types.boolean[::1]
+
+    def common(ty):
+        arr4 = ty[:, :, :, ::1]
+        return (arr4, arr4, arr4, arr4, ty, arr4, b_, types.boolean[:, :, :, ::1], b_,
+                ty[:, ::1], b_, b_, types.int64, arr4, ty[:, :, ::1], types.int64[:, :, ::1],
+                b_, b_, types.int64, i64, i32, b_, i64, i32, flags)
+
+    def dq_types(ty):
+        return common(ty) + (ty[:, :, :, ::1],)
+
+    def dkdv_types(ty):
+        arr4 = ty[:, :, :, ::1]
+        return common(ty) + (b_, arr4, arr4, arr4, ty[:, :, ::1])
+
+    cases = []
+    for label, build, argtypes in (("dq", build_dq, dq_types), ("dkdv", build_dkdv, dkdv_types)):
+        def tiles(dtype, d, dv, streams, label=label):
+            return backward_tiling(dtype, d, dv, streams, label)
+
+        for d in (64, 128):
+            cases += ptx_cases(f"backward {label}", build, argtypes, d, d, tiles=tiles)
+        cases += ptx_cases(f"backward diff {label}", build, argtypes, 64, 128, streams=2,
+                           tiles=tiles)
+    for dtype in (np.float32, np.float64):
+        ty = numba_type(dtype)
+        arr3, arr4 = ty[:, :, ::1], ty[:, :, :, ::1]
+        name = np.dtype(dtype).name
+        cases += [(f"backward row_terms {name}", build_row_terms(np.dtype(dtype)),
+                   (arr4, arr4, arr3, arr3, b_, types.int64, arr4)),
+                  (f"backward sum_to {name}", build_sum_to(np.dtype(dtype)), (arr4, arr4))]
+    return cases

@@ -45,8 +45,9 @@ def test_sizes_cross_several_tiles():
 
     assert_several_tiles(LQ, LK, D, DV)
     if SIMULATOR:
-        t = backward_tiling(np.float64, D, DV)
-        assert LQ > 2 * t.bq and LK > 2 * t.bk
+        for kernel in ("dq", "dkdv"):
+            t = backward_tiling(np.float64, D, DV, 1, kernel)
+            assert LQ > 2 * t.bq and LK > 2 * t.bk
 
 
 @pytest.mark.parametrize("causal", [False, True])
