@@ -4,7 +4,11 @@ The functions reproduce the semantics of the reference code
 (facebookresearch/ToMe ``tome/merge.py`` and ``tome/utils.py``, dbolya/tomesd
 ``tomesd/merge.py``) on NumPy arrays, with the numerical work (similarity
 matching, scatter-reduce merges, unmerges) dispatched to the ``reference``,
-``cpu`` and ``cuda`` backends.
+``cpu`` and ``cuda`` backends.  CUDA device arrays (Numba, CuPy, PyTorch:
+anything with ``__cuda_array_interface__``) go to the ``cuda`` backend and
+are read in place: merges, unmerges, :func:`merge_wavg` and
+:func:`merge_source` then return Numba device arrays in the input's dtype;
+a :class:`Matching`'s index arrays are host arrays either way.
 
 Every matching function returns a :class:`Matching`.  It can be used as the
 reference's ``merge, unmerge`` pair (``merge, unmerge = bipartite_soft_matching(...)``

@@ -170,28 +170,35 @@ def max_rel_error(a, b, torch):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def run_timings(args, started) -> list[dict]:
-    """(b): every size, until the time budget runs out."""
+def to_host(x):
+    """A Numba device array's values on the host (tensors and arrays as they are)."""
     import numpy as np
+
+    return np.asarray(x.copy_to_host()) if hasattr(x, "copy_to_host") else x
+
+
+def sweep(args, started, sizes, make, error, flop_factor, **extra) -> list[dict]:
+    """Time ``make(args, torch, n, d, causal)``'s candidates at every size until the time
+    budget runs out; ``error(ours, sdpa)`` compares their results; GFLOP/s count
+    ``flop_factor`` times the forward's ``4 N^2 D H`` (half of it causal)."""
     import torch
 
     timer = Timer(args.simulator_tiny)
     rows = []
     for d in args.dims:
         for causal in (False, True):
-            for n in args.sizes:
-                row = {"N": n, "H": args.heads, "D": d, "causal": causal, "dtype": "float32"}
+            for n in sizes:
+                row = {"N": n, "H": args.heads, "D": d, "causal": causal, "dtype": "float32",
+                       **extra}
                 rows.append(row)
                 if time.perf_counter() - started > args.budget:
                     row["skipped"] = "time budget"
                     continue
-                flops = 4.0 * n * n * d * args.heads * (0.5 if causal else 1.0)
+                flops = flop_factor * 4.0 * n * n * d * args.heads * (0.5 if causal else 1.0)
                 try:
-                    fns = candidates(args, torch, n, d, causal)
-                    out = fns["attnnb-cuda"]()
-                    ref = fns["torch-sdpa"]()
-                    host = out.copy_to_host() if hasattr(out, "copy_to_host") else out
-                    row["max_rel_err_vs_sdpa"] = max_rel_error(np.asarray(host), ref, torch)
+                    fns = make(args, torch, n, d, causal)
+                    row["max_rel_err_vs_sdpa"] = error(fns["attnnb-cuda"](),
+                                                       fns["torch-sdpa"](), torch)
                     for label, fn in fns.items():
                         ms = timer(fn)
                         row[f"{label}_ms"] = ms
@@ -201,6 +208,14 @@ def run_timings(args, started) -> list[dict]:
                     row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 print(json.dumps(row), flush=True)
     return rows
+
+
+def run_timings(args, started) -> list[dict]:
+    """(b): the forward at every size."""
+    def error(out, ref, torch):
+        return max_rel_error(to_host(out), ref, torch)
+
+    return sweep(args, started, args.sizes, candidates, error, 1.0)
 
 
 def backward_candidates(args, torch, n, d, causal):
@@ -239,42 +254,18 @@ def backward_candidates(args, torch, n, d, causal):
 
 
 def run_backward_timings(args, started) -> list[dict]:
-    """(c): forward + backward at ``--backward-sizes``, until the time budget runs out."""
-    import numpy as np
+    """(c): forward + backward at ``--backward-sizes`` (float32, TF32 off)."""
     import torch
 
     if not args.simulator_tiny:  # plain float32 products on both sides
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    timer = Timer(args.simulator_tiny)
-    rows = []
-    for d in args.dims:
-        for causal in (False, True):
-            for n in args.backward_sizes:
-                row = {"N": n, "H": args.heads, "D": d, "causal": causal, "dtype": "float32",
-                       "pass": "forward+backward"}
-                rows.append(row)
-                if time.perf_counter() - started > args.budget:
-                    row["skipped"] = "time budget"
-                    continue
-                flops = 3.5 * 4.0 * n * n * d * args.heads * (0.5 if causal else 1.0)
-                try:
-                    fns = backward_candidates(args, torch, n, d, causal)
-                    ours, theirs = fns["attnnb-cuda"](), fns["torch-sdpa"]()
-                    row["max_rel_err_vs_sdpa"] = max(
-                        max_rel_error(np.asarray(ours[x].copy_to_host()
-                                                 if hasattr(ours[x], "copy_to_host")
-                                                 else ours[x]), theirs[x], torch)
-                        for x in "qkv")
-                    for label, fn in fns.items():
-                        ms = timer(fn)
-                        row[f"{label}_ms"] = ms
-                        row[f"{label}_gflops"] = flops / (ms * 1e6)
-                    row["sdpa_over_attnnb"] = row["torch-sdpa_ms"] / row["attnnb-cuda_ms"]
-                except Exception as exc:  # keep going: one failed size is a result too
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                print(json.dumps(row), flush=True)
-    return rows
+
+    def error(ours, theirs, torch):
+        return max(max_rel_error(to_host(ours[x]), theirs[x], torch) for x in "qkv")
+
+    return sweep(args, started, args.backward_sizes, backward_candidates, error, 3.5,
+                 **{"pass": "forward+backward"})
 
 
 def device_info(simulator) -> dict:

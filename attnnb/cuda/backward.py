@@ -37,7 +37,9 @@ Two kernels, as FlashAttention-2, for one or two score streams
   per key head.  No two blocks write one element: no atomics, and the
   results are the same bit for bit from run to run.
 
-Threads and micro-tiles are the forward's (``(ty, tx)``: rows ``ty * TM``,
+Each kernel has its own :class:`~attnnb.cuda._micro.Tiling`
+(:func:`backward_tiling`; the tile lists are built for each).  Threads and
+micro-tiles are the forward's (``(ty, tx)``: rows ``ty * TM``,
 keys ``tx * TN``): ``S`` and ``dP`` micro-tiles in registers, the products
 ``dO V^T``, ``W^T dO``, ``dS^T Q`` and ``dS K`` through the core's
 :func:`micro_product` on tiles staged in shared memory (transposed for the
@@ -108,8 +110,18 @@ def dkdv_parts(t: Tiling) -> tuple[int, ...]:
 # to fit 48 KiB by tiling_for: the query-tile kernel keeps TM x TD of dQ per thread, the
 # key-tile kernel TN keys of dK and dV (a taller query tile, one key a thread: no spill)
 _PRODUCTION = {
-    "dq": ((64, (32, 64, 2, 4)), (128, (32, 32, 2, 2))),
-    "dkdv": ((64, (64, 32, 4, 1)), (128, (32, 32, 2, 2))),
+    "dq": ((64, (32, 64, 2, 4)), (128, (32, 32, 2, 1))),
+    "dkdv": ((64, (64, 32, 4, 1)), (128, (32, 32, 2, 1))),
+}
+# float32 kernels that do not meet the register-tiling gate yet, and why (the gate reports
+# them as known failures; gpu/RESULTS.md has their figures)
+KNOWN_GATE_FAILURES = {
+    "backward dkdv float32 D=128": "fewer than 4 FMA per shared load: at D = 128 the staged "
+                                   "tiles leave 8 keys a block, one per thread",
+    "backward diff dq float32 d=64": "more than 128 registers and fewer than 4 FMA per shared "
+                                     "load: two score streams",
+    "backward diff dkdv float32 d=64": "more than 128 registers and fewer than 4 FMA per "
+                                       "shared load: two score streams, Dv = 128",
 }
 _PARTS = {"dq": dq_parts, "dkdv": dkdv_parts}
 
@@ -627,7 +639,9 @@ def _tile_lists(problem, tiling, pattern):
 
 
 def _on_device(x, dtype=None):
-    if x is None or is_device_array(x):
+    if x is None:
+        return None
+    if is_device_array(x):
         return device_view(x, need_reshape=False)
     return cuda.to_device(np.ascontiguousarray(x, dtype))
 
@@ -808,6 +822,9 @@ def ptx_signatures():
             cases += ptx_cases(f"backward {label}", build, argtypes, d, d, tiles=tiles)
         cases += ptx_cases(f"backward diff {label}", build, argtypes, 64, 128, streams=2,
                            tiles=tiles)
+    for name, _, _, options in cases:
+        if name in KNOWN_GATE_FAILURES:
+            options["known"] = KNOWN_GATE_FAILURES[name]
     for dtype in (np.float32, np.float64):
         ty = numba_type(dtype)
         arr3, arr4 = ty[:, :, ::1], ty[:, :, :, ::1]
