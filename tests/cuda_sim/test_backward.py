@@ -162,3 +162,27 @@ def test_device_diff_gradients(rng):
     for name, g in got.items():
         assert is_device_array(g), name
         assert_close(host(g), want[name], np.float32, what=f"d{name}")
+
+
+def test_device_float16_gradients_and_empty_axes(rng):
+    """float16 device inputs: float16 device gradients (computed in float32); an empty key
+    or query axis: zero gradients of the right shapes."""
+    from attnnb._validate import is_device_array
+
+    q, k, v = qkv(rng, hq=2, hk=1, lq=LQ, lk=LK, d=D, dv=DV, dtype=np.float16)
+    key_size = rng.integers(1, 3, (LK,)).astype(np.float16)
+    out, pullback = attnnb.vjp(attnnb.attention, *to_device(q, k, v), key_size=key_size)
+    dout = randn(rng, out.shape, np.float16)
+    got = pullback(to_device(dout)[0])
+    _, ref_pullback = attnnb.vjp(attnnb.attention, q, k, v, key_size=key_size,
+                                 backend="reference")
+    want = ref_pullback(dout)
+    for name, g in got.items():
+        assert is_device_array(g) and g.dtype == np.float16, name
+        assert_close(host(g), want[name], np.float16, what=f"d{name}")
+    for lq, lk in ((0, 5), (4, 0)):
+        q, k, v = qkv(rng, hq=1, lq=lq, lk=lk, d=3, dv=2)
+        out, pullback = attnnb.vjp(attnnb.attention, q, k, v, backend="cuda")
+        grads = pullback(np.ones(out.shape))
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            assert grads[name].shape == x.shape and not grads[name].any()
