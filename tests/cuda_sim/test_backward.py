@@ -186,3 +186,24 @@ def test_device_float16_gradients_and_empty_axes(rng):
         grads = pullback(np.ones(out.shape))
         for name, x in (("q", q), ("k", k), ("v", v)):
             assert grads[name].shape == x.shape and not grads[name].any()
+
+
+def test_torch_cuda_autograd_against_cpu(rng):
+    """On a GPU: attnnb.torch's autograd with CUDA tensors (cotangents and residuals read in
+    place) against the same call on CPU tensors."""
+    from .test_attention import _gpu_library
+
+    torch = _gpu_library("torch")
+    import attnnb.torch as at
+
+    q, k, v = (torch.tensor(x) for x in qkv(rng, hq=2, hk=1, lq=LQ, lk=LK, d=D, dv=DV,
+                                               dtype=np.float32))
+    bias = torch.tensor(randn(rng, (LQ, LK), np.float32))
+    dout = torch.tensor(randn(rng, (2, LQ, DV), np.float32))
+    grads = {}
+    for device in ("cpu", "cuda"):
+        leaves = [x.to(device).requires_grad_(True) for x in (q, k, v, bias)]
+        at.attention(*leaves[:3], bias=leaves[3], causal=True).backward(dout.to(device))
+        grads[device] = [x.grad.cpu() for x in leaves]
+    for name, a, b in zip("qkvb", grads["cuda"], grads["cpu"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"d{name}")
