@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _dispatch
-from ._validate import _kernel_ready
+from ._validate import _kernel_ready, is_device_array
 from .attention import attention
 from .diff import diff_attention
 from .sparse import sparse_attention, topk_attention
@@ -218,6 +218,15 @@ def _replay(out, lse):
 
 
 def _residual(what: str, x, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    if is_device_array(x):  # a CUDA tensor's residuals stay on the device, read in place
+        from ._device import device_view
+
+        dev = device_view(x, need_reshape=False)
+        if dev.size != int(np.prod(shape)) or np.dtype(dev.dtype) != dtype:
+            raise ValueError(f"the saved {what} must hold {int(np.prod(shape))} values of "
+                             f"dtype {dtype}; got shape {tuple(dev.shape)} and dtype "
+                             f"{np.dtype(dev.dtype)}")
+        return dev.reshape(shape)
     arr = np.asarray(x)
     if arr.size != int(np.prod(shape)) or arr.dtype != dtype:
         raise ValueError(f"the saved {what} must hold {int(np.prod(shape))} values of dtype "

@@ -229,6 +229,10 @@ for _op, (_module, _function) in OPERATIONS.items():
     for _backend in BACKENDS:
         register(_op, _backend, f"attnnb.{_backend}.{_module}:{_function}")
 
+# ToMe's size-weighted merge of device arrays in one kernel (attnnb.tome.merge_wavg):
+# host arrays take two merges and NumPy arithmetic in the public layer instead.
+register("tome_merge_wavg", "cuda", "attnnb.cuda.tome:merge_wavg")
+
 # Gradients (attnnb.vjp): one backward operation per differentiable function,
 # ``"<function>_vjp"``, with the interface documented in :mod:`attnnb.vjp`.  Only
 # the backends listed in GRADIENT_BACKENDS implement them so far; elsewhere
@@ -240,7 +244,7 @@ GRADIENT_OPERATIONS = {
     "topk_attention_vjp": ("backward", "topk_attention_vjp"),
     "diff_attention_vjp": ("backward", "diff_attention_vjp"),
 }
-GRADIENT_BACKENDS = ("reference", "cpu")
+GRADIENT_BACKENDS = ("reference", "cpu", "cuda")
 
 for _op, (_module, _function) in GRADIENT_OPERATIONS.items():
     for _backend in GRADIENT_BACKENDS:

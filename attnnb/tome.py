@@ -4,7 +4,11 @@ The functions reproduce the semantics of the reference code
 (facebookresearch/ToMe ``tome/merge.py`` and ``tome/utils.py``, dbolya/tomesd
 ``tomesd/merge.py``) on NumPy arrays, with the numerical work (similarity
 matching, scatter-reduce merges, unmerges) dispatched to the ``reference``,
-``cpu`` and ``cuda`` backends.
+``cpu`` and ``cuda`` backends.  CUDA device arrays (Numba, CuPy, PyTorch:
+anything with ``__cuda_array_interface__``) go to the ``cuda`` backend and
+are read in place: merges, unmerges, :func:`merge_wavg` and
+:func:`merge_source` then return Numba device arrays in the input's dtype;
+a :class:`Matching`'s index arrays are host arrays either way.
 
 Every matching function returns a :class:`Matching`.  It can be used as the
 reference's ``merge, unmerge`` pair (``merge, unmerge = bipartite_soft_matching(...)``
@@ -72,7 +76,13 @@ import numpy as np
 
 from . import _dispatch
 from ._codes import MERGE_MODE_CODES
-from ._validate import check_bool, compute_dtypes, host_float_array, is_device_array
+from ._validate import (
+    check_bool,
+    compute_dtypes,
+    float_dtype_of,
+    host_float_array,
+    is_device_array,
+)
 
 __all__ = [
     "Matching",
@@ -105,14 +115,28 @@ def _int(name: str, value, minimum=None) -> int:
     return value
 
 
+def _device(name, x, ndim=3):
+    """A device array as a Numba device array (no copy), its dtype checked."""
+    from ._device import device_view
+
+    arr = device_view(x, need_reshape=False)
+    float_dtype_of(name, np.dtype(arr.dtype))
+    if len(arr.shape) != ndim:
+        raise ValueError(f"{name} must be 3-D (B, N, C); got shape {tuple(arr.shape)}")
+    return arr
+
+
 def _metric(metric, backend):
-    """The metric as a C-contiguous ``(B, N, C)`` array in its compute dtype, and the backend."""
+    """The metric as a C-contiguous ``(B, N, C)`` array in its compute dtype (a device
+    array, read in place, for the ``cuda`` backend), and the backend."""
     if is_device_array(metric):
-        # Resolving the backend first gives the user the reason a device array
-        # cannot be used here (no GPU, wrong backend) before any conversion.
-        _dispatch.choose_backend(backend, True)
-        raise RuntimeError("attnnb.tome does not accept CUDA device arrays yet; "
-                           "pass host arrays (backend 'reference' or 'cpu')")
+        # the backend first: a device array on a host backend is a TypeError saying so
+        backend = _dispatch.choose_backend(backend, True)
+        arr = _device("metric", metric)
+        if arr.shape[2] == 0:
+            raise ValueError(f"metric must have at least one channel; got shape "
+                             f"{tuple(arr.shape)}")
+        return arr, backend
     arr = host_float_array("metric", metric)
     if arr.ndim != 3:
         raise ValueError(f"metric must be 3-D (B, N, C); got shape {arr.shape}")
@@ -137,8 +161,11 @@ def _rng(seed):
 
 
 def _tokens(name, x, batch, n, why, channels="C"):
-    """Check that ``x`` is a ``(batch, n, channels)`` float array; ``why`` says what for."""
-    arr = host_float_array(name, x)
+    """Check that ``x`` is a ``(batch, n, channels)`` float array; ``why`` says what for.
+
+    A device array stays one (a Numba view, no copy).
+    """
+    arr = _device(name, x) if is_device_array(x) else host_float_array(name, x)
     if arr.ndim != 3:
         raise ValueError(f"{name} must be 3-D (B, N, {channels}); got shape {arr.shape}")
     if arr.shape[0] != batch or arr.shape[1] != n:
@@ -273,6 +300,11 @@ class Matching:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
         arr = _tokens("x", x, self.batch, self.n_in, self._merge_input())
+        if is_device_array(arr):  # read in place; a device result in x's dtype
+            if self.is_identity:
+                return _device_copy(arr)
+            return _dispatch.call("tome_merge", backend or self.backend, True, arr, self.slot,
+                                  self.n_out, mode)
         _, out_dtype = compute_dtypes(arr.dtype)
         if self.is_identity:
             return arr.astype(out_dtype, copy=True)
@@ -296,22 +328,35 @@ class Matching:
         why = (f"for unmerge: the {self.n_out} tokens merge returns for this {self.kind} "
                f"matching of {self.n_in} tokens")
         arr = _tokens("x", x, self.batch, self.n_out, why)
+        slot = np.ascontiguousarray(self.slot[:, : self.n_kept])
+        if is_device_array(arr):
+            if self.is_identity:
+                return _device_copy(arr)
+            return _dispatch.call("tome_unmerge", backend or self.backend, True, arr, slot)
         _, out_dtype = compute_dtypes(arr.dtype)
         if self.is_identity:
             return arr.astype(out_dtype, copy=True)
         comp, _ = compute_dtypes(arr.dtype)
-        slot = np.ascontiguousarray(self.slot[:, : self.n_kept])
         out = _dispatch.call("tome_unmerge", backend or self.backend, False,
                              np.ascontiguousarray(arr, dtype=comp), slot)
         return out.astype(out_dtype, copy=False)
+
+
+def _device_copy(arr):
+    """A fresh device copy of a device array (an identity merge returns a copy)."""
+    from numba import cuda
+
+    out = cuda.device_array(tuple(arr.shape), np.dtype(arr.dtype))
+    out.copy_to_device(arr)
+    return out
 
 
 def _select(kind, metric, a_idx, b_idx, r, backend, *, class_token=False, distill_token=False,
             merge_all=False, n_kept=None):
     """Match set A to set B on the backend and keep the ``r`` best edges."""
     B, N, _ = metric.shape
-    _, node_idx, order = _dispatch.call("tome_match", backend, False, metric, a_idx, b_idx,
-                                        class_token, distill_token)
+    _, node_idx, order = _dispatch.call("tome_match", backend, is_device_array(metric), metric,
+                                        a_idx, b_idx, class_token, distill_token)
     node_idx = np.asarray(node_idx, np.int64)
     if merge_all:  # every A token merges; the reference keeps A's own order
         src_idx = np.broadcast_to(np.arange(a_idx.shape[1], dtype=np.int64),
@@ -548,6 +593,8 @@ def merge_wavg(matching, x, size=None):
         The summed sizes (feed to ``attention(..., key_size=size)``).
     """
     merge = _merge_fn(matching)
+    if is_device_array(x):
+        return _device_wavg(matching, x, size)
     x = host_float_array("x", x)
     if x.ndim != 3:
         raise ValueError(f"x must be 3-D (B, N, C); got shape {x.shape}")
@@ -561,6 +608,27 @@ def merge_wavg(matching, x, size=None):
     merged = merge(x * size, mode="sum")
     size = merge(size, mode="sum")
     return merged / size, size
+
+
+def _device_wavg(matching, x, size):
+    """:func:`merge_wavg` of a device ``x`` (and ``size``, device or host): one kernel."""
+    from numba import cuda
+
+    if not isinstance(matching, Matching):
+        raise TypeError("merge_wavg of device arrays needs a Matching, not a merge function")
+    x = _tokens("x", x, matching.batch, matching.n_in, matching._merge_input())
+    shape = tuple(x.shape[:2]) + (1,)
+    if size is None:
+        size = cuda.to_device(np.ones(shape, np.dtype(x.dtype)))
+    elif is_device_array(size):
+        size = _device("size", size)
+    else:
+        size = cuda.to_device(np.ascontiguousarray(host_float_array("size", size)))
+    if tuple(size.shape) != shape:
+        raise ValueError(f"size must have shape {shape} (B, N, 1); got {tuple(size.shape)}")
+    backend = _dispatch.choose_backend(matching.backend, True)
+    return _dispatch.call("tome_merge_wavg", backend, True, x, size, matching.slot,
+                          matching.n_out)
 
 
 def merge_source(matching, x, source=None):
@@ -580,7 +648,14 @@ def merge_source(matching, x, source=None):
     array ``(B, N', N0)``: ``source`` merged with ``mode="amax"``.
     """
     merge = _merge_fn(matching)
-    if source is None:
+    if source is None and is_device_array(x):  # the identity map, copied to the device
+        from numba import cuda
+
+        x = _device("x", x)
+        n, t = x.shape[:2]
+        source = cuda.to_device(np.ascontiguousarray(
+            np.broadcast_to(np.eye(t, dtype=np.dtype(x.dtype)), (n, t, t))))
+    elif source is None:
         x = host_float_array("x", x)
         if x.ndim != 3:
             raise ValueError(f"x must be 3-D (B, N, C); got shape {x.shape}")

@@ -87,7 +87,14 @@ from typing import Any
 import numpy as np
 
 from . import _dispatch
-from ._validate import attention_problem, check_bool, compute_dtypes, host_float_array
+from ._validate import (
+    attention_problem,
+    check_bool,
+    compute_dtypes,
+    float_dtype_of,
+    host_float_array,
+    is_device_array,
+)
 from .attention import attention
 from .diff import MODES, diff_attention, lambda_rows
 from .sparse import _check_pattern, _check_top_k, sparse_attention, topk_attention
@@ -218,6 +225,10 @@ def _grad_dtype(x, fallback: np.dtype) -> np.dtype:
     """
     if isinstance(x, numbers.Number) and not isinstance(x, np.generic):
         return np.dtype(fallback)
+    if is_device_array(x):
+        from ._device import device_view
+
+        x = device_view(x, need_reshape=False)
     try:
         dt = np.dtype(x.dtype)
     except (AttributeError, TypeError):  # lists, or a dtype NumPy cannot read (torch)
@@ -238,6 +249,23 @@ def _sum_to_shape(g: np.ndarray, shape: tuple) -> np.ndarray:
     return np.asarray(g).reshape(shape)
 
 
+def _restore(g, shape, dtype, host_restore, exact=True):
+    """``host_restore(g)``, keeping a device gradient on the device.
+
+    A device gradient (the ``cuda`` backend's, for device inputs) that needs
+    no sum and no cast (``exact`` restores) is reshaped in place; otherwise
+    it goes once through the host (a cast to float16, a partly broadcast
+    batch, key sizes, ``lam``: small or rare) and back.
+    """
+    if g is None or not is_device_array(g):
+        return host_restore(g)
+    if exact and np.dtype(g.dtype) == dtype and g.size == int(np.prod(shape)):
+        return g.reshape(shape)
+    from numba import cuda
+
+    return cuda.to_device(np.ascontiguousarray(host_restore(g.copy_to_host())))
+
+
 @dataclass(frozen=True)
 class _Arg:
     """How to hand a canonical gradient back: the user's shape and dtype."""
@@ -246,7 +274,8 @@ class _Arg:
     dtype: np.dtype
 
     def restore(self, g) -> np.ndarray:
-        return np.asarray(g).reshape(self.shape).astype(self.dtype, copy=False)
+        return _restore(g, self.shape, self.dtype, lambda x: np.asarray(x).reshape(
+            self.shape).astype(self.dtype, copy=False))
 
 
 def _qkv_args(problem, q, k, v) -> dict[str, _Arg]:
@@ -285,6 +314,9 @@ class _Pairwise:
                    problem.squeeze_head)
 
     def restore(self, g) -> np.ndarray:
+        return _restore(g, self.shape, self.dtype, self._host)
+
+    def _host(self, g) -> np.ndarray:
         g = np.asarray(g)
         if self.squeeze:
             g = g[0, 0]
@@ -306,6 +338,10 @@ class _KeySizes:
 
     @classmethod
     def of(cls, key_size, problem):
+        if is_device_array(key_size):
+            from ._device import device_view
+
+            key_size = device_view(key_size, need_reshape=False).copy_to_host()
         arr = np.asarray(key_size)
         batch = problem.batch_shape
         # the layout rule of attnnb._checks.log_key_sizes: ToMe's (B, N, 1)
@@ -314,6 +350,9 @@ class _KeySizes:
         return cls(arr.shape, _grad_dtype(key_size, problem.out_dtype), values, tome, batch)
 
     def restore(self, dlog) -> np.ndarray:
+        return _restore(dlog, self.shape, self.dtype, self._host, exact=False)
+
+    def _host(self, dlog) -> np.ndarray:
         dlog = np.asarray(dlog, np.float64)
         g = dlog.reshape(self.batch + dlog.shape[-1:]) / self.values
         g = _sum_to_shape(g, self.values.shape)
@@ -322,14 +361,39 @@ class _KeySizes:
         return g.astype(self.dtype, copy=False)
 
 
-def _cotangent(name, x, shape, canonical, dtype, of):
-    """Check a cotangent against its primal's shape; return it canonical."""
+def _cotangent(name, x, shape, canonical, dtype, of, on_device=False):
+    """Check a cotangent against its primal's shape; return it canonical.
+
+    For a device problem the cotangent is a device array (a host one is
+    copied over): used in place when C-contiguous, in its own floating dtype
+    (the kernels convert on load).
+    """
+    if on_device:
+        return _device_cotangent(name, x, shape, canonical, dtype, of)
     arr = host_float_array(name, x)
     if arr.shape != tuple(shape):
         raise ValueError(f"{name} must have the shape of {of}, {tuple(shape)}; got shape "
                          f"{arr.shape}")
     out = np.ascontiguousarray(arr.reshape(canonical), dtype=dtype)
     return out if out.flags.writeable else out.copy()
+
+
+def _device_cotangent(name, x, shape, canonical, dtype, of):
+    from numba import cuda
+
+    from ._device import device_view
+
+    if not is_device_array(x):
+        host = _cotangent(name, x, shape, canonical, dtype, of)
+        return cuda.to_device(host)
+    arr = device_view(x, need_reshape=False)
+    float_dtype_of(name, arr.dtype)
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name} must have the shape of {of}, {tuple(shape)}; got shape "
+                         f"{tuple(arr.shape)}")
+    if arr.is_c_contiguous():
+        return arr.reshape(canonical)
+    return cuda.to_device(np.ascontiguousarray(arr.copy_to_host()).reshape(canonical))
 
 
 # ---------------------------------------------------------------------------
@@ -353,14 +417,15 @@ class _Saved:
     def gradients(self, dout, dlse):
         p = self.problem
         dtype = p.compute_dtype
-        dout = _cotangent("dout", dout, self.out_shape, self.out.shape, dtype, "out")
+        dev = p.on_device
+        dout = _cotangent("dout", dout, self.out_shape, self.out.shape, dtype, "out", dev)
         if self.lse is None:
             dq, dk, dv, dbias, dlks, dlam = self.backward(p, *self.extras, self.out, dout,
                                                           *self.tail)
         else:
             if dlse is not None:
                 dlse = _cotangent("dlse", dlse, self.out_shape[:-1], self.lse.shape, dtype,
-                                  "lse")
+                                  "lse", dev)
             dq, dk, dv, dbias, dlks = self.backward(p, *self.extras, self.out, self.lse, dout,
                                                     dlse, *self.tail)
             dlam = None
@@ -490,6 +555,9 @@ class _Lam:
     batch: tuple
 
     def restore(self, g) -> np.ndarray:
+        return _restore(g, self.shape, self.dtype, self._host, exact=False)
+
+    def _host(self, g) -> np.ndarray:
         g = np.asarray(g)
         g = _sum_to_shape(g.reshape(self.batch + g.shape[1:]), self.shape)
         return g.astype(self.dtype, copy=False)

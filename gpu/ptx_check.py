@@ -29,7 +29,11 @@ loads (bytes), FMA per shared load, threads per block, shared memory per
 block (as ptxas reports it: sm_90 adds 1 KiB the system reserves).
 
 A case is ``(name, python function, argument types)`` or the same with an
-options dict ``{"threads": n, "tiled": bool}`` as a fourth element.
+options dict ``{"threads": n, "tiled": bool, "known": why}`` as a fourth
+element.  ``known`` marks a gated kernel that does not meet the gate yet:
+its gate failures are printed as ``KNOWN`` with the reason and listed at the
+end, and do not fail the run (a known failure that passes is reported too,
+so that the mark is removed).
 
 Usage: ``python gpu/ptx_check.py [--cc 9.0] [--show]``; exit status 1 on a failure.
 """
@@ -153,6 +157,7 @@ def main(argv=None) -> int:
     from numba import cuda
 
     failures = 0
+    known, fixed = [], []
     cases = kernel_cases()
     if not cases:
         print("no CUDA kernels found")
@@ -177,8 +182,15 @@ def main(argv=None) -> int:
         fma, loads = fma_per_shared_load(ptx)
         tiled = bool(options.get("tiled")) and "float32" in name
         gate = gate_failures(name, figures, fma, loads) if tiled else []
-        status = "FAIL" if bad or gate else "ok"
-        failures += bool(bad or gate)
+        known_why = options.get("known") if tiled else None
+        if gate and known_why:
+            known.append(f"{name}: {known_why}")
+            status = "KNOWN"
+        else:
+            status = "FAIL" if bad or gate else "ok"
+            failures += bool(bad or gate)
+            if known_why:
+                fixed.append(name)
         print(f"{status:4} {module}: {name}: {len(ptx.splitlines())} PTX lines, "
               f"{time.perf_counter() - t0:.2f} s{extra}")
         for why in gate:
@@ -189,9 +201,14 @@ def main(argv=None) -> int:
         spill = f"{figures['spill_stores']}/{figures['spill_loads']}"
         table.append((name, figures["registers"], figures["stack"], spill, ratio,
                       options.get("threads", "-"), figures["smem"],
-                      "yes" if tiled else ""))
+                      ("known failure" if known_why and gate else "yes") if tiled else ""))
     print_table(table)
-    print(f"{len(cases) - failures} of {len(cases)} kernels passed (cc {args.cc})")
+    for line in known:
+        print(f"known gate failure: {line}")
+    for name in fixed:
+        print(f"marked as a known failure but passes the gate now: {name}")
+    print(f"{len(cases) - failures - len(known)} of {len(cases)} kernels passed, "
+          f"{len(known)} known gate failures (cc {args.cc})")
     return 1 if failures else 0
 
 

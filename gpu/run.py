@@ -16,8 +16,12 @@ attention timings, float32, B=1, H=16, D in (64, 128), N = 1024 ... 16384,
 causal and not: attnnb cuda (inputs are torch CUDA tensors, used without a
 copy) against ``torch.nn.functional.scaled_dot_product_attention`` and, at
 ``--flex-n``, FlexAttention (compiled), timed with CUDA events after warm-up;
-GFLOP/s count ``4 N^2 D H`` (half of it causal); (c) full results as JSON
-(``--out``) and one short table printed last.  A time budget (``--budget``,
+GFLOP/s count ``4 N^2 D H`` (half of it causal); (c) forward + backward
+timings (``attnnb.vjp`` and its pullback against SDPA's forward and
+``backward()``, float32 with TF32 off in both, gradients compared), GFLOP/s
+counting ``3.5x`` the forward's (the backward is 2.5 forward passes of
+matrix products), at ``--backward-sizes``; (d) full results as JSON
+(``--out``) and the short tables printed last.  A time budget (``--budget``,
 default 7 minutes) stops starting new sizes so the run ends within 8 minutes.
 """
 
@@ -47,6 +51,9 @@ def parse(argv):
     p.add_argument("--dims", default=None, help="comma-separated D (default 64,128)")
     p.add_argument("--flex-n", default="4096",
                    help="N at which FlexAttention is also timed (comma-separated; '' for none)")
+    p.add_argument("--backward-sizes", default=None,
+                   help="comma-separated N of the forward+backward timings (default "
+                        "1024,4096,8192; '' for none)")
     p.add_argument("--budget", type=float, default=420.0, help="seconds for everything")
     p.add_argument("--out", default=os.path.join(ROOT, "gpu", "out", "results.json"))
     args = p.parse_args(argv)
@@ -55,10 +62,13 @@ def parse(argv):
         args.heads = args.heads or 2
         args.dims = args.dims or "4,8"
         args.flex_n = ""
+        args.backward_sizes = "8" if args.backward_sizes is None else args.backward_sizes
     args.sizes = [int(x) for x in (args.sizes or "1024,2048,4096,8192,16384").split(",")]
     args.dims = [int(x) for x in (args.dims or "64,128").split(",")]
     args.heads = args.heads or 16
     args.flex_n = {int(x) for x in args.flex_n.split(",") if x}
+    raw = "1024,4096,8192" if args.backward_sizes is None else args.backward_sizes
+    args.backward_sizes = [int(x) for x in raw.split(",") if x]
     return args
 
 
@@ -160,28 +170,35 @@ def max_rel_error(a, b, torch):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def run_timings(args, started) -> list[dict]:
-    """(b): every size, until the time budget runs out."""
+def to_host(x):
+    """A Numba device array's values on the host (tensors and arrays as they are)."""
     import numpy as np
+
+    return np.asarray(x.copy_to_host()) if hasattr(x, "copy_to_host") else x
+
+
+def sweep(args, started, sizes, make, error, flop_factor, **extra) -> list[dict]:
+    """Time ``make(args, torch, n, d, causal)``'s candidates at every size until the time
+    budget runs out; ``error(ours, sdpa)`` compares their results; GFLOP/s count
+    ``flop_factor`` times the forward's ``4 N^2 D H`` (half of it causal)."""
     import torch
 
     timer = Timer(args.simulator_tiny)
     rows = []
     for d in args.dims:
         for causal in (False, True):
-            for n in args.sizes:
-                row = {"N": n, "H": args.heads, "D": d, "causal": causal, "dtype": "float32"}
+            for n in sizes:
+                row = {"N": n, "H": args.heads, "D": d, "causal": causal, "dtype": "float32",
+                       **extra}
                 rows.append(row)
                 if time.perf_counter() - started > args.budget:
                     row["skipped"] = "time budget"
                     continue
-                flops = 4.0 * n * n * d * args.heads * (0.5 if causal else 1.0)
+                flops = flop_factor * 4.0 * n * n * d * args.heads * (0.5 if causal else 1.0)
                 try:
-                    fns = candidates(args, torch, n, d, causal)
-                    out = fns["attnnb-cuda"]()
-                    ref = fns["torch-sdpa"]()
-                    host = out.copy_to_host() if hasattr(out, "copy_to_host") else out
-                    row["max_rel_err_vs_sdpa"] = max_rel_error(np.asarray(host), ref, torch)
+                    fns = make(args, torch, n, d, causal)
+                    row["max_rel_err_vs_sdpa"] = error(fns["attnnb-cuda"](),
+                                                       fns["torch-sdpa"](), torch)
                     for label, fn in fns.items():
                         ms = timer(fn)
                         row[f"{label}_ms"] = ms
@@ -191,6 +208,64 @@ def run_timings(args, started) -> list[dict]:
                     row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 print(json.dumps(row), flush=True)
     return rows
+
+
+def run_timings(args, started) -> list[dict]:
+    """(b): the forward at every size."""
+    def error(out, ref, torch):
+        return max_rel_error(to_host(out), ref, torch)
+
+    return sweep(args, started, args.sizes, candidates, error, 1.0)
+
+
+def backward_candidates(args, torch, n, d, causal):
+    """``{label: callable}`` running forward + backward, and a gradient check's inputs.
+
+    attnnb: ``vjp`` then the pullback (device inputs, device gradients);
+    torch: SDPA on tensors that require grad, then ``backward()``.
+    """
+    import attnnb
+
+    dev = "cpu" if args.simulator_tiny else "cuda"
+    g = torch.Generator(device=dev).manual_seed(n * 1000 + d + 1)
+    shape = (1, args.heads, n, d)
+    q, k, v, dout = (torch.randn(shape, generator=g, device=dev, dtype=torch.float32)
+                     for _ in range(4))
+    if args.simulator_tiny:
+        from numba import cuda
+
+        dq, dk, dv, ddout = (cuda.to_device(x.numpy()) for x in (q, k, v, dout))
+    else:
+        dq, dk, dv, ddout = q, k, v, dout
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    F = torch.nn.functional
+
+    def ours():
+        _, pullback = attnnb.vjp(attnnb.attention, dq, dk, dv, causal=causal, backend="cuda")
+        return pullback(ddout)
+
+    def theirs():
+        for x in leaves:
+            x.grad = None
+        F.scaled_dot_product_attention(*leaves, is_causal=causal).backward(dout)
+        return {name: x.grad for name, x in zip("qkv", leaves, strict=True)}
+
+    return {"attnnb-cuda": ours, "torch-sdpa": theirs}
+
+
+def run_backward_timings(args, started) -> list[dict]:
+    """(c): forward + backward at ``--backward-sizes`` (float32, TF32 off)."""
+    import torch
+
+    if not args.simulator_tiny:  # plain float32 products on both sides
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+    def error(ours, theirs, torch):
+        return max(max_rel_error(to_host(ours[x]), theirs[x], torch) for x in "qkv")
+
+    return sweep(args, started, args.backward_sizes, backward_candidates, error, 3.5,
+                 **{"pass": "forward+backward"})
 
 
 def device_info(simulator) -> dict:
@@ -241,6 +316,7 @@ def main(argv=None) -> int:
                   "flex_n": sorted(args.flex_n), "simulator_tiny": args.simulator_tiny}}
     result["tests"] = None if args.skip_tests else run_tests(args)
     result["timings"] = run_timings(args, started)
+    result["backward_timings"] = run_backward_timings(args, started)
     result["seconds"] = round(time.perf_counter() - started, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
@@ -250,8 +326,11 @@ def main(argv=None) -> int:
     print(f"\nresults: {args.out} ({result['seconds']} s)")
     print(f"device: {dev}; cuda tests: {tests}")
     print(table(result["timings"]))
+    if result["backward_timings"]:
+        print("\nforward + backward:")
+        print(table(result["backward_timings"]))
     failed = (result["tests"] or {}).get("returncode", 0) != 0
-    failed |= any("error" in r for r in result["timings"])
+    failed |= any("error" in r for r in result["timings"] + result["backward_timings"])
     return 1 if failed else 0
 
 

@@ -127,36 +127,40 @@ def tiled_kernel(name: str, build, dtype, tiling: Tiling):
     return cached_kernel(key, lambda: cuda.jit(build(np.dtype(dtype), tiling)))
 
 
-def ptx_cases(label: str, build, argtypes, d: int, dv: int, streams: int = 1) -> list:
+def ptx_cases(label: str, build, argtypes, d: int, dv: int, streams: int = 1,
+              tiles=None) -> list:
     """``[(name, python function, argument types, options)]`` of a register-tiled kernel
     for the PTX check: float32 (gated) and float64, production tiles at ``d``, ``dv``.
 
-    ``argtypes(ty)`` gives the kernel's argument types for the Numba float type ``ty``.
+    ``argtypes(ty)`` gives the kernel's argument types for the Numba float type ``ty``;
+    ``tiles(dtype, d, dv, streams)`` the tiling (default :func:`tiling_for`).
     """
     cases = []
     for dtype in (np.dtype(np.float32), np.dtype(np.float64)):
-        tiling = tiling_for(dtype, d, dv, streams)
+        tiling = (tiles or tiling_for)(dtype, d, dv, streams)
         cases.append((f"{label} {dtype.name} {'d' if streams > 1 else 'D'}={d}",
                       build(dtype, tiling), argtypes(numba.from_dtype(dtype)),
                       {"threads": tiling.threads, "tiled": True}))
     return cases
 
 
-def tiling_for(dtype, d: int, dv: int, streams: int = 1) -> Tiling:
+def tiling_for(dtype, d: int, dv: int, streams: int = 1, elements=Tiling.shared_elements,
+               production=_PRODUCTION) -> Tiling:
     """The tiling of a kernel for a compute dtype, head sizes ``d``, ``dv`` and
     ``streams`` score streams.
 
-    The production tiles of the head size (the next listed size up) shrink,
-    key tile first, until the shared arrays fit in 48 KiB.
+    The ``production`` tiles of the head size (the next listed size up) shrink,
+    key tile first, until ``elements(tiling)`` shared values fit in 48 KiB
+    (the forward's arrays by default; the backward passes its own).
     """
     if _OVERRIDE[0] is not None:
         return Tiling(*_OVERRIDE[0], d, dv, streams)
     width = max(d, dv)
-    bq, bk, tm, tn = next((t for w, t in _PRODUCTION if width <= w), _PRODUCTION[-1][1])
+    bq, bk, tm, tn = next((t for w, t in production if width <= w), production[-1][1])
     itemsize = np.dtype(dtype).itemsize
     while True:
         tiling = Tiling(bq, bk, tm, tn, d, dv, streams)
-        if tiling.shared_elements() * itemsize <= SHARED_BYTES:
+        if elements(tiling) * itemsize <= SHARED_BYTES:
             return tiling
         if bk > tn * 2:
             bk //= 2
@@ -206,40 +210,61 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
         tx = t - ty * NX
         return t, ty * TM, tx * TN, tx * TO
 
-    @cuda.jit(device=True)
-    def stage_transposed(src, j0, n, scale, dst, width):
-        """``dst[e * width + r] = scale * src[j0 + r, e]`` for the ``width`` rows of a tile
-        (zeros past ``n`` rows and past the source's columns); block-cooperative."""
-        cols = src.shape[1]
-        for e in range(cuda.threadIdx.x, width * DP, NT):
-            r = e // DP
-            c = e - r * DP
-            x = ZERO
-            if r < n and c < cols:
-                x = CAST(src[j0 + r, c]) * scale
-            dst[U32(c * width + r)] = x
+    def transposed_stager(depth):
+        """``stage(src, j0, n, scale, dst, width)``: ``dst[e * width + r] = scale * src[j0 + r,
+        e]`` for the ``width`` rows of a tile and ``depth`` columns (zeros past ``n`` rows and
+        past the source's columns); block-cooperative."""
+        @cuda.jit(device=True)
+        def stage(src, j0, n, scale, dst, width):
+            cols = src.shape[1]
+            for e in range(cuda.threadIdx.x, width * depth, NT):
+                r = e // depth
+                c = e - r * depth
+                x = ZERO
+                if r < n and c < cols:
+                    x = CAST(src[j0 + r, c]) * scale
+                dst[U32(c * width + r)] = x
+        return stage
 
-    @cuda.jit(device=True)
-    def stage_values(src, j0, n, dst):
-        """``dst[c * DVP + e] = src[j0 + c, e]`` (zeros past the ends); returns True when
-        this thread staged a non-finite value."""
-        cols = src.shape[1]
-        bad = False
-        for e in range(cuda.threadIdx.x, BK * DVP, NT):
-            r = e // DVP
-            c = e - r * DVP
-            x = ZERO
-            if r < n and c < cols:
-                x = CAST(src[j0 + r, c])
-                if x - x != ZERO:
-                    bad = True
-            dst[U32(r * DVP + c)] = x
-        return bad
+    def row_stager(rows, ld):
+        """``stage(src, j0, n, dst)``: ``dst[r * ld + c] = src[j0 + r, c]`` for ``rows`` rows
+        (zeros past ``n`` rows and past the source's columns); returns True when this
+        thread staged a non-finite value.  Block-cooperative."""
+        @cuda.jit(device=True)
+        def stage(src, j0, n, dst):
+            cols = src.shape[1]
+            bad = False
+            for e in range(cuda.threadIdx.x, rows * ld, NT):
+                r = e // ld
+                c = e - r * ld
+                x = ZERO
+                if r < n and c < cols:
+                    x = CAST(src[j0 + r, c])
+                    if x - x != ZERO:
+                        bad = True
+                dst[U32(r * ld + c)] = x
+            return bad
+        return stage
+
+    stage_transposed = transposed_stager(DP)
+    stage_values = row_stager(BK, DVP)
 
     @cuda.jit(device=True)
     def clear(a, n):
         for x in range(n):
             a[x] = ZERO
+
+    def zeros(n):
+        """``fresh()``: two new register arrays of ``n`` zeros (a constant size; a device
+        function may return local arrays in a tuple only)."""
+        @cuda.jit(device=True)
+        def fresh():
+            a = cuda.local.array(n, nt)
+            b = cuda.local.array(n, nt)
+            clear(a, n)
+            clear(b, n)
+            return a, b
+        return fresh
 
     def outer_step(na, nb, guarded):
         """``R[x * nb + y] += A[ao + x] * B[bo + y]``: one rank-1 step of a micro-tile
@@ -260,18 +285,48 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
                         R[x * nb + y] += a[x] * w[y]
         return step
 
-    score_step = outer_step(TM, TN, False)
-    value_step = outer_step(TM, TO, False)
-    guarded_value_step = outer_step(TM, TO, True)
+    def scores_product(depth):
+        """``scores(A, B, row0, key0, S)``: ``S[r * TN + c] = sum_d A[d, row0 + r] * B[d, key0
+        + c]`` over ``depth`` (a multiple of 4) rows of ``A`` (``depth x BQ``) and ``B``
+        (``depth x BK``): the logits ``Q K^T`` and, in the backward, ``dO V^T``."""
+        step = outer_step(TM, TN, False)
 
-    @cuda.jit(device=True)
-    def tile_scores(Qt, Kt, row0, key0, S):
-        """``S[r * TN + c] = sum_d Qt[d, row0 + r] * Kt[d, key0 + c]``."""
-        clear(S, N_S)
-        for d0 in range(0, DP, 4):
-            for u in range(4):
-                score_step(Qt, U32(d0 + u) * U32(BQ) + U32(row0),
-                           Kt, U32(d0 + u) * U32(BK) + U32(key0), S)
+        @cuda.jit(device=True)
+        def scores(A, B, row0, key0, S):
+            clear(S, TM * TN)
+            for d0 in range(0, depth, 4):
+                for u in range(4):
+                    step(A, U32(d0 + u) * U32(BQ) + U32(row0),
+                         B, U32(d0 + u) * U32(BK) + U32(key0), S)
+        return scores
+
+    def micro_product(na, nb, steps, lda, ldb):
+        """``product(A, ao, B, bo, guarded, R)``: ``R[x * nb + y] += sum_k A[k * lda + ao + x]
+        * B[k * ldb + bo + y]`` over ``steps`` rows of both (shared) operands.
+
+        ``guarded`` (an operand tile holding a non-finite value): zero ``A``
+        values skip their ``B`` values, so a key outside a row's set never
+        reaches it.  The forward's ``P V`` and the backward's ``P^T dO``,
+        ``dS^T Q`` and ``dS K``.
+        """
+        plain = outer_step(na, nb, False)
+        safe = outer_step(na, nb, True)
+
+        @cuda.jit(device=True)
+        def product(A, ao, B, bo, guarded, R):
+            for k0 in range(0, steps, 2):
+                for u in range(2):  # two rows a step: longer straight runs for the scheduler
+                    if k0 + u < steps:
+                        pa = U32(k0 + u) * U32(lda) + U32(ao)
+                        pb = U32(k0 + u) * U32(ldb) + U32(bo)
+                        if guarded:
+                            safe(A, pa, B, pb, R)
+                        else:
+                            plain(A, pa, B, pb, R)
+        return product
+
+    tile_scores = scores_product(DP)
+    values_product = micro_product(TM, TO, BK, BQ, DVP)
 
     @cuda.jit(device=True)
     def modify_value(s, i, j, Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
@@ -402,15 +457,7 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
         their values, so a key outside a row's set never reaches it.
         """
         clear(T, N_O)
-        for c0 in range(0, BK, 2):
-            for u in range(2):  # two keys a step: longer straight runs for the scheduler
-                if c0 + u < BK:
-                    po = U32(c0 + u) * U32(BQ) + U32(row0)
-                    vo = U32(c0 + u) * U32(DVP) + U32(col0)
-                    if guarded:
-                        guarded_value_step(Pt, po, Vs, vo, T)
-                    else:
-                        value_step(Pt, po, Vs, vo, T)
+        values_product(Pt, row0, Vs, col0, guarded, T)
 
     @cuda.jit(device=True)
     def tile_values(Pt, Vs, row0, col0, guarded, O, T, alpha):
@@ -448,6 +495,32 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
         cuda.syncthreads()
         tile_values(Pt, KV, row0, col0, flag[0] == CAST(tile), O, T, alpha)
         cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def stage_tile_mask(Pt, t, i, p, j0, indptr, indices):
+        """``Pt[c, t] = 1`` where key ``j0 + c`` is in the CSR run of row ``i`` (pattern
+        row), else 0; thread ``t < BQ`` walks its row from position ``p`` (no later than
+        the run's first key ``>= j0``) and returns the position past the tile, so a
+        row's stored keys are read once over the sweep."""
+        if t >= BQ:
+            return p
+        for c in range(BK):
+            Pt[U32(c) * U32(BQ) + U32(t)] = ZERO
+        end = indptr[i + 1]
+        while p < end and indices[p] < j0:
+            p += 1
+        while p < end and indices[p] < j0 + BK:
+            Pt[U32(indices[p] - j0) * U32(BQ) + U32(t)] = ONE
+            p += 1
+        return p
+
+    @cuda.jit(device=True)
+    def apply_tile_mask(S, Pt, row0, key0):
+        """``S = -inf`` where the tile mask in ``Pt`` is 0 (the thread's micro-tile)."""
+        for r in range(TM):
+            for c in range(TN):
+                if Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] == ZERO:
+                    S[r * TN + c] = NINF
 
     map_lse, finish_value = base.map_lse, base.finish_value
 
@@ -499,8 +572,11 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
         block_tile=block_tile, start=start, start_rows=start_rows, finish_tile=finish_tile,
         shared_arrays=shared_arrays, thread_place=thread_place,
         stage_transposed=stage_transposed, stage_values=stage_values, clear=clear,
+        transposed_stager=transposed_stager, row_stager=row_stager, zeros=zeros,
+        scores_product=scores_product, micro_product=micro_product,
         tile_scores=tile_scores, modify_value=modify_value, modify_tile=modify_tile,
         thread_max=thread_max, row_reduce=row_reduce, store_tile=store_tile,
         tile_weights=tile_weights, tile_sums=tile_sums, tile_product=tile_product,
         tile_values=tile_values, add_tile=add_tile, online_tile=online_tile, map_lse=map_lse,
+        stage_tile_mask=stage_tile_mask, apply_tile_mask=apply_tile_mask,
     )

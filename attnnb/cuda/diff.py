@@ -44,7 +44,8 @@ def build_diff(dtype, tiling):
     Kernel arguments: ``q (B, 2H, Lq, d)``, ``k (B, 2Hk, Lk, d)``,
     ``v (B, Hk, Lk, Dv)``, ``lam (B, H, Lq)``, ``scale``, ``bias`` / ``mask``
     (4-D over pairs, each axis full or 1) with flags, ``logks`` with its flag,
-    ``causal``, the mode code and ``out (B, H, Lq, Dv)``.
+    ``causal``, the mode code, ``out (B, H, Lq, Dv)`` and ``lses (B, H, 2, Lq)``
+    (both streams' LSEs, which the backward reuses).
     """
     f = micro_functions(np.dtype(dtype), tiling)
     nt, TM, TN, TO, N_S, N_O, BQ, BK = f.nt, f.TM, f.TN, f.TO, f.N_S, f.N_O, f.BQ, f.BK
@@ -107,7 +108,7 @@ def build_diff(dtype, tiling):
                     w if not rectified or w > ZERO else ZERO)
 
     def diff_attention_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks,
-                              has_ks, causal, mode, out):
+                              has_ks, causal, mode, out, lses):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1] // 2, k.shape[1] // 2, 0)
         smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
@@ -142,6 +143,11 @@ def build_diff(dtype, tiling):
             sweep_max(S2, part, m2, l2, alpha, Pt, red, rows, t, row0, key0)  # ends: barrier
         stream_lse(m1, l1, part, red, rows, t, row0, key0)
         stream_lse(m2, l2, part, red, rows, t, row0, key0)
+        if key0 == 0:
+            for r in range(TM):
+                if i0 + row0 + r < Lq:
+                    lses[b, h, 0, i0 + row0 + r] = m1[r]
+                    lses[b, h, 1, i0 + row0 + r] = m2[r]
         rectified = mode == RECTIFIED
         for r in range(TM):
             part[r] = CAST(lam[b, h, min(i0 + row0 + r, Lq - 1)])
@@ -191,6 +197,31 @@ def diff_kernel(dtype, tiling):
     return tiled_kernel("diff", build_diff, dtype, tiling)
 
 
+def diff_forward(problem, lam, mode, a=None, lses=None):
+    """Run the differential kernel; returns device arrays ``(out, lses)``.
+
+    ``lses (B, H, NR >= 2, Lq)``: both streams' LSEs (compute dtype) in rows
+    0 and 1 (given: written there, the other rows kept).  ``lam``: a host or
+    device ``(B, H, Lq)`` array; ``a``: the problem's device arrays when
+    already made.
+    """
+    B, H2, _, Lq, _, D, Dv = problem.shape
+    H = H2 // 2
+    a = device_problem(problem) if a is None else a
+    out = cuda.device_array((B, H, Lq, Dv), a.out_dtype)
+    if lses is None:
+        lses = cuda.device_array((B, H, 2, Lq), a.dtype)
+    if Lq and B * H:
+        tiling = tiling_for(a.dtype, D, Dv, streams=2)
+        kernel = diff_kernel(a.dtype, tiling)
+        lam_d = lam if hasattr(lam, "copy_to_host") else cuda.to_device(
+            np.ascontiguousarray(lam))
+        kernel[(B * H, (Lq + tiling.bq - 1) // tiling.bq), tiling.threads](
+            a.q, a.k, a.v, lam_d, a.dtype.type(problem.scale), a.bias, a.has_bias, a.mask,
+            a.has_mask, a.logks, a.has_ks, problem.causal, DIFF_MODE_CODES[mode], out, lses)
+    return out, lses
+
+
 def diff_attention(problem, lam, mode="difference"):
     """Differential attention of a canonical problem (built with ``head_pairs=True``).
 
@@ -206,19 +237,8 @@ def diff_attention(problem, lam, mode="difference"):
     out : ``(B, H, Lq, Dv)``: a device array in the result dtype for device
     problems, else a NumPy array in the compute dtype.
     """
-    B, H2, _, Lq, _, D, Dv = problem.shape
-    H = H2 // 2
     a = device_problem(problem)
-    out = cuda.device_array((B, H, Lq, Dv), a.out_dtype)
-    if Lq and B * H:
-        tiling = tiling_for(a.dtype, D, Dv, streams=2)
-        kernel = diff_kernel(a.dtype, tiling)
-        lam_d = lam if hasattr(lam, "copy_to_host") else cuda.to_device(
-            np.ascontiguousarray(lam))
-        kernel[(B * H, (Lq + tiling.bq - 1) // tiling.bq), tiling.threads](
-            a.q, a.k, a.v, lam_d, a.dtype.type(problem.scale), a.bias, a.has_bias, a.mask,
-            a.has_mask, a.logks, a.has_ks, problem.causal, DIFF_MODE_CODES[mode], out)
-    return finish(a, out)[0]
+    return finish(a, diff_forward(problem, lam, mode, a)[0])[0]
 
 
 def ptx_signatures():
@@ -229,6 +249,6 @@ def ptx_signatures():
         arr4 = ty[:, :, :, ::1]
         return (arr4, arr4, arr4, ty[:, :, ::1], ty, arr4, types.boolean,
                 types.boolean[:, :, :, ::1], types.boolean, ty[:, ::1], types.boolean,
-                types.boolean, types.int64, arr4)
+                types.boolean, types.int64, arr4, arr4)
 
     return ptx_cases("diff", build_diff, argtypes, 64, 128, streams=2)

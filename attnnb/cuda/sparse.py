@@ -17,7 +17,7 @@ from numba import cuda
 
 from .._codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
-from ._micro import ALIGN, U32, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._micro import ALIGN, micro_functions, ptx_cases, tiled_kernel, tiling_for
 from ._tiles import device_functions
 
 
@@ -32,38 +32,13 @@ def build_sparse(dtype, tiling):
     ``tile_idx`` / ``tile_full``, ``out`` and ``lse``.
     """
     f = micro_functions(np.dtype(dtype), tiling)
-    nt, TM, TN, N_S, N_O, BQ, BK, N_ALL = f.nt, f.TM, f.TN, f.N_S, f.N_O, f.BQ, f.BK, f.N_ALL
+    nt, TM, N_S, N_O, BQ, BK, N_ALL = f.nt, f.TM, f.N_S, f.N_O, f.BQ, f.BK, f.N_ALL
     t_ = device_functions(np.dtype(dtype))
-    ZERO, ONE, NINF = t_.ZERO, t_.CAST(1), t_.NINF
+    ONE = t_.CAST(1)
     block_tile, shared_arrays, thread_place = f.block_tile, f.shared_arrays, f.thread_place
     stage_transposed, tile_scores, modify_tile = f.stage_transposed, f.tile_scores, f.modify_tile
     start, online_tile, finish_tile = f.start, f.online_tile, f.finish_tile
-
-    @cuda.jit(device=True)
-    def stage_tile_mask(Pt, t, i, p, j0, indptr, indices):
-        """``Pt[c, t] = 1`` where key ``j0 + c`` is in the CSR run of row ``i`` (pattern
-        row), else 0; thread ``t < BQ`` walks its row from position ``p`` (no later than
-        the run's first key ``>= j0``) and returns the position past the tile, so a
-        row's stored keys are read once over the sweep."""
-        if t >= BQ:
-            return p
-        for c in range(BK):
-            Pt[U32(c) * U32(BQ) + U32(t)] = ZERO
-        end = indptr[i + 1]
-        while p < end and indices[p] < j0:
-            p += 1
-        while p < end and indices[p] < j0 + BK:
-            Pt[U32(indices[p] - j0) * U32(BQ) + U32(t)] = ONE
-            p += 1
-        return p
-
-    @cuda.jit(device=True)
-    def apply_tile_mask(S, Pt, row0, key0):
-        """``S = -inf`` where the tile mask in ``Pt`` is 0 (the thread's micro-tile)."""
-        for r in range(TM):
-            for c in range(TN):
-                if Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] == ZERO:
-                    S[r * TN + c] = NINF
+    stage_tile_mask, apply_tile_mask = f.stage_tile_mask, f.apply_tile_mask
 
     def sparse_attention_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer,
                                 p_heads, indptr, indices, tile_ptr, tile_idx, tile_full, out,

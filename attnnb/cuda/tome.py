@@ -14,10 +14,17 @@
   same element and the result does not depend on scheduling.
 * :func:`unmerge`: a row gather.
 
-The public functions of :mod:`attnnb.tome` take host arrays, so inputs are
-copied in and results copied back.  Arithmetic is in the compute dtype
-(float32 for float16/float32 data): the norms and merge sums too, where the
-``cpu`` backend accumulates in float64.  Semantics (ties, NaN, protected
+* :func:`merge_wavg`: ToMe's size-weighted average, ``sum(size x) /
+  sum(size)`` per output token, and the summed sizes, in one kernel (for
+  device arrays; host arrays go through two merges in :mod:`attnnb.tome`).
+
+Host arrays are copied in and results copied back.  Device arrays (Numba,
+CuPy, PyTorch: anything with ``__cuda_array_interface__``) are read in
+place and results stay on the device as Numba device arrays, in the input's
+dtype (float16 in, float16 out); the matching's indices (small) are host
+arrays either way.  Arithmetic is in the compute dtype (float32 for
+float16/float32 data): the norms and merge sums too, where the ``cpu``
+backend accumulates in float64.  Semantics (ties, NaN, protected
 tokens) are those of :mod:`attnnb.reference.tome`.
 """
 
@@ -29,8 +36,11 @@ import numba
 import numpy as np
 from numba import cuda
 
+from .._checks import is_device_array
 from .._codes import MERGE_AMAX, MERGE_MEAN, MERGE_MODE_CODES
+from .._device import device_view
 from .._tome_order import descending_order
+from .._validate import compute_dtypes
 from ._tiles import TILE_Q, cached_kernel, device_functions, tiles_for
 
 ROW_THREADS = 128  # threads over the channels of one token (merge, unmerge)
@@ -139,6 +149,32 @@ def build_merge(dtype):
     return merge_kernel
 
 
+def build_merge_wavg(dtype):
+    """Kernel: ``out[b, o] = sum(size x) / sum(size)`` over the members of output token
+    ``o``, and ``size_out[b, o, 0] = sum(size)`` (thread 0 of the block)."""
+    CAST = device_functions(dtype).CAST
+
+    def merge_wavg_kernel(x, size, indptr, members, out, size_out):
+        o = cuda.blockIdx.x
+        b = cuda.blockIdx.y
+        s = 0 if indptr.shape[0] == 1 else b
+        start = indptr[s, o]
+        stop = indptr[s, o + 1]
+        total = CAST(0)
+        for p in range(start, stop):
+            total += CAST(size[b, members[s, p], 0])
+        if cuda.threadIdx.x == 0:
+            size_out[b, o, 0] = total
+        for c in range(cuda.threadIdx.x, x.shape[2], cuda.blockDim.x):
+            acc = CAST(0)
+            for p in range(start, stop):
+                m = members[s, p]
+                acc += CAST(x[b, m, c]) * CAST(size[b, m, 0])
+            out[b, o, c] = acc / total
+
+    return merge_wavg_kernel
+
+
 def build_unmerge(dtype):
     """Kernel: ``out[b, p] = x[b, slot[p]]``."""
 
@@ -168,15 +204,29 @@ def _unit_rows(metric_d, idx, dtype):
     return out, flags
 
 
-def match(metric, a_idx, b_idx, class_token, distill_token):
-    """See :func:`attnnb.reference.tome.match`; computed in ``metric``'s dtype.
+def _device_in(x):
+    """``(device array, compute dtype, on_device)``: a device input as it is, a host one
+    copied over (C-contiguous)."""
+    if is_device_array(x):
+        x = device_view(x, need_reshape=False)
+        return x, compute_dtypes(np.dtype(x.dtype))[0], True
+    x = np.ascontiguousarray(x)
+    return cuda.to_device(x), np.dtype(x.dtype), False
 
-    Returns host arrays ``(node_max, node_idx, order)``.
+
+def _out(arrays, on_device):
+    return arrays if on_device else tuple(a.copy_to_host() for a in arrays)
+
+
+def match(metric, a_idx, b_idx, class_token, distill_token):
+    """See :func:`attnnb.reference.tome.match`; computed in ``metric``'s compute dtype.
+
+    ``metric`` may be a device array (read in place).  Returns host arrays
+    ``(node_max, node_idx, order)``.
     """
-    dtype = np.dtype(metric.dtype)
-    B, _, C = metric.shape
+    metric_d, dtype, _ = _device_in(metric)
+    B, _, C = metric_d.shape
     Ta = a_idx.shape[1]
-    metric_d = cuda.to_device(np.ascontiguousarray(metric))
     ua, a_nan = _unit_rows(metric_d, a_idx, dtype)
     ub, b_nan = _unit_rows(metric_d, b_idx, dtype)
     node_max = cuda.device_array((B, Ta), dtype)
@@ -206,31 +256,50 @@ def members_of(slot, n_out):
 
 
 def merge(x, slot, n_out, mode):
-    """See :func:`attnnb.reference.tome.merge`; returns ``x``'s dtype (host array)."""
-    dtype = np.dtype(x.dtype)
-    B, _, C = x.shape
-    out = cuda.device_array((B, n_out, C), dtype)
+    """See :func:`attnnb.reference.tome.merge`.
+
+    Host ``x``: a host array in ``x``'s dtype; device ``x`` (read in place):
+    a device array in ``x``'s dtype.
+    """
+    x_d, dtype, on_device = _device_in(x)
+    B, _, C = x_d.shape
+    out = cuda.device_array((B, n_out, C), np.dtype(x_d.dtype))
     if B and n_out and C:
         indptr, members = members_of(slot, n_out)
         kernel = _kernel("merge", build_merge, dtype)
         kernel[(n_out, B), min(ROW_THREADS, C)](
-            cuda.to_device(np.ascontiguousarray(x)), cuda.to_device(indptr),
-            cuda.to_device(members), MERGE_MODE_CODES[mode], out)
-    return out.copy_to_host()
+            x_d, cuda.to_device(indptr), cuda.to_device(members), MERGE_MODE_CODES[mode], out)
+    return _out((out,), on_device)[0]
+
+
+def merge_wavg(x, size, slot, n_out):
+    """ToMe's ``merge_wavg`` on the device: ``(sum(size x) / sum(size), sum(size))`` per
+    output token; ``x (B, N, C)``, ``size (B, N, 1)``; device arrays in (read in place)
+    and out, in ``x``'s and ``size``'s dtypes."""
+    x_d, dtype, _ = _device_in(x)
+    size_d = _device_in(size)[0]
+    B, _, C = x_d.shape
+    out = cuda.device_array((B, n_out, C), np.dtype(x_d.dtype))
+    size_out = cuda.device_array((B, n_out, 1), np.dtype(size_d.dtype))
+    if B and n_out:
+        indptr, members = members_of(slot, n_out)
+        kernel = _kernel("merge_wavg", build_merge_wavg, dtype)
+        kernel[(n_out, B), max(1, min(ROW_THREADS, C))](
+            x_d, size_d, cuda.to_device(indptr), cuda.to_device(members), out, size_out)
+    return out, size_out
 
 
 def unmerge(x, slot):
-    """See :func:`attnnb.reference.tome.unmerge` (host arrays in and out)."""
-    dtype = np.dtype(x.dtype)
-    B, _, C = x.shape
+    """See :func:`attnnb.reference.tome.unmerge`; host or device ``x``, as :func:`merge`."""
+    x_d, dtype, on_device = _device_in(x)
+    B, _, C = x_d.shape
     N = slot.shape[1]
-    out = cuda.device_array((B, N, C), dtype)
+    out = cuda.device_array((B, N, C), np.dtype(x_d.dtype))
     if B and N and C:
         kernel = _kernel("unmerge", build_unmerge, dtype)
         kernel[(N, B), min(ROW_THREADS, C)](
-            cuda.to_device(np.ascontiguousarray(x)),
-            cuda.to_device(np.ascontiguousarray(slot, np.int64)), out)
-    return out.copy_to_host()
+            x_d, cuda.to_device(np.ascontiguousarray(slot, np.int64)), out)
+    return _out((out,), on_device)[0]
 
 
 def ptx_signatures():
@@ -252,5 +321,7 @@ def ptx_signatures():
             (f"tome merge {name}", build_merge(np.dtype(dtype)),
              (arr3, i64, i64, types.int64, arr3)),
             (f"tome unmerge {name}", build_unmerge(np.dtype(dtype)), (arr3, i64, arr3)),
+            (f"tome merge_wavg {name}", build_merge_wavg(np.dtype(dtype)),
+             (arr3, arr3, i64, i64, arr3, arr3)),
         ]
     return cases

@@ -38,7 +38,8 @@ def build_topk(dtype, tiling):
     takes none), ``mask`` with its flag,
     ``logks`` with its flag, ``causal``, ``top_k``, ``qt0`` (first query tile
     of this launch), the scratch ``R`` and ``buf`` (``(B * Hq, rows, Lk)``),
-    ``out`` and ``lse``.
+    ``out``, ``lse`` and the selection ``thr``, ``cut`` (``(B, Hq, Lq)``: each row's
+    threshold and tie cut, which the backward reuses).
     """
     f = micro_functions(np.dtype(dtype), tiling)
     nt, TM, TN, N_S, N_O, BQ, BK, N_ALL = f.nt, f.TM, f.TN, f.N_S, f.N_O, f.BQ, f.BK, f.N_ALL
@@ -92,7 +93,7 @@ def build_topk(dtype, tiling):
                 S[r * TN + c] = s
 
     def topk_attention_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal,
-                              top_k, qt0, R, buf, out, lse):
+                              top_k, qt0, R, buf, out, lse, thr_out, cut_out):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], qt0)
         smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
@@ -134,6 +135,9 @@ def build_topk(dtype, tiling):
                                  buf[cuda.blockIdx.x, cuda.blockIdx.y * BQ + t])
             rows[U32(t)] = x
             cuts[t] = y
+            if i0 + t < Lq:
+                thr_out[b, h, i0 + t] = x
+                cut_out[b, h, i0 + t] = y
         cuda.syncthreads()
         for r in range(TM):  # rows is rewritten only after the next barrier
             thr[r] = rows[U32(row0) + U32(r)]
@@ -155,11 +159,19 @@ def topk_kernel(dtype, tiling):
     return tiled_kernel("topk", build_topk, dtype, tiling)
 
 
-def topk_attention(problem, top_k):
-    """Top-k softmax attention of a canonical problem; returns ``(out, lse)``."""
+def topk_selection(problem, top_k, a=None):
+    """Run the top-k kernel; returns device arrays ``(out, lse, thr, cut)``.
+
+    ``thr``, ``cut`` (``(B, Hq, Lq)``) are each row's selection: key ``j``
+    is kept when its modified logit ``s > thr``, or ``s == thr`` and ``j <=
+    cut``, or ``s`` is NaN.  ``a``: the problem's device arrays when already
+    made (:func:`~attnnb.cuda._arrays.device_problem`).
+    """
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
-    a = device_problem(problem)
+    a = device_problem(problem) if a is None else a
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)
+    thr = cuda.device_array((B, Hq, Lq), a.dtype)
+    cut = cuda.device_array((B, Hq, Lq), np.int64)
     if Lq and B * Hq:
         tiling = tiling_for(a.dtype, D, Dv)
         tq = tiling.bq
@@ -171,7 +183,14 @@ def topk_attention(problem, top_k):
         for qt0 in range(0, n_qt, chunk):
             kernel[(B * Hq, min(chunk, n_qt - qt0)), tiling.threads](
                 a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.mask, a.has_mask, a.logks,
-                a.has_ks, problem.causal, int(top_k), qt0, R, buf, out, lse)
+                a.has_ks, problem.causal, int(top_k), qt0, R, buf, out, lse, thr, cut)
+    return out, lse, thr, cut
+
+
+def topk_attention(problem, top_k):
+    """Top-k softmax attention of a canonical problem; returns ``(out, lse)``."""
+    a = device_problem(problem)
+    out, lse, _, _ = topk_selection(problem, top_k, a)
     return finish(a, out, lse)
 
 
@@ -183,6 +202,6 @@ def ptx_signatures():
         arr4, arr3 = ty[:, :, :, ::1], ty[:, :, ::1]
         return (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], types.boolean,
                 ty[:, ::1], types.boolean, types.boolean, types.int64, types.int64, arr3, arr3,
-                arr4, arr3)
+                arr4, arr3, arr3, types.int64[:, :, ::1])
 
     return ptx_cases("topk", build_topk, argtypes, 64, 64)

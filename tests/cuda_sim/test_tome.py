@@ -71,3 +71,52 @@ def test_backend_functions_directly(rng):
         assert_close(cu.merge(x, slot, 3, mode), ref.merge(x, slot, 3, mode), np.float32)
     assert_close(cu.unmerge(x, slot[:, [0, 1, 3]]), ref.unmerge(x, slot[:, [0, 1, 3]]),
                  np.float32)
+
+
+def test_device_arrays_in_place(rng):
+    """Device metric, x, size and source: the same matching as the reference (exact), device
+    merges and unmerges equal to the host arrays' bit for bit, merge_wavg and merge_source
+    on the device."""
+    from numba import cuda
+
+    from attnnb._validate import is_device_array
+
+    metric = randn(rng, (2, 13, 6), np.float32)
+    x = randn(rng, (2, 13, 5), np.float32)
+    size = rng.integers(1, 4, (2, 13, 1)).astype(np.float32)
+    dev = tome.bipartite_soft_matching(cuda.to_device(metric), 4, class_token=True)
+    ref = tome.bipartite_soft_matching(metric, 4, class_token=True, backend="reference")
+    assert dev.backend == "cuda"
+    for name in ("unm_idx", "src_idx", "dst_idx"):
+        np.testing.assert_array_equal(getattr(dev, name), getattr(ref, name), err_msg=name)
+    for mode in MODES:
+        merged = dev.merge(cuda.to_device(x), mode)
+        assert is_device_array(merged) and merged.dtype == np.float32
+        np.testing.assert_array_equal(merged.copy_to_host(), dev.merge(x, mode))
+        assert_close(merged.copy_to_host(), ref.merge(x, mode), np.float32, what=mode)
+        back = dev.unmerge(merged)
+        assert is_device_array(back)
+        np.testing.assert_array_equal(back.copy_to_host(), ref.unmerge(merged.copy_to_host()))
+    xw, sw = tome.merge_wavg(dev, cuda.to_device(x), cuda.to_device(size))
+    want_x, want_s = tome.merge_wavg(ref, x, size)
+    assert is_device_array(xw) and is_device_array(sw)
+    assert_close(xw.copy_to_host(), want_x, np.float32, what="merge_wavg x")
+    np.testing.assert_array_equal(sw.copy_to_host(), want_s)  # sums of small integers: exact
+    src = tome.merge_source(dev, cuda.to_device(x))
+    np.testing.assert_array_equal(src.copy_to_host(), tome.merge_source(ref, x))
+    with pytest.raises(TypeError, match="backend 'cpu' runs on the host"):
+        tome.bipartite_soft_matching(cuda.to_device(metric), 2, backend="cpu")
+
+
+def test_device_float16_and_other_matchings(rng):
+    from numba import cuda
+
+    metric = randn(rng, (1, 12, 3), np.float16)
+    x = randn(rng, (1, 12, 4), np.float16)
+    for build in (lambda m, be: tome.kth_bipartite_soft_matching(m, 3, backend=be),
+                  lambda m, be: tome.random_bipartite_soft_matching(m, 3, seed=2, backend=be)):
+        dev, ref = build(cuda.to_device(metric), None), build(metric, "reference")
+        np.testing.assert_array_equal(dev.dst_idx, ref.dst_idx)
+        merged = dev.merge(cuda.to_device(x))
+        assert merged.dtype == np.float16
+        assert_close(merged.copy_to_host(), ref.merge(x), np.float16)

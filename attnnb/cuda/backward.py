@@ -1,0 +1,835 @@
+"""Gradients on the GPU: FlashAttention-2's backward on the register-tiled core.
+
+Nothing ``(Lq, Lk)`` is stored (but a bias gradient, as large as the bias
+it belongs to).  The forward's ``out`` and ``lse`` recompute every weight
+tile, with the math of the cpu backward (:mod:`attnnb.cpu.backward`): for
+one stream, with ``r`` the row factor (1, or ``sigmoid(lse)`` for
+``softmax1``) and ``F`` the ``relu_expm1`` factor of the modified logit
+``s'`` (:func:`~attnnb.cuda._micro` ``modify_value``)::
+
+    p = r exp(s' - lse)     w = p F     dp = dO V^T     g = dp - delta
+    ds = p g                delta = dO . O - dlse / r   (per row)
+    dV += w^T dO    dK += scale ds^T Q    dQ += scale ds K
+    dbias = ds      d log key_size += w g
+
+and for differential attention's two streams (both modes; ``A_c = exp(s_c
+- lse_c)``, ``W = A1 - lam A2``, clipped at 0 with ``G = 0`` there when
+rectified, else ``G = dp``)::
+
+    d1 = rowsum(G A1)   e = rowsum(G A2)   dlam = -e
+    ds1 = A1 (G - d1)   ds2 = -lam A2 (G - e)   dV += W^T dO
+
+(in ``"difference"`` mode ``d1 = dO . o1`` and ``e = dO . o2``; summing
+them over the keys needs no second forward output).
+
+Two kernels, as FlashAttention-2, for one or two score streams
+(``Tiling.streams``):
+
+* :func:`build_dq`: a block per (batch, query head or pair, query tile)
+  owns ``dQ``, sweeping the key tiles of its row of the tile lists; with two
+  streams it first sweeps them once for ``d1`` and ``e`` (written for the
+  other kernel).
+* :func:`build_dkdv`: a block per (batch, key / value head, key tile) owns
+  ``dK`` and ``dV`` of its keys, sweeping every query head of its GQA group
+  and the query tiles that see the key tile (the tile lists read by key
+  tile, :meth:`attnnb.patterns.BlockLayout.by_key_tile`); it also writes
+  the full bias gradient (each element once) and adds ``d log key_size``
+  per key head.  No two blocks write one element: no atomics, and the
+  results are the same bit for bit from run to run.
+
+Each kernel has its own :class:`~attnnb.cuda._micro.Tiling`
+(:func:`backward_tiling`; the tile lists are built for each).  Threads and
+micro-tiles are the forward's (``(ty, tx)``: rows ``ty * TM``,
+keys ``tx * TN``): ``S`` and ``dP`` micro-tiles in registers, the products
+``dO V^T``, ``W^T dO``, ``dS^T Q`` and ``dS K`` through the core's
+:func:`micro_product` on tiles staged in shared memory (transposed for the
+score-like products, row-major for the others).  In the key-tile kernel
+thread ``(ty, tx)`` owns keys ``tx * TN ... + TN`` (the same keys as its
+scores) and columns ``ty * TDK`` of ``dK`` / ``ty * TVK`` of ``dV``; in the
+query-tile kernel rows ``ty * TM`` and columns ``tx * TD`` of ``dQ``.
+
+Dense, causal and sparse problems all walk tile lists (a dense problem's
+are every key tile up to the causal limit); a sparse partial tile's mask
+comes from the CSR runs, as in the forward.  Top-k keeps the forward's
+selection: the top-k forward kernel is run again for its thresholds
+(:func:`attnnb.cuda.topk.topk_selection`).  Differential attention takes
+both streams' LSEs from its forward kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+from numba.np.numpy_support import from_dtype as numba_type
+
+from .._checks import is_device_array
+from .._codes import NORMALIZER_CODES, RELU_EXPM1, SOFTMAX, SOFTMAX1
+from .._device import device_view
+from ..patterns import BlockLayout
+from ._arrays import device_problem
+from ._micro import ALIGN, U32, Tiling, micro_functions, tiled_kernel, tiling_for
+from ._tiles import cached_kernel, device_functions, key_tiles_seen
+
+ROW_THREADS = 128  # threads per block of the one-thread-per-element helper kernels
+
+
+def _up4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+def geometry(t: Tiling) -> dict:
+    """Derived sizes of the backward kernels for a tiling (see the module notes)."""
+    nx, ny = t.bk // t.tn, t.bq // t.tm
+    td, tdk, tvk = -(-t.d // nx), -(-t.d // ny), -(-t.dv // ny)
+    return dict(NX=nx, NY=ny, DV4=_up4(t.dv), TD=td, DQP=td * nx, TDK=tdk, DKP=tdk * ny,
+                TVK=tvk, DVKP=tvk * ny)
+
+
+def dq_parts(t: Tiling) -> tuple[int, ...]:
+    """Shared lengths of the query-tile kernel: ``Qt, dOt, KV, Vt, dSt, red, rows, flag``."""
+    g = geometry(t)
+    s = t.streams
+    kv = _up4(max(t.dp * t.bk, t.bk * g["DQP"]))
+    return (s * t.dp * t.bq, g["DV4"] * t.bq, s * kv, g["DV4"] * t.bk, s * _up4(t.bk * t.bq),
+            _up4(t.bq * g["NX"]), _up4(t.bq), 4)
+
+
+def dkdv_parts(t: Tiling) -> tuple[int, ...]:
+    """Shared lengths of the key-tile kernel: ``Kt, Vt, QQ, OO, Wt, dS, X``."""
+    g = geometry(t)
+    s = t.streams
+    qq = _up4(max(t.dp * t.bq, t.bq * g["DKP"]))
+    oo = _up4(max(g["DV4"] * t.bq, t.bq * g["DVKP"]))
+    tile = _up4(t.bq * t.bk)
+    return (s * t.dp * t.bk, g["DV4"] * t.bk, s * qq, oo, tile, s * tile, tile)
+
+
+# production tiles by the largest head size (float32 on sm_90, see gpu/RESULTS.md), shrunk
+# to fit 48 KiB by tiling_for: the query-tile kernel keeps TM x TD of dQ per thread, the
+# key-tile kernel TN keys of dK and dV (a taller query tile, one key a thread: no spill)
+_PRODUCTION = {
+    "dq": ((64, (32, 64, 2, 4)), (128, (32, 32, 2, 1))),
+    "dkdv": ((64, (64, 32, 4, 1)), (128, (32, 32, 2, 1))),
+}
+# float32 kernels that do not meet the register-tiling gate yet, and why (the gate reports
+# them as known failures; gpu/RESULTS.md has their figures)
+KNOWN_GATE_FAILURES = {
+    "backward dkdv float32 D=128": "fewer than 4 FMA per shared load: at D = 128 the staged "
+                                   "tiles leave 8 keys a block, one per thread",
+    "backward diff dq float32 d=64": "more than 128 registers and fewer than 4 FMA per shared "
+                                     "load: two score streams",
+    "backward diff dkdv float32 d=64": "more than 128 registers and fewer than 4 FMA per "
+                                       "shared load: two score streams, Dv = 128",
+}
+_PARTS = {"dq": dq_parts, "dkdv": dkdv_parts}
+
+
+def backward_tiling(dtype, d: int, dv: int, streams: int = 1, kernel: str = "dq") -> Tiling:
+    """The tiling of one backward kernel (``"dq"`` or ``"dkdv"``) for a compute dtype and
+    head sizes."""
+    parts = _PARTS[kernel]
+    return tiling_for(dtype, d, dv, streams, elements=lambda t: sum(parts(t)),
+                      production=_PRODUCTION[kernel])
+
+
+def _offsets(parts):
+    out, at = [], 0
+    for n in parts:
+        out.append(at)
+        at += n
+    return out, at
+
+
+def pair_functions(dtype, tiling: Tiling):
+    """Device functions shared by both backward kernels: the weights and logit
+    gradients of one (query tile, key tile) pair in the thread's micro-tile."""
+    f = micro_functions(np.dtype(dtype), tiling)
+    t_ = device_functions(np.dtype(dtype))
+    ZERO, NINF = t_.ZERO, t_.NINF
+    TM, TN, STREAMS, nt, N_S = tiling.tm, tiling.tn, tiling.streams, f.nt, f.N_S
+    N_ROWV = 3 if STREAMS == 1 else 5  # values a row: lse, r, delta / lse1, lse2, d1, e, lam
+    N_RV = N_ROWV * TM  # (local array sizes must be plain constants)
+    modify_tile, tile_scores, apply_tile_mask = f.modify_tile, f.tile_scores, f.apply_tile_mask
+    dscores = f.scores_product(_up4(tiling.dv))
+
+    @cuda.jit(device=True)
+    def single(S, F, dP, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer):
+        """One stream: ``S`` becomes ``ds``, ``dP`` becomes ``g`` (0 where the weight is),
+        ``F`` the weights.  ``rv``: the rows' ``lse, r, delta``; ``thr``, ``cutr``: the
+        top-k selection when ``selected``.  Rows past ``nq`` get zeros.  ``S``, ``F``:
+        the modified logits and their factors."""
+        for r in range(TM):
+            lse = rv[r]
+            ratio = rv[TM + r]
+            delta = rv[2 * TM + r]
+            live = row0 + r < nq and lse != NINF
+            for c in range(TN):
+                x = r * TN + c
+                s = S[x]
+                if selected and not (s > thr[r] or s != s
+                                     or (s == thr[r] and j0 + key0 + c <= cutr[r])):
+                    s = NINF
+                w = ZERO
+                ds = ZERO
+                g = ZERO
+                if live:
+                    p = ratio * math.exp(s - lse)
+                    if p != ZERO:  # a key the row does not weigh: its value never reaches it
+                        g = dP[x] - delta
+                        ds = p * g
+                        w = p * F[x] if normalizer == RELU_EXPM1 else p
+                S[x] = ds
+                F[x] = w
+                dP[x] = g
+
+    @cuda.jit(device=True)
+    def pair(S1, S2, dP, W, rv, rectified, part1, part2, row0, nq):
+        """Two streams: ``S1``, ``S2`` become ``ds1``, ``ds2``, ``dP`` becomes ``G``, ``W``
+        (the factors' scratch) the combined weights; ``part1[r] += sum G A1``,
+        ``part2[r] += sum G A2``.  ``rv``:
+        the rows' ``lse1, lse2, d1, e, lam``; ``S1``, ``S2``: the modified logits."""
+        for r in range(TM):
+            l1 = rv[r]
+            l2 = rv[TM + r]
+            d1 = rv[2 * TM + r]
+            e = rv[3 * TM + r]
+            lam = rv[4 * TM + r]
+            valid = row0 + r < nq
+            t1 = ZERO
+            t2 = ZERO
+            for c in range(TN):
+                x = r * TN + c
+                a1 = ZERO if not valid or l1 == NINF else math.exp(S1[x] - l1)
+                a2 = ZERO if not valid or l2 == NINF else math.exp(S2[x] - l2)
+                w = a1 - lam * a2
+                g = dP[x]
+                # outside both maps nothing flows (a NaN value there stays out); the clip
+                # at 0 has derivative 0
+                if (a1 == ZERO and a2 == ZERO) or (rectified and not w > ZERO):
+                    w = ZERO
+                    g = ZERO
+                t1 += g * a1
+                t2 += g * a2
+                S1[x] = a1 * (g - d1)
+                S2[x] = -lam * a2 * (g - e)
+                W[x] = w
+                dP[x] = g
+            part1[r] += t1
+            part2[r] += t2
+
+    @cuda.jit(device=True)
+    def pair_registers():
+        """The thread's register arrays of a pair: ``S1, S2, F, dP`` (micro-tiles),
+        ``rv`` (three or five values a row), ``thr``, ``cutr`` (the top-k selection)."""
+        return (cuda.local.array(N_S, nt), cuda.local.array(N_S, nt),
+                cuda.local.array(N_S, nt), cuda.local.array(N_S, nt), cuda.local.array(N_RV, nt),
+                cuda.local.array(TM, nt), cuda.local.array(TM, np.int64))
+
+    @cuda.jit(device=True)
+    def load_rows(rowv, b, h, i0, row0, Lq, rv, thr_a, cut_a, selected, thr, cutr):
+        """``rv[k * TM + r] = rowv[b, h, k, row i0 + row0 + r]`` (rows past ``Lq``: the
+        last) and, when ``selected``, the rows' top-k threshold and tie cut."""
+        for r in range(TM):
+            ii = min(i0 + row0 + r, Lq - 1)
+            for k in range(N_ROWV):
+                rv[k * TM + r] = rowv[b, h, k, ii]
+            thr[r] = thr_a[0, 0, 0]
+            cutr[r] = 0
+            if selected:
+                thr[r] = thr_a[b, h, ii]
+                cutr[r] = cut_a[b, h, ii]
+
+    @cuda.jit(device=True)
+    def tile_gradients(Q1, Q2, K1, K2, Ot, Vt, Mt, partial, S1, S2, F, dP, rv, thr, cutr,
+                       selected, rectified, part1, part2, i0, row0, j0, key0, nq, Lq, Lk,
+                       diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks, normalizer):
+        """The logits (``Q K^T`` per stream), ``dP = dO V^T`` and the pair's weights and
+        logit gradients (:func:`single` or :func:`pair`; the weights in ``F``) from the
+        staged transposed tiles; ``Mt``: a partial tile's mask (``partial``)."""
+        tile_scores(Q1, K1, row0, key0, S1)
+        if STREAMS == 2:
+            tile_scores(Q2, K2, row0, key0, S2)
+        dscores(Ot, Vt, row0, key0, dP)
+        if partial:
+            apply_tile_mask(S1, Mt, row0, key0)
+        modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                    has_mask, logks, has_ks, normalizer if STREAMS == 1 else SOFTMAX)
+        if STREAMS == 1:
+            single(S1, F, dP, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer)
+        else:
+            modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                        has_mask, logks, has_ks, SOFTMAX)
+            pair(S1, S2, dP, F, rv, rectified, part1, part2, row0, nq)
+
+    return pair_registers, load_rows, tile_gradients
+
+
+def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
+    """The query-tile kernel (``dQ``; with two streams also ``d1``, ``e``).
+
+    Arguments: ``q, k, v, dout`` (4-D, the forward's head layout), ``scale``,
+    ``bias`` / ``mask`` / ``logks`` with their flags, ``causal``, the
+    normalizer code, ``rowv (B, H, NR, Lq)`` (per-row values, see
+    :func:`pair_functions`), ``thr`` / ``cut`` and ``selected`` (top-k),
+    ``rectified``, the pattern's ``p_heads``, CSR ``indptr`` / ``indices``
+    and ``csr`` flag, the tile lists ``tile_ptr, tile_idx, tile_full`` and
+    ``dq``.  Grid ``(B * H, query tiles)``.
+
+    ``variant`` (``"dense"``, ``"sparse"``, ``"topk"``; two streams: any)
+    fixes the ``csr`` and ``selected`` flags at compile time, so that a
+    dense kernel carries neither the CSR mask nor the selection (registers).
+    """
+    f = micro_functions(np.dtype(dtype), tiling)
+    g_ = geometry(tiling)
+    nt, TM, TN, BQ, BK = f.nt, f.TM, f.TN, f.BQ, f.BK
+    S_, D = tiling.streams, tiling.d
+    TD, DQP, DV4 = g_["TD"], g_["DQP"], g_["DV4"]
+    row_zeros, dq_zeros = f.zeros(TM), f.zeros(TM * TD)
+    N_QS, N_KS = tiling.dp * BQ, _up4(max(tiling.dp * BK, BK * DQP))
+    N_DS = _up4(BK * BQ)
+    (O_Q, O_O, O_KV, O_V, O_DS, O_RED, O_ROWS, O_FLAG), N_ALL = _offsets(dq_parts(tiling))
+    t_ = device_functions(np.dtype(dtype))
+    CAST, ONE = t_.CAST, t_.CAST(1)
+    block_tile, thread_place = f.block_tile, f.thread_place
+    stage_transposed = f.stage_transposed
+    stage_dT = f.transposed_stager(DV4)
+    stage_keys = f.row_stager(BK, DQP)
+    dq_product = f.micro_product(TM, TD, BK, BQ, DQP)
+    store_tile, row_reduce = f.store_tile, f.row_reduce
+    stage_tile_mask = f.stage_tile_mask
+    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling)
+    CSR, SELECTED = variant == "sparse", variant == "topk"
+
+    def dq_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
+                  normalizer, rowv, thr_a, cut_a, selected, rectified, p_heads, indptr, indices,
+                  csr, tile_ptr, tile_idx, tile_full, dq):
+        Lq, Lk = q.shape[2], k.shape[2]
+        diag = Lk - Lq if causal else Lk
+        csr = CSR  # the variant's constants (the arguments only say the same)
+        selected = SELECTED
+        b, h, g, i0 = block_tile(q.shape[1] // S_, k.shape[1] // S_, 0)
+        smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
+        Qt, dOt, KV = smem[O_Q:O_O], smem[O_O:O_KV], smem[O_KV:O_V]
+        Vt, dSt, red = smem[O_V:O_DS], smem[O_DS:O_RED], smem[O_RED:O_ROWS]
+        rows, flag = smem[O_ROWS:O_FLAG], smem[O_FLAG:]
+        t, row0, key0, _ = thread_place()
+        colq = (key0 // TN) * TD
+        S1, S2, F, dP, rv, thr, cutr = pair_registers()
+        part1, part2 = row_zeros()  # with two streams: the rows' d1 and e
+        Q1, Q2 = dq_zeros()  # each stream's dQ micro-tile
+        if t == 0:
+            flag[0] = CAST(-1)
+        nq = min(BQ, Lq - i0)
+        load_rows(rowv, b, h, i0, row0, Lq, rv, thr_a, cut_a, selected, thr, cutr)
+        for c in range(S_):
+            stage_transposed(q[b, S_ * h + c], i0, nq, scale, Qt[c * N_QS:], BQ)
+        stage_dT(dout[b, h], i0, nq, ONE, dOt, BQ)
+        ph = h if p_heads > 1 else 0
+        i_csr = ph * Lq + min(i0 + t, Lq - 1)  # thread t < BQ: its row of the pattern
+        tr = ph * ((Lq + BQ - 1) // BQ) + i0 // BQ
+        vh = v[b, g]
+        for phase in range(S_):  # two streams: pass 0 forms d1 and e
+            last = phase == S_ - 1
+            for s in range(tile_ptr[tr], tile_ptr[tr + 1]):
+                j0 = tile_idx[s] * BK
+                nk = min(BK, Lk - j0)
+                partial = csr and not tile_full[s]
+                if partial:  # dSt is free: the last tile ended with a barrier
+                    stage_tile_mask(dSt, t, i_csr, indptr[i_csr], j0, indptr, indices)
+                for c in range(S_):
+                    stage_transposed(k[b, S_ * g + c], j0, nk, ONE, KV[c * N_KS:], BK)
+                stage_dT(vh, j0, nk, ONE, Vt, BK)
+                cuda.syncthreads()
+                tile_gradients(Qt, Qt[N_QS:], KV, KV[N_KS:], dOt, Vt, dSt, partial, S1, S2, F,
+                               dP, rv, thr, cutr, selected, rectified, part1, part2, i0,
+                               row0, j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                               has_mask, logks, has_ks, normalizer)
+                cuda.syncthreads()  # the key tiles and the tile mask are read
+                if last:
+                    store_tile(S1, dSt, row0, key0)
+                    if S_ == 2:
+                        store_tile(S2, dSt[N_DS:], row0, key0)
+                    bad = False
+                    for c in range(S_):
+                        bad = stage_keys(k[b, S_ * g + c], j0, nk, KV[c * N_KS:]) or bad
+                    if bad:
+                        flag[0] = CAST(s)
+                    cuda.syncthreads()
+                    guarded = flag[0] == CAST(s)
+                    dq_product(dSt, row0, KV, colq, guarded, Q1)
+                    if S_ == 2:
+                        dq_product(dSt[N_DS:], row0, KV[N_KS:], colq, guarded, Q2)
+                    cuda.syncthreads()
+            if not last:  # the rows' d1 and e: sums over the row's threads
+                row_reduce(red, rows, t, row0, key0, part1, part1, False)
+                row_reduce(red, rows, t, row0, key0, part2, part2, False)
+                for r in range(TM):
+                    rv[2 * TM + r] = part1[r]
+                    rv[3 * TM + r] = part2[r]
+                    if key0 == 0 and row0 + r < nq:
+                        rowv[b, h, 2, i0 + row0 + r] = part1[r]
+                        rowv[b, h, 3, i0 + row0 + r] = part2[r]
+        for r in range(TM):
+            i = i0 + row0 + r
+            if i < Lq:
+                for e in range(TD):
+                    col = colq + e
+                    if col < D:
+                        dq[b, S_ * h, i, col] = scale * Q1[r * TD + e]
+                        if S_ == 2:
+                            dq[b, 2 * h + 1, i, col] = scale * Q2[r * TD + e]
+
+    return dq_kernel
+
+
+def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
+    """The key-tile kernel (``dK``, ``dV``, the full bias gradient, ``d log key_size``).
+
+    Arguments as :func:`build_dq` up to the pattern (``col_ptr, col_qt,
+    col_full``: the tile lists read by key tile), then ``need_dbias``,
+    ``dk``, ``dv``, ``dbias (B, H, Lq, Lk)`` (or a placeholder) and
+    ``dlogks (B, Hk, Lk)`` (zeros on entry; per key head).  Grid ``(B * Hk,
+    key tiles)``.  ``variant`` as :func:`build_dq`.
+    """
+    f = micro_functions(np.dtype(dtype), tiling)
+    g_ = geometry(tiling)
+    nt, TM, TN, BQ, BK, NT = f.nt, f.TM, f.TN, f.BQ, f.BK, f.NT
+    S_, D, DV = tiling.streams, tiling.d, tiling.dv
+    NX, TDK, DKP, TVK, DVKP, DV4 = (g_[x] for x in ("NX", "TDK", "DKP", "TVK", "DVKP", "DV4"))
+    row_zeros, dk_zeros, dv_zeros = f.zeros(TM), f.zeros(TN * TDK), f.zeros(TN * TVK)
+    N_KS, N_TILE = tiling.dp * BK, _up4(BQ * BK)
+    N_QQ = _up4(max(tiling.dp * BQ, BQ * DKP))
+    (O_K, O_V, O_Q, O_O, O_W, O_DS, O_X), N_ALL = _offsets(dkdv_parts(tiling))
+    t_ = device_functions(np.dtype(dtype))
+    ZERO, ONE = t_.ZERO, t_.CAST(1)
+    thread_place = f.thread_place
+    stage_transposed = f.stage_transposed
+    stage_dT = f.transposed_stager(DV4)
+    stage_q = f.row_stager(BQ, DKP)
+    stage_o = f.row_stager(BQ, DVKP)
+    dv_product = f.micro_product(TN, TVK, BQ, BK, DVKP)
+    dk_product = f.micro_product(TN, TDK, BQ, BK, DKP)
+    stage_tile_mask = f.stage_tile_mask
+    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling)
+    CSR, SELECTED = variant == "sparse", variant == "topk"
+
+    @cuda.jit(device=True)
+    def store_rows(X, A, row0, key0):
+        """``A[row0 + r, key0 + c] = X[r, c]`` (row-major ``BQ x BK``)."""
+        for r in range(TM):
+            for c in range(TN):
+                A[(U32(row0) + U32(r)) * U32(BK) + U32(key0) + U32(c)] = X[r * TN + c]
+
+    def dkdv_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
+                    normalizer, rowv, thr_a, cut_a, selected, rectified, p_heads, indptr,
+                    indices, csr, col_ptr, col_qt, col_full, need_dbias, dk, dv, dbias, dlogks):
+        Lq, Lk = q.shape[2], k.shape[2]
+        diag = Lk - Lq if causal else Lk
+        csr = CSR  # the variant's constants (the arguments only say the same)
+        selected = SELECTED
+        H, Hk = q.shape[1] // S_, k.shape[1] // S_
+        group = H // Hk
+        b = cuda.blockIdx.x // Hk
+        g = cuda.blockIdx.x - b * Hk
+        kt = cuda.blockIdx.y
+        j0 = kt * BK
+        nk = min(BK, Lk - j0)
+        n_kt = (Lk + BK - 1) // BK
+        smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
+        Kt, Vt, QQ, OO = smem[O_K:O_V], smem[O_V:O_Q], smem[O_Q:O_O], smem[O_O:O_W]
+        Wt, dSb, X = smem[O_W:O_DS], smem[O_DS:O_X], smem[O_X:]
+        t, row0, key0, _ = thread_place()
+        ty = t // NX
+        colk = ty * TDK
+        colv = ty * TVK
+        S1, S2, F, dP, rv, thr, cutr = pair_registers()
+        part, _ = row_zeros()  # the first sweep's sums: not needed here
+        K1, K2 = dk_zeros()  # dK of each stream
+        V1, _ = dv_zeros()
+        for c in range(S_):
+            stage_transposed(k[b, S_ * g + c], j0, nk, ONE, Kt[c * N_KS:], BK)
+        stage_dT(v[b, g], j0, nk, ONE, Vt, BK)
+        for hh in range(group):
+            h = g * group + hh
+            ph = h if p_heads > 1 else 0
+            col = ph * n_kt + kt
+            for p in range(col_ptr[col], col_ptr[col + 1]):
+                i0 = col_qt[p] * BQ
+                nq = min(BQ, Lq - i0)
+                partial = csr and not col_full[p]
+                load_rows(rowv, b, h, i0, row0, Lq, rv, thr_a, cut_a, selected, thr, cutr)
+                if partial:  # Wt is free: the last tile ended with a barrier
+                    i_csr = ph * Lq + min(i0 + t, Lq - 1)
+                    stage_tile_mask(Wt, t, i_csr, indptr[i_csr], j0, indptr, indices)
+                for c in range(S_):
+                    stage_transposed(q[b, S_ * h + c], i0, nq, scale, QQ[c * N_QQ:], BQ)
+                stage_dT(dout[b, h], i0, nq, ONE, OO, BQ)
+                cuda.syncthreads()
+                tile_gradients(QQ, QQ[N_QQ:], Kt, Kt[N_KS:], OO, Vt, Wt, partial, S1, S2, F, dP,
+                               rv, thr, cutr, selected, rectified, part, part, i0, row0, j0,
+                               key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask, has_mask,
+                               logks, has_ks, normalizer)
+                for r in range(TM):  # the contributions to d log key_size (and dbias)
+                    for c in range(TN):
+                        x = r * TN + c
+                        dP[x] = S1[x] + S2[x] if S_ == 2 else F[x] * dP[x]
+                        if need_dbias and row0 + r < nq and key0 + c < nk:
+                            dbias[b, h, i0 + row0 + r, j0 + key0 + c] = (
+                                S1[x] + S2[x] if S_ == 2 else S1[x])
+                cuda.syncthreads()  # the transposed tiles and the tile mask are read
+                for c in range(S_):
+                    stage_q(q[b, S_ * h + c], i0, nq, QQ[c * N_QQ:])
+                stage_o(dout[b, h], i0, nq, OO)
+                store_rows(F, Wt, row0, key0)
+                store_rows(S1, dSb, row0, key0)
+                if S_ == 2:
+                    store_rows(S2, dSb[N_TILE:], row0, key0)
+                if has_ks:
+                    store_rows(dP, X, row0, key0)
+                cuda.syncthreads()
+                dv_product(Wt, key0, OO, colv, False, V1)
+                dk_product(dSb, key0, QQ, colk, False, K1)
+                if S_ == 2:
+                    dk_product(dSb[N_TILE:], key0, QQ[N_QQ:], colk, False, K2)
+                if has_ks:  # one thread a key, rows in order: deterministic
+                    for c in range(t, nk, NT):
+                        acc = ZERO
+                        for r in range(nq):  # rows past nq hold zeros
+                            acc += X[U32(r) * U32(BK) + U32(c)]
+                        dlogks[b, g, j0 + c] += acc
+                cuda.syncthreads()
+        for x in range(TN):
+            j = j0 + key0 + x
+            if j < Lk:
+                for e in range(TDK):
+                    if colk + e < D:
+                        dk[b, S_ * g, j, colk + e] = scale * K1[x * TDK + e]
+                        if S_ == 2:
+                            dk[b, 2 * g + 1, j, colk + e] = scale * K2[x * TDK + e]
+                for e in range(TVK):
+                    if colv + e < DV:
+                        dv[b, g, j, colv + e] = V1[x * TVK + e]
+
+    return dkdv_kernel
+
+
+def build_row_terms(dtype):
+    """Kernel, one thread per row: ``rowv[b, h] = (lse, r, delta)`` of a single stream.
+
+    ``r = 1`` (``sigmoid(lse)`` for ``softmax1``), ``delta = dout . out -
+    dlse / r``; empty rows (``lse = -inf``) get 0 for both.
+    """
+    t_ = device_functions(np.dtype(dtype))
+    CAST, ZERO, ONE, NINF = t_.CAST, t_.ZERO, t_.CAST(1), t_.NINF
+
+    def row_terms_kernel(out, dout, lse, dlse, has_dlse, normalizer, rowv):
+        B, H, Lq = lse.shape
+        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if e >= B * H * Lq:
+            return
+        b = e // (H * Lq)
+        h = (e // Lq) % H
+        i = e % Lq
+        x = CAST(lse[b, h, i])
+        ratio = ZERO
+        delta = ZERO
+        if x != NINF:
+            ratio = ONE
+            if normalizer == SOFTMAX1:  # sigmoid(lse), without overflow
+                a = math.exp(-abs(x))
+                ratio = ONE / (ONE + a) if x >= ZERO else a / (ONE + a)
+            for c in range(out.shape[3]):
+                delta += CAST(dout[b, h, i, c]) * CAST(out[b, h, i, c])
+            if has_dlse:
+                delta -= CAST(dlse[b, h, i]) / ratio
+        rowv[b, h, 0, i] = x
+        rowv[b, h, 1, i] = ratio
+        rowv[b, h, 2, i] = delta
+
+    return row_terms_kernel
+
+
+def build_sum_to(dtype):
+    """Kernel, one thread per output element: ``y = x`` summed over the axes where ``y``
+    has length 1 (4-D both), in index order (deterministic)."""
+    ZERO = device_functions(np.dtype(dtype)).ZERO
+
+    def sum_to_kernel(x, y):
+        n0, n1, n2, n3 = y.shape
+        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if e >= n0 * n1 * n2 * n3:
+            return
+        a3 = e % n3
+        a2 = (e // n3) % n2
+        a1 = (e // (n2 * n3)) % n1
+        a0 = e // (n1 * n2 * n3)
+        r0 = x.shape[0] if n0 == 1 else 1
+        r1 = x.shape[1] if n1 == 1 else 1
+        r2 = x.shape[2] if n2 == 1 else 1
+        r3 = x.shape[3] if n3 == 1 else 1
+        acc = ZERO
+        for i0 in range(r0):
+            for i1 in range(r1):
+                for i2 in range(r2):
+                    for i3 in range(r3):
+                        acc += x[a0 + i0, a1 + i1, a2 + i2, a3 + i3]
+        y[a0, a1, a2, a3] = acc
+
+    return sum_to_kernel
+
+
+def _helper(name, build, dtype):
+    key = ("backward", name, np.dtype(dtype).str)
+    return cached_kernel(key, lambda: cuda.jit(build(np.dtype(dtype))))
+
+
+def _blocks(n):
+    return (max(1, -(-n // ROW_THREADS)),), ROW_THREADS
+
+
+def sum_to(x, shape, dtype):
+    """``x`` (4-D device array) summed to ``shape`` (axes of length 1) on the device."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    y = cuda.device_array(tuple(shape), dtype)
+    if y.size:
+        grid, threads = _blocks(y.size)
+        _helper("sum_to", build_sum_to, dtype)[grid, threads](x, y)
+    return y
+
+
+def _variant_kernel(name, build, dtype, tiling, variant):
+    return tiled_kernel(f"{name}-{variant}", lambda dt, t: build(dt, t, variant), dtype, tiling)
+
+
+def dq_kernel(dtype, tiling, variant):
+    return _variant_kernel("dq", build_dq, dtype, tiling, variant)
+
+
+def dkdv_kernel(dtype, tiling, variant):
+    return _variant_kernel("dkdv", build_dkdv, dtype, tiling, variant)
+
+
+def _tile_lists(problem, tiling, pattern):
+    """``(p_heads, indptr, indices, csr, rows, cols)`` on the device: the tile lists by
+    query tile (``tile_ptr, tile_idx, tile_full``) and by key tile, and the pattern's CSR
+    (placeholders for dense problems, whose lists are every key tile up to the causal
+    limit)."""
+    _, _, _, Lq, Lk, _, _ = problem.shape
+    bq, bk = tiling.bq, tiling.bk
+    if pattern is None:
+        n_qt, n_kt = -(-Lq // bq), -(-Lk // bk)
+        last = np.array([key_tiles_seen(t * bq, bq, Lq, Lk, bk, problem.causal)[1]
+                         for t in range(n_qt)], np.int64)
+        ptr = np.zeros(n_qt + 1, np.int64)
+        np.cumsum(last, out=ptr[1:])
+        idx = np.concatenate([np.arange(n, dtype=np.int32) for n in last] or
+                             [np.zeros(0, np.int32)])
+        layout = BlockLayout(bq, bk, n_qt, n_kt, ptr, idx, np.ones(idx.size, np.bool_))
+        p_heads, indptr, indices = 1, np.zeros(1, np.int64), np.zeros(1, np.int32)
+    else:
+        layout = pattern.blocks(bq, bk)
+        p_heads, indptr, indices = pattern.n_heads, pattern.indptr, pattern.indices
+    rows = (layout.tile_ptr, layout.tile_idx, layout.tile_full)
+    dev = [cuda.to_device(np.ascontiguousarray(x)) for x in
+           (indptr, indices, *rows, *layout.by_key_tile())]
+    return p_heads, dev[0], dev[1], pattern is not None, tuple(dev[2:5]), tuple(dev[5:])
+
+
+def _on_device(x, dtype=None):
+    if x is None:
+        return None
+    if is_device_array(x):
+        return device_view(x, need_reshape=False)
+    return cuda.to_device(np.ascontiguousarray(x, dtype))
+
+
+def _finish(a, *results):
+    """Gradients as device arrays (device problems) or host arrays; None stays None."""
+    if a.on_device:
+        return results
+    return tuple(None if r is None else r.copy_to_host() for r in results)
+
+
+def _sweep(problem, a, streams, rowv, dout, pattern=None, selection=None, rectified=False,
+           need_dbias=False):
+    """Launch both kernels; returns device ``(dq, dk, dv, dbias_full, dlogks_per_head)``."""
+    B, Hx, Hkx, Lq, Lk, D, Dv = problem.shape
+    S = streams
+    H, Hk = Hx // S, Hkx // S
+    dt = a.dtype
+    dq = cuda.device_array(problem.q.shape, dt)
+    dk = cuda.device_array(problem.k.shape, dt)
+    dv = cuda.device_array(problem.v.shape, dt)
+    # zeros: the tiles a causal limit or a pattern skips are never visited
+    dbias = cuda.to_device(np.zeros((B, H, Lq, Lk) if need_dbias else (1, 1, 1, 1), dt))
+    dlogks = cuda.to_device(np.zeros((B, Hk, Lk) if a.has_ks else (1, 1, 1), dt))
+    t_dq = backward_tiling(a.dtype, D, Dv, S, "dq")
+    t_kv = backward_tiling(a.dtype, D, Dv, S, "dkdv")
+    p_heads, indptr, indices, csr, rows, _ = _tile_lists(problem, t_dq, pattern)
+    cols = _tile_lists(problem, t_kv, pattern)[5]
+    if selection is None:
+        thr, cut = cuda.to_device(np.zeros((1, 1, 1), dt)), cuda.to_device(
+            np.zeros((1, 1, 1), np.int64))
+    else:
+        thr, cut = selection
+    common = (a.q, a.k, a.v, dout, dt.type(problem.scale), a.bias, a.has_bias, a.mask,
+              a.has_mask, a.logks, a.has_ks, problem.causal,
+              NORMALIZER_CODES[problem.normalizer], rowv, thr, cut, selection is not None,
+              rectified, p_heads, indptr, indices, csr)
+    n_qt, n_kt = -(-Lq // t_dq.bq), -(-Lk // t_kv.bk)
+    # the query-tile kernel first: with two streams it forms d1 and e for the other
+    variant = "sparse" if pattern is not None else "topk" if selection is not None else "dense"
+    dq_kernel(dt, t_dq, variant)[(B * H, n_qt), t_dq.threads](*common, *rows, dq)
+    dkdv_kernel(dt, t_kv, variant)[(B * Hk, n_kt), t_kv.threads](
+        *common, *cols, need_dbias, dk, dv, dbias, dlogks)
+    return dq, dk, dv, dbias, dlogks
+
+
+def _zeros(problem, dtype, dbias_shape, extra=()):
+    """The gradients of a problem without work (an empty axis)."""
+    B, _, _, _, Lk, _, _ = problem.shape
+    z = [np.zeros(x.shape, dtype) for x in (problem.q, problem.k, problem.v)]
+    z.append(None if dbias_shape is None else np.zeros(dbias_shape, dtype))
+    z.append(None if problem.log_key_size is None else np.zeros((B, Lk), dtype))
+    z += [np.zeros(s, dtype) for s in extra]
+    if problem.on_device:
+        return tuple(None if x is None else cuda.to_device(x) for x in z)
+    return tuple(z)
+
+
+def _single(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_k=None):
+    """Gradients of one stream (dense, sparse or top-k); the interface's 5-tuple."""
+    B, Hq, _, Lq, Lk, D, Dv = problem.shape
+    a = device_problem(problem)
+    dt = a.dtype
+    if not (B * Hq and Lq and Lk):
+        return _zeros(problem, dt, dbias_shape)
+    selection = None
+    if top_k is not None:  # the forward's own kernel makes the selection again
+        from .topk import topk_selection
+
+        selection = topk_selection(problem, top_k, a)[2:]
+    dout = _on_device(dout)
+    rowv = cuda.device_array((B, Hq, 3, Lq), dt)
+    grid, threads = _blocks(B * Hq * Lq)
+    dlse_d = _on_device(dlse)
+    _helper("row_terms", build_row_terms, dt)[grid, threads](
+        _on_device(out), dout, _on_device(lse), dlse_d if dlse is not None else rowv,
+        dlse is not None, NORMALIZER_CODES[problem.normalizer], rowv)
+    dq, dk, dv, dbias, dlogks = _sweep(problem, a, 1, rowv, dout, pattern=pattern,
+                                       selection=selection, need_dbias=dbias_shape is not None)
+    dbias = None if dbias_shape is None else sum_to(dbias, dbias_shape, dt)
+    dlks = None
+    if a.has_ks:
+        dlks = sum_to(dlogks.reshape((B, dlogks.shape[1], 1, Lk)), (B, 1, 1, Lk),
+                      dt).reshape((B, Lk))
+    return _finish(a, dq, dk, dv, dbias, dlks)
+
+
+def attention_vjp(problem, out, lse, dout, dlse=None, dbias_shape=None):
+    """Gradients of dense attention (see :mod:`attnnb.vjp` for the interface).
+
+    Host problems give NumPy gradients in the compute dtype; device problems
+    (and device ``out``, ``lse``, ``dout``) device gradients.  The bias
+    gradient is formed full size, ``(B, Hq, Lq, Lk)``, each element by the
+    one block that owns its key tile, then summed to ``dbias_shape`` on the
+    device in index order.
+    """
+    return _single(problem, out, lse, dout, dlse, dbias_shape)
+
+
+def sparse_attention_vjp(problem, pattern, out, lse, dout, dlse=None):
+    """Gradients of sparse attention: the pattern's tiles only, both sweeps."""
+    return _single(problem, out, lse, dout, dlse, None, pattern=pattern)
+
+
+def topk_attention_vjp(problem, top_k, out, lse, dout, dlse=None):
+    """Gradients of top-k attention, the forward's selection held fixed (recomputed by the
+    top-k forward kernel itself, so it is the forward's exactly, ties included)."""
+    return _single(problem, out, lse, dout, dlse, None, top_k=top_k)
+
+
+def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
+    """Gradients of differential attention, both modes (module notes).
+
+    Both streams' LSEs come from the differential forward kernel (run again;
+    its output is dropped); the query-tile kernel forms ``d1`` and ``e``,
+    and ``dlam = -e``.
+    """
+    from .._codes import DIFF_MODE_CODES, RECTIFIED
+    from .diff import diff_forward
+
+    B, H2, _, Lq, Lk, D, Dv = problem.shape
+    H = H2 // 2
+    a = device_problem(problem)
+    dt = a.dtype
+    if not (B * H and Lq and Lk):
+        return _zeros(problem, dt, dbias_shape, extra=[(B, H, Lq)])
+    lam_h = lam.copy_to_host() if is_device_array(lam) else np.asarray(lam)
+    host_rows = np.zeros((B, H, 5, Lq), dt)
+    host_rows[:, :, 4] = np.broadcast_to(lam_h, (B, H, Lq))
+    rowv = cuda.to_device(host_rows)
+    diff_forward(problem, cuda.to_device(np.ascontiguousarray(host_rows[:, :, 4])), mode, a,
+                 lses=rowv)
+    dq, dk, dv, dbias, dlogks = _sweep(
+        problem, a, 2, rowv, _on_device(dout),
+        rectified=DIFF_MODE_CODES[mode] == RECTIFIED, need_dbias=dbias_shape is not None)
+    dbias = None if dbias_shape is None else sum_to(dbias, dbias_shape, dt)
+    dlks = None
+    if a.has_ks:
+        dlks = sum_to(dlogks.reshape((B, dlogks.shape[1], 1, Lk)), (B, 1, 1, Lk),
+                      dt).reshape((B, Lk))
+    dlam = -rowv.copy_to_host()[:, :, 3]
+    if a.on_device:
+        dlam = cuda.to_device(np.ascontiguousarray(dlam))
+        return dq, dk, dv, dbias, dlks, dlam
+    return (*_finish(a, dq, dk, dv, dbias, dlks), np.ascontiguousarray(dlam))
+
+
+def ptx_signatures():
+    """``[(name, python function, argument types, options)]`` for the PTX check: both
+    kernels, one stream (dense, sparse, top-k) at D = 64 and 128, two (differential
+    attention) at d = 64, Dv = 128; the helper kernels."""
+    from numba import types
+
+    from ._micro import ptx_cases
+
+    b_ = types.boolean
+    i64, i32, flags = types.int64[::1], types.int32[::1], types.boolean[::1]
+
+    def common(ty):
+        arr4 = ty[:, :, :, ::1]
+        return (arr4, arr4, arr4, arr4, ty, arr4, b_, types.boolean[:, :, :, ::1], b_,
+                ty[:, ::1], b_, b_, types.int64, arr4, ty[:, :, ::1], types.int64[:, :, ::1],
+                b_, b_, types.int64, i64, i32, b_, i64, i32, flags)
+
+    def dq_types(ty):
+        return common(ty) + (ty[:, :, :, ::1],)
+
+    def dkdv_types(ty):
+        arr4 = ty[:, :, :, ::1]
+        return common(ty) + (b_, arr4, arr4, arr4, ty[:, :, ::1])
+
+    cases = []
+    for label, build, argtypes in (("dq", build_dq, dq_types), ("dkdv", build_dkdv, dkdv_types)):
+        def tiles(dtype, d, dv, streams, label=label):
+            return backward_tiling(dtype, d, dv, streams, label)
+
+        for d in (64, 128):
+            cases += ptx_cases(f"backward {label}", build, argtypes, d, d, tiles=tiles)
+        cases += ptx_cases(f"backward diff {label}", build, argtypes, 64, 128, streams=2,
+                           tiles=tiles)
+    for name, _, _, options in cases:
+        if name in KNOWN_GATE_FAILURES:
+            options["known"] = KNOWN_GATE_FAILURES[name]
+    for dtype in (np.float32, np.float64):
+        ty = numba_type(dtype)
+        arr3, arr4 = ty[:, :, ::1], ty[:, :, :, ::1]
+        name = np.dtype(dtype).name
+        cases += [(f"backward row_terms {name}", build_row_terms(np.dtype(dtype)),
+                   (arr4, arr4, arr3, arr3, b_, types.int64, arr4)),
+                  (f"backward sum_to {name}", build_sum_to(np.dtype(dtype)), (arr4, arr4))]
+    return cases
