@@ -37,7 +37,7 @@ from ._topk_rows import BUCKETS, gather_row, scratch_size, select_row, select_ti
 
 # Pass 2 gathers the selected keys' values (gather_row) when a row keeps at most
 # 1 / GATHER_BELOW of the keys it sees; otherwise it sweeps the tiles.
-GATHER_BELOW = 8
+GATHER_BELOW = 2
 
 
 @kernel
