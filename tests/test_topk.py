@@ -194,9 +194,12 @@ def test_select_row_selects_like_a_sort(seed, n, top_k, levels, masked, nan, dty
         row.sort()
     elif layout == "descending":
         row[::-1].sort()
-    elif layout == "spread":  # (hi - lo) overflows; +-inf and -0.0 / +0.0 ties
-        big = np.finfo(dtype).max
-        row = rng.choice(np.array([-big, -1.0, -0.0, 0.0, 1e-30, 1.0, big, np.inf], dtype), n)
+    elif layout == "spread":  # (hi - lo) overflows or is subnormal; +-inf; -0.0 / +0.0 ties
+        big, sub = np.finfo(dtype).max, np.finfo(dtype).tiny / 4
+        values = [-big, -1.0, -0.0, 0.0, sub, 3 * sub, 1e-30, 1.0, big, np.inf]
+        some = rng.random(len(values)) < 0.6
+        some[rng.integers(len(values))] = True
+        row = rng.choice(np.array(values, dtype)[some], n)
     row[rng.random(n) < masked] = -np.inf
     if nan and n:
         row[rng.integers(n)] = np.nan
@@ -247,6 +250,7 @@ def test_kth_largest_buckets():
         big = np.finfo(dtype).max
         for a in (rng.standard_normal(300), np.r_[np.zeros(200), 1e-7 * rng.random(50)],
                   np.r_[-big, rng.integers(0, 3, 100), big], np.r_[np.full(64, 2.0), 1.0],
+                  np.finfo(dtype).tiny * rng.integers(0, 4, 90) / 8,  # a subnormal span
                   rng.integers(0, 4, 257)):
             a = a.astype(dtype)
             for k in (1, 2, len(a) // 3, len(a) - 1, len(a)):

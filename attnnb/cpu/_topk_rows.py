@@ -22,18 +22,19 @@ few times ``top_k`` values.  In order:
    holds; every key at or above the row's ``top_k``-th largest is among
    them (short rows take every allowed key);
 5. the threshold, the ``top_k``-th largest candidate (:func:`kth_largest`:
-   vectorised counts again, no quickselect), and the tie cut: of the
-   candidates equal to it, the ``need``-th lowest index, ``need`` being
-   ``top_k`` minus the count above it.
+   one pass into value buckets, a quickselect among the few values of the
+   bucket that holds it), and the tie cut: of the candidates equal to it,
+   the ``need``-th lowest index, ``need`` being ``top_k`` minus the count
+   above it.
 
-The vectorised passes run over whole chunks of :data:`CHUNK` values (the
-scratch arrays are padded with ``-inf``, which no pass counts): a loop with
-a run-time trip count ends in a scalar remainder of up to 63 values, which
-on a hundred candidates cost more than the vector part.
+The vectorised passes over the group maxima run over whole chunks of
+:data:`CHUNK` values (padded with ``-inf``, which no pass counts): a loop
+with a run-time trip count ends in a scalar remainder of up to 63 values.
 
-Measured (one thread, float32, ``top_k = 64``, random logits): see
-``docs/performance.md``; the quickselect this replaces spent 6-20 cycles a
-key, most of it in mispredicted branches.
+Measured (one thread, float32, ``top_k = 64``, random logits, the row in
+cache): about 2 cycles a key at ``n = 4096``, 4 at ``n = 1024`` and ~2000
+cycles a row below; the two quickselects this replaces spent 6-20 cycles a
+key, most of it in mispredicted branches (``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -155,17 +156,25 @@ def kth_largest(a, n, k, lo, hi, members, bucket, hist):
     differently where the compiler fuses differently); ``members`` (``a``'s
     dtype) and ``bucket`` are scratch of ``n``, ``hist`` of ``BUCKETS``.
     About 6 cycles a value, where a quickselect over all of them took ~15
-    (its branches mispredict).
+    (its branches mispredict).  Spans that overflow or are subnormal take
+    the quickselect over all values.
     """
     span = hi - lo
     if not span > 0.0:  # every value equal
         return hi
     scale = BUCKETS / span
+    if not (span < np.inf and scale < np.inf):
+        # a span that overflows, or is subnormal: the bucket index could meet inf * 0
+        # (the compiler may also reorder its arithmetic): a quickselect over all
+        for x in range(U(n)):
+            members[x] = a[x]
+        return kth_smallest(members, np.int64(n), np.int64(n) - k)
     for b in range(BUCKETS):
         hist[b] = 0
     top = BUCKETS - 1
     for x in range(U(n)):
-        y = (a[x] - lo) * scale  # +inf when span overflowed: the last bucket
+        # monotone in a[x] however the compiler arranges it, with a finite span
+        y = (a[x] - lo) * scale
         b = min(np.int64(y), top) if y < BUCKETS else top
         bucket[x] = b
         hist[b] += 1
