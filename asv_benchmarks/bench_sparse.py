@@ -4,7 +4,8 @@
 ``ATTNNB_ASV_FULL=1`` for the target size of the issue (``N = 16384``).
 ``track_pair_cost_ratio`` times dense and sparse attention in the same
 process and reports sparse time per allowed pair / dense time per pair
-(target: at most 1.5).
+(target: at most 1.5); ``track_topk_dense_ratio`` the same for top-k against
+causal dense attention (target: at most 1.3).
 """
 
 import os
@@ -73,3 +74,24 @@ class TopkAttention:
         from attnnb import topk_attention
 
         topk_attention(self.q, self.k, self.v, top_k, causal=True, backend=backend)
+
+
+class TopkDenseRatio:
+    """``topk_attention`` (causal) over causal dense attention on the same data: time ratio
+    of interleaved calls in one process (target: at most 1.3 for ``top_k = 64`` at
+    ``N = 4096``; ``N = 1024`` unless ``ATTNNB_ASV_FULL=1``)."""
+
+    params = (["cpu", "cuda"], [64])
+    param_names = ["backend", "top_k"]
+    timeout = 300
+
+    def setup(self, backend, top_k):
+        _available(backend)
+
+    def track_topk_dense_ratio(self, backend, top_k):
+        from attnnb.benches.sparse import topk_dense_ratio
+
+        return topk_dense_ratio(4096 if FULL else 1024, H, D, top_k, rounds=5,
+                                backend=backend)[0]
+
+    track_topk_dense_ratio.unit = "ratio"

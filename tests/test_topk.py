@@ -9,6 +9,8 @@ import attnnb
 
 from .helpers import HOST_BACKENDS, assert_close
 
+GRAD_RTOL = {np.float64: 1e-12, np.float32: 1e-4}  # as tests/test_grad_cpu.py
+
 
 def sorted_topk(q, k, v, top_k, mask=None, causal=False, key_size=None, scale=1.0):
     """Loop reference: sort each row's allowed keys by (-weight, index), keep top_k."""
@@ -148,38 +150,176 @@ def test_validation():
     assert attnnb.topk_attention(q, k, v, np.int64(2)).shape == (2, 5, 4)
 
 
-@settings(max_examples=200, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 300), top_k=st.integers(0, 40),
-       levels=st.integers(1, 50), masked=st.floats(0.0, 1.0), nan=st.booleans())
-def test_row_threshold_selects_like_a_sort(seed, n, top_k, levels, masked, nan):
-    # the CPU selection on its own: few distinct values (ties), -inf keys, NaN; both the
-    # chunk-bound path (n // 16 >= top_k) and the unbounded one
-    from attnnb.cpu._sparse_tiles import row_threshold
+def expected_selection(row, top_k):
+    """The keys a row keeps, by a sort on (-logit, index); everything when it holds NaN."""
+    n = len(row)
+    allowed = row > -np.inf
+    if np.isnan(row).any():
+        return allowed | np.isnan(row)
+    order = sorted(np.flatnonzero(allowed), key=lambda i: (-row[i], i))
+    keep = np.zeros(n, bool)
+    keep[order[:top_k]] = True
+    return keep
 
+
+def run_select_row(row, top_k):
+    """``select_row`` on its own: ``(thr, cut, list of kept indices or None)``."""
+    from attnnb.cpu._topk_rows import BUCKETS, scratch_size, select_row
+
+    n = len(row)
+    w = scratch_size(n)
+    gmax, cval, ftmp = (np.empty(w, row.dtype) for _ in range(3))
+    cidx, itmp = np.empty(w, np.int64), np.empty(w, np.int64)
+    thr, cut, cnt = select_row(row, n, top_k, gmax, cval, cidx, ftmp, itmp,
+                               np.empty(BUCKETS, np.int64))
+    if cnt < 0:
+        return thr, cut, None
+    kept = cidx[:cnt].copy()
+    np.testing.assert_array_equal(cval[:cnt], row[kept])  # the list carries the logits
+    return thr, cut, kept
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 1500), top_k=st.integers(0, 90),
+       levels=st.sampled_from([1, 2, 5, 50, 10**6]), masked=st.floats(0.0, 1.0),
+       nan=st.booleans(), dtype=st.sampled_from([np.float32, np.float64]),
+       layout=st.sampled_from(["random", "ascending", "descending", "spread"]))
+def test_select_row_selects_like_a_sort(seed, n, top_k, levels, masked, nan, dtype, layout):
+    # the CPU selection on its own: few distinct values (ties), -inf keys, NaN, sorted rows,
+    # values over the whole float range; rows short enough to take every allowed key and
+    # long enough for the group bound (n >= 4 top_k)
     rng = np.random.default_rng(seed)
-    row = rng.integers(0, levels, n).astype(np.float32)
+    row = rng.integers(0, levels, n).astype(dtype)
+    if layout == "ascending":
+        row.sort()
+    elif layout == "descending":
+        row[::-1].sort()
+    elif layout == "spread":  # (hi - lo) overflows or is subnormal; +-inf; -0.0 / +0.0 ties
+        big, sub = np.finfo(dtype).max, np.finfo(dtype).tiny / 4
+        values = [-big, -1.0, -0.0, 0.0, sub, 3 * sub, 1e-30, 1.0, big, np.inf]
+        some = rng.random(len(values)) < 0.6
+        some[rng.integers(len(values))] = True
+        row = rng.choice(np.array(values, dtype)[some], n)
     row[rng.random(n) < masked] = -np.inf
     if nan and n:
         row[rng.integers(n)] = np.nan
-    thr, cut = row_threshold(row, n, top_k, np.empty(max(n, 1), np.float32))
+    thr, cut, kept = run_select_row(row, top_k)
     j = np.arange(n)
     chosen = (row > thr) | np.isnan(row) | ((row == thr) & (j <= cut))
     allowed = row > -np.inf
-    if np.isnan(row).any():
-        expected = allowed | np.isnan(row)
-    else:
-        order = sorted(np.flatnonzero(allowed), key=lambda i: (-row[i], i))
-        expected = np.zeros(n, bool)
-        expected[order[:top_k]] = True
+    expected = expected_selection(row, top_k)
     np.testing.assert_array_equal(chosen & (allowed | np.isnan(row)), expected)
+    if kept is None:
+        assert np.isnan(row).any() and cut == n
+    else:
+        np.testing.assert_array_equal(np.sort(kept), np.flatnonzero(expected))
 
 
-def test_row_threshold_when_the_chunk_maxima_are_exactly_the_top_k():
-    # the bound's candidates are then exactly top_k keys: the threshold is their minimum
-    from attnnb.cpu._sparse_tiles import row_threshold
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n, top_k", [(32, 2), (512, 64), (4096, 64), (1000, 1), (3000, 250)])
+def test_select_row_edge_rows(dtype, n, top_k):
+    # the bound's group maxima exactly the top_k; all equal; the maximum in the keys no
+    # group holds (n % group); one allowed key; exactly top_k allowed
+    rows = []
+    r = np.zeros(n, dtype)
+    r[3], r[n - 12] = 10.0, 9.0
+    rows.append(r)
+    rows.append(np.full(n, 7.0, dtype))
+    r = np.zeros(n, dtype)
+    r[-1] = 5.0  # the last key: outside every group when n is not a multiple of it
+    rows.append(r)
+    r = np.full(n, -np.inf, dtype)
+    r[n // 2] = 1.0
+    rows.append(r)
+    r = np.full(n, -np.inf, dtype)
+    r[:: n // top_k][:top_k] = 2.0
+    rows.append(r)
+    rows.append(np.arange(n, dtype=dtype)[::-1].copy())
+    for row in rows:
+        thr, cut, kept = run_select_row(row, top_k)
+        np.testing.assert_array_equal(np.sort(kept), np.flatnonzero(expected_selection(row,
+                                                                                        top_k)))
 
-    row = np.zeros(32, np.float32)
-    row[3], row[20] = 10.0, 9.0
-    thr, cut = row_threshold(row, 32, 2, np.empty(32, np.float32))
-    chosen = (row > thr) | ((row == thr) & (np.arange(32) <= cut))
-    np.testing.assert_array_equal(np.flatnonzero(chosen), [3, 20])
+
+def test_kth_largest_buckets():
+    # clustered values, ties across the bucket boundaries, a span that overflows
+    from attnnb.cpu._topk_rows import BUCKETS, kth_largest
+
+    rng = np.random.default_rng(3)
+    for dtype in (np.float32, np.float64):
+        big = np.finfo(dtype).max
+        for a in (rng.standard_normal(300), np.r_[np.zeros(200), 1e-7 * rng.random(50)],
+                  np.r_[-big, rng.integers(0, 3, 100), big], np.r_[np.full(64, 2.0), 1.0],
+                  np.finfo(dtype).tiny * rng.integers(0, 4, 90) / 8,  # a subnormal span
+                  rng.integers(0, 4, 257)):
+            a = a.astype(dtype)
+            for k in (1, 2, len(a) // 3, len(a) - 1, len(a)):
+                got = kth_largest(a.copy(), len(a), k, a.min(), a.max(), np.empty(len(a), dtype),
+                                  np.empty(len(a), np.int64), np.empty(BUCKETS, np.int64))
+                assert got == np.sort(a)[::-1][k - 1], (k, dtype)
+
+
+def integer_problem(rng, hq, hk, lq, lk, d, dtype, levels=2):
+    q = rng.integers(-levels, levels + 1, (hq, lq, d)).astype(dtype)
+    k = rng.integers(-levels, levels + 1, (hk, lk, d)).astype(dtype)
+    v = rng.standard_normal((hk, lk, 6)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("lq, lk, causal", [(130, 1100, False), (200, 700, True),
+                                            (700, 200, True), (64, 4100, True)])
+@pytest.mark.parametrize("top_k", [1, 7, 64, 150])
+def test_long_rows_against_the_references(rng, dtype, lq, lk, causal, top_k):
+    # rows long enough for the group bound and the gathered second pass; integer data, so
+    # every logit is exact in both dtypes and ties are many; GQA, a mask with empty rows,
+    # key sizes; compared with the loop reference and the reference backend
+    q, k, v = integer_problem(rng, 4, 2, lq, lk, 3, dtype)
+    mask = rng.random((4, lq, lk)) < 0.8
+    mask[:, 5] = False
+    key_size = rng.choice([1.0, 2.0, 4.0], size=lk)
+    kw = dict(mask=mask, causal=causal, key_size=key_size, scale=1.0)
+    out, lse = attnnb.topk_attention(q, k, v, top_k, return_lse=True, backend="cpu", **kw)
+    ref, ref_lse = sorted_topk(q, k, v, top_k, mask, causal, key_size, 1.0)
+    assert_close(out, ref, dtype)
+    assert_close(lse, ref_lse, dtype, what="lse")
+    out_r = attnnb.topk_attention(q, k, v, top_k, backend="reference", **kw)
+    assert_close(out, out_r, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_long_rows_nan_inf_and_random_logits(rng, dtype):
+    # random logits (no ties), -inf keys, a NaN key seen by some rows, huge logits
+    lq, lk = 150, 1500
+    q = rng.standard_normal((2, lq, 16)).astype(dtype) * 3
+    k = rng.standard_normal((2, lk, 16)).astype(dtype) * 3
+    v = rng.standard_normal((2, lk, 70)).astype(dtype)  # Dv not a multiple of 64
+    k[1, 1400] = np.nan
+    out = attnnb.topk_attention(q, k, v, 40, causal=True, backend="cpu")
+    seen = np.arange(lq) + lk - lq >= 1400
+    assert np.isnan(out[1, seen]).all()
+    assert np.isfinite(out[1, ~seen]).all() and np.isfinite(out[0]).all()
+    ref = attnnb.topk_attention(q, k, v, 40, causal=True, backend="reference")
+    assert_close(out[:, ~seen], ref[:, ~seen], dtype)
+    big = attnnb.topk_attention(q * 300, k[:1] * 300, v[:1], 40, backend="cpu")
+    assert np.isfinite(big).all()
+    if dtype == np.float64:  # float32 logits of 1e4-1e5 carry errors that reorder ranks
+        assert_close(big, attnnb.topk_attention(q * 300, k[:1] * 300, v[:1], 40,
+                                                backend="reference"), dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("top_k", [1, 64])
+def test_long_rows_gradients(rng, dtype, top_k):
+    # the backward recomputes the forward's selection: gradients match the reference's
+    q, k, v = integer_problem(rng, 4, 2, 100, 900, 3, dtype)
+    key_size = rng.choice([1.0, 3.0], size=900).astype(dtype)
+    kw = dict(causal=True, key_size=key_size, scale=1.0, return_lse=True)
+    (out, lse), pull_c = attnnb.vjp(attnnb.topk_attention, q, k, v, top_k, backend="cpu", **kw)
+    _, pull_r = attnnb.vjp(attnnb.topk_attention, q, k, v, top_k, backend="reference", **kw)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    dlse = rng.standard_normal(lse.shape).astype(dtype)
+    got, want = pull_c(dout, dlse), pull_r(dout, dlse)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert_close(got[name], want[name], dtype, rtol=GRAD_RTOL[dtype], what=name)

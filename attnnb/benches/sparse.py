@@ -14,7 +14,9 @@ result from dense attention with ``mask=pattern.to_mask()``) and ``torch``
 
 ``python -m attnnb.benches.sparse [--quick] [--threads T]`` prints the
 per-pair ratios directly, timing dense and sparse interleaved in one process
-(:func:`pair_cost_ratios`).
+(:func:`pair_cost_ratios`), and top-k's time over causal dense attention's
+(:func:`topk_dense_ratio`; target: at most 1.3 for ``top_k = 64``, causal,
+``N = 4096``).
 """
 
 from __future__ import annotations
@@ -88,13 +90,14 @@ def cases(quick: bool = False):
                     "work": 4.0 * H * p.nnz * D, "candidates": cands})
     Nk = 1024 if quick else 4096
     qt, kt, vt = (x[:, :, :Nk] for x in (q, k, v))
-    out.append({
+    out.append({  # dense first: the ratio column is then top-k's time over dense's
         "name": f"topk k=64 causal N={Nk}",
         "work": 4.0 * H * Nk * 64 * D,
-        "candidates": {"attnnb-cpu": lambda: topk_attention(qt, kt, vt, 64, causal=True,
-                                                             backend="cpu"),
-                       "attnnb-cpu dense causal": lambda: attention(qt, kt, vt, causal=True,
-                                                                    backend="cpu")},
+        "candidates": {"attnnb-cpu dense causal": lambda: attention(qt, kt, vt, causal=True,
+                                                                    backend="cpu"),
+                       "attnnb-cpu": lambda: topk_attention(qt, kt, vt, 64, causal=True,
+                                                            backend="cpu")},
+        "target": "topk <= 1.3x dense",
     })
     return out
 
@@ -138,6 +141,31 @@ def pair_cost_ratios(N, H=8, D=64, window=256, rounds=3, calls=5, backend="cpu")
     return result
 
 
+def topk_dense_ratio(N, H=8, D=64, top_k=64, causal=True, rounds=5, backend="cpu"):
+    """Top-k attention's time over dense attention's on the same allowed set.
+
+    The target (issue: top-k selection) is at most 1.3 for ``top_k = 64``,
+    causal, ``N = 4096``.  ``rounds`` rounds of one call each, interleaved,
+    after a warm-up call of each; returns ``(ratio of the medians, top-k
+    seconds, dense seconds)``.
+    """
+    from attnnb import attention, topk_attention
+
+    q, k, v = data(N, H, D)
+    calls = {"topk": lambda: topk_attention(q, k, v, top_k, causal=causal, backend=backend),
+             "dense": lambda: attention(q, k, v, causal=causal, backend=backend)}
+    times = {name: [] for name in calls}
+    for fn in calls.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    tk, td = (float(np.median(times[name])) for name in ("topk", "dense"))
+    return tk / td, tk, td
+
+
 def main(argv=None):
     """``python -m attnnb.benches.sparse [--quick] [--threads T]``: the per-pair ratios."""
     argv = sys.argv[1:] if argv is None else argv
@@ -155,6 +183,10 @@ def main(argv=None):
             size["N"], size["H"], size["D"], size["window"], rounds).items():
         print(f"{name:28s} density {density:.4f}  sparse {ts:8.3f} s  dense {dense:8.3f} s  "
               f"speed-up {dense / ts:6.1f}x  time per pair / dense's: {ratio:.2f}")
+    n_topk = 1024 if "--quick" in argv else 4096
+    ratio, tk, td = topk_dense_ratio(n_topk, size["H"], size["D"])
+    print(f"topk k=64 causal N={n_topk}: topk {tk:8.3f} s  dense causal {td:8.3f} s  "
+          f"time / dense's: {ratio:.2f} (target <= 1.3)")
 
 
 if __name__ == "__main__":

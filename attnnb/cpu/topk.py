@@ -2,14 +2,15 @@
 
 Pass 1 computes the tile's rows of modified logits (``s + log key_size``,
 ``-inf`` outside the mask / causal limit) into an ``(TILE_Q, Lk)`` scratch
-(O(Lk) per task, never ``Lq x Lk``) and finds each row's threshold with a
-selection (:func:`~attnnb.cpu._sparse_tiles.row_threshold`).  Pass 2 reads
-the logits pass 1 stored, so the keys it keeps are exactly the ``top_k``
-that pass 1 counted.  When a row keeps few of the keys it sees (at most
-1 / ``GATHER_BELOW``), pass 2 reads only the selected keys' values
-(:func:`~attnnb.cpu._sparse_tiles.gather_selected`); otherwise it sweeps the
-same key tiles, masked down to the selected keys, through the shared online
-softmax.
+(O(Lk) per task, never ``Lq x Lk``); then each row's selection
+(:func:`~attnnb.cpu._topk_rows.select_row`) gives its threshold, tie cut
+and the list of kept keys.  When a row keeps few of the keys it sees (at
+most 1 / ``GATHER_BELOW``), pass 2 is that row's softmax over its list,
+reading only the kept keys' values (:func:`~attnnb.cpu._topk_rows.gather_row`);
+otherwise it sweeps the same key tiles, masked down to the selected keys
+(:func:`~attnnb.cpu._topk_rows.select_tile`), through the shared online
+softmax.  Either way pass 2 reads the logits pass 1 stored, so the keys it
+keeps are exactly the ``top_k`` that pass 1 selected.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from numba import prange
 from .._codes import SOFTMAX
 from ._host import run_sweep
 from ._jit import kernel, wide_vectors
-from ._sparse_tiles import gather_selected, row_threshold, select_tile
 from ._task import query_task, sweep_geometry
 from ._tiles import (
     TILE_K,
@@ -33,10 +33,11 @@ from ._tiles import (
     tile_logits_t,
     view2d,
 )
+from ._topk_rows import BUCKETS, gather_row, scratch_size, select_row, select_tile
 
-# Pass 2 gathers the selected keys' values (gather_selected) when a row keeps at most
+# Pass 2 gathers the selected keys' values (gather_row) when a row keeps at most
 # 1 / GATHER_BELOW of the keys it sees; otherwise it sweeps the tiles.
-GATHER_BELOW = 8
+GATHER_BELOW = 2
 
 
 @kernel
@@ -46,8 +47,8 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
     kernel's (:mod:`attnnb.cpu._host`), ``bias`` a placeholder (never read).
 
     ``thr_rows``, ``cut_rows`` ``(B, Hq, Lq)`` receive each row's selection
-    (:func:`~attnnb.cpu._sparse_tiles.row_threshold`), which the backward
-    pass holds fixed.
+    (:func:`~attnnb.cpu._topk_rows.select_row`), which the backward pass
+    holds fixed.
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
     for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
@@ -58,12 +59,15 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
          T_flat) = query_task(task, q, kt, v, scale, TILE_Q, group, n_qt)
         g = h // group
         R = view2d(np.empty(TILE_Q * Lk, q.dtype), nq, Lk)
-        buf = np.empty(Lk, q.dtype)
+        # the selection's scratch (select_row); at least one element each
+        w = scratch_size(Lk)
+        gmax, cval, ftmp = np.empty(w, q.dtype), np.empty(w, q.dtype), np.empty(w, q.dtype)
+        cidx, itmp, hist = np.empty(w, np.int64), np.empty(w, np.int64), np.empty(BUCKETS, np.int64)
         thr = np.empty(nq, q.dtype)
         cut = np.empty(nq, np.int64)
         last = key_tiles_seen(i0, nq, diag, n_kt)
         n_seen = min(Lk, last * TILE_K)  # keys beyond the causal limit of the whole tile
-        # pass 1: logits of every allowed key, then each row's threshold
+        # pass 1: logits of every allowed key
         for t in range(last):
             j0 = t * TILE_K
             nk = min(TILE_K, Lk - j0)
@@ -71,14 +75,17 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
             modify_logits(S, S, i0, j0, diag, bias[0, 0], False, mask[b, h], has_mask,
                           logks[b], has_ks, SOFTMAX)
             R[:, j0 : j0 + nk] = S
+        # each row's selection; few keys kept per row: its softmax over its list at once
+        gather = GATHER_BELOW * top_k <= n_seen
         for r in range(nq):
-            thr[r], cut[r] = row_threshold(R[r], n_seen, top_k, buf)
+            thr[r], cut[r], cnt = select_row(R[r], n_seen, top_k, gmax, cval, cidx, ftmp,
+                                             itmp, hist)
             thr_rows[b, h, i0 + r], cut_rows[b, h, i0 + r] = thr[r], cut[r]
-        # pass 2: few keys kept per row: read just their values; many: the masked sweep
-        # over the same tiles, through the shared online softmax
-        if GATHER_BELOW * top_k <= n_seen:
-            gather_selected(R, n_seen, thr, cut, vh, np.empty(n_seen, np.int64), m, l, acc)
-        else:
+            if gather:
+                gather_row(r, cval, cidx, cnt, vh, m, l, acc, ftmp, T_flat)
+        # many: pass 2 is the masked sweep over the same tiles, through the shared online
+        # softmax
+        if not gather:
             for t in range(last):
                 j0 = t * TILE_K
                 nk = min(TILE_K, Lk - j0)
