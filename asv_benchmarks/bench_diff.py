@@ -14,6 +14,8 @@ import numpy as np
 import attnnb
 from attnnb.benches.diff import composed, data
 
+from ._ci import choose
+
 
 def _require(backend):
     ok, why = attnnb.backends()[backend]
@@ -22,7 +24,7 @@ def _require(backend):
 
 
 class DiffAttention:
-    params = (["cpu", "reference"], ["difference", "rectified"], [256, 1024],
+    params = (["cpu", "reference"], ["difference", "rectified"], choose([256, 1024], [256]),
               ["float32", "float64"])
     param_names = ["backend", "mode", "L", "dtype"]
 
@@ -42,7 +44,7 @@ class DiffAttention:
 
 
 class DiffVersusComposition:
-    params = ([256, 1024], [False, True])
+    params = (choose([256, 1024], [256]), [False, True])
     param_names = ["L", "causal"]
 
     def setup(self, L, causal):

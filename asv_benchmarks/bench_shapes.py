@@ -11,18 +11,19 @@ backend): ``D`` in 16 .. 256 at ``N = 2048``, ``B = 32, H = 6, N = 197, D =
   skipped without torch).
 """
 
-import os
 import time
 
 import numpy as np
 
 from attnnb.benches.shapes import shape_list
 
+from ._ci import QUICK
+
 SHAPES = dict(shape_list(quick=False))
 # CI's quick pass (ATTNNB_ASV_SKIP_SLOW set) runs three of them: one narrow head size, the
 # ViT batch and one decoding step; recorded histories run them all.
 CI_SHAPES = ("D=40 H=8 N=2048", "ViT B=32 H=6 N=197 D=64", "decode Lq=1 Lk=4096 H=8 D=64")
-if os.environ.get("ATTNNB_ASV_SKIP_SLOW"):
+if QUICK:
     SHAPES = {name: SHAPES[name] for name in CI_SHAPES}
 
 

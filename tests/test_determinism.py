@@ -74,7 +74,7 @@ def flatten(result):
 SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np
-    from tests.test_determinism import cases, flatten
+    from tests.test_determinism import cases, flatten, shared_loop_calls
     out_file, order = sys.argv[1], sys.argv[2].split(",")
     calls = cases()
     results = {}
@@ -82,6 +82,9 @@ SCRIPT = textwrap.dedent("""
         for i, x in enumerate(flatten(calls[name]())):
             results[f"{name}.{i}"] = x
     np.savez(out_file, **results)
+    checked, cached, calls_found = shared_loop_calls()
+    if calls_found or (cached == 0 and checked < 3):
+        sys.exit(f"shared loops called, not inlined: {calls_found} ({checked} checked)")
 """)
 
 
@@ -104,7 +107,10 @@ def finish(proc):
 def test_fresh_compiles_in_any_order_and_cached_loads_agree_bit_for_bit(tmp_path):
     """Two processes compile every kernel from an empty cache in opposite orders (each
     kernel after different callees were compiled stand-alone), a third loads the first
-    one's cache with one thread; all equal what this process computes, bit for bit."""
+    one's cache with one thread; all equal what this process computes, bit for bit.
+    The two compiling processes also check that their kernels inline every shared loop
+    (:func:`shared_loop_calls`), which this process cannot when its kernels came from
+    the cache."""
     names = list(cases())
     forward, backward = names, names[::-1]
     procs = [start(tmp_path / "forward.npz", forward, tmp_path / "cache_a"),
@@ -122,6 +128,26 @@ def test_fresh_compiles_in_any_order_and_cached_loads_agree_bit_for_bit(tmp_path
             np.testing.assert_array_equal(got[key], want, err_msg=f"{run}: {key}")
 
 
+def shared_loop_calls():
+    """``(checked, cached, calls)``: kernel signatures whose LLVM IR was inspected, those
+    loaded from the cache (no IR), and ``(kernel, callee)`` pairs where a kernel calls a
+    function of the package instead of inlining it."""
+    checked, cached, found = 0, 0, []
+    for kernel in kernel_dispatchers():
+        for sig in kernel.signatures:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "Inspection disabled for cached code"
+                ir = kernel.inspect_llvm(sig)
+            if not ir:
+                cached += 1
+                continue
+            called = set(re.findall(r"call [^@\n]*@(_ZN\d+attnnb[A-Za-z0-9_]+)", ir))
+            own = {name for name in called if kernel.py_func.__name__ in name}
+            found += [(kernel.py_func.__name__, name) for name in sorted(called - own)[:5]]
+            checked += 1
+    return checked, cached, found
+
+
 def kernel_dispatchers():
     from attnnb.cpu import attention, diff, sparse, tome, topk
 
@@ -137,25 +163,14 @@ def test_kernels_call_no_shared_loop():
 
     A kernel loaded from the on-disk cache carries no IR (Numba keeps only its
     machine code), so only kernels compiled by this process are checked; when
-    there are too few (a warm cache, e.g. after ``python -m attnnb warmup``) the
-    test skips rather than pass on nothing.  CI runs on a fresh clone, where the
-    suite compiles the kernels itself.
+    there are too few (a warm cache, e.g. after ``python -m attnnb warmup``, as in
+    CI) the test skips rather than pass on nothing; the fresh-compile test above
+    makes the same check in processes that compile every kernel themselves.
     """
     for call in cases().values():
         call()
-    checked, cached = 0, 0
-    for kernel in kernel_dispatchers():
-        for sig in kernel.signatures:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "Inspection disabled for cached code"
-                ir = kernel.inspect_llvm(sig)
-            if not ir:
-                cached += 1
-                continue
-            called = set(re.findall(r"call [^@\n]*@(_ZN\d+attnnb[A-Za-z0-9_]+)", ir))
-            own = {name for name in called if kernel.py_func.__name__ in name}
-            assert called <= own, (kernel.py_func.__name__, sorted(called - own)[:5])
-            checked += 1
+    checked, cached, calls_found = shared_loop_calls()
+    assert not calls_found, calls_found
     if checked < 3:
         pytest.skip(f"{cached} kernel signatures came from the on-disk cache (no IR to "
                     f"inspect), {checked} compiled here: run on an empty kernel cache")
