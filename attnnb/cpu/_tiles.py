@@ -8,7 +8,9 @@ that touch every score live here, once:
 
 * :func:`tile_logits_t`    -- ``S = q_tile @ k_tile.T`` (q pre-scaled) from the
   head's keys transposed tile by tile (:func:`prepare_key_tile`, into
-  :func:`attnnb.cpu._scratch.key_tile_buffers`), register-blocked
+  :func:`attnnb.cpu._scratch.key_tile_buffers`, or by the task itself with
+  :func:`transpose_keys` when decoding), register-blocked; below 4 query rows
+  :func:`tile_logits_rows` takes dot products with the keys as stored instead
 * :func:`modify_logits`    -- bias, element masks, causal diagonal,
   ``relu_expm1``'s factor, ``log(key_size)``
 * :func:`online_update`    -- running max / sum, ``acc = acc * alpha + P @ v_tile``
