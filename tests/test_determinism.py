@@ -13,6 +13,15 @@ callees, so different FMA contraction and reduction order), and the results
 differed by an ulp in about 30 % of the elements.  Every shared loop is now
 compiled with ``forceinline`` (:mod:`attnnb.cpu._jit`), so a kernel's machine
 code is fixed by its own IR and nothing is resolved across modules.
+
+A second cause, within one process: a loop that stores one array and sums
+what it stores was vectorised behind a run-time check that its arrays do
+not overlap, with a scalar fallback that adds in another order.  The check
+depends on the addresses of the kernel's scratch arrays, which vary with
+the thread that runs a task, so a float64 top-k row differed by an ulp in
+about 30 % of repeated calls on two threads.  Such sums are now loops of
+their own (:func:`attnnb.cpu._exp.sum_at`); :func:`guarded_reductions` finds
+any that come back, and the repeated-call test below looks for the symptom.
 """
 
 from __future__ import annotations
@@ -74,7 +83,8 @@ def flatten(result):
 SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np
-    from tests.test_determinism import cases, flatten, shared_loop_calls
+    from tests.test_determinism import (cases, flatten, guarded_reductions_found,
+                                         shared_loop_calls)
     out_file, order = sys.argv[1], sys.argv[2].split(",")
     calls = cases()
     results = {}
@@ -85,6 +95,9 @@ SCRIPT = textwrap.dedent("""
     checked, cached, calls_found = shared_loop_calls()
     if calls_found or (cached == 0 and checked < 3):
         sys.exit(f"shared loops called, not inlined: {calls_found} ({checked} checked)")
+    checked, reductions = guarded_reductions_found()
+    if reductions:
+        sys.exit(f"sums behind run-time overlap checks: {reductions} ({checked} checked)")
 """)
 
 
@@ -128,30 +141,80 @@ def test_fresh_compiles_in_any_order_and_cached_loads_agree_bit_for_bit(tmp_path
             np.testing.assert_array_equal(got[key], want, err_msg=f"{run}: {key}")
 
 
+def kernel_irs():
+    """``(kernel name, LLVM IR)`` of every compiled kernel signature; the IR is empty
+    for one loaded from the on-disk cache (Numba keeps only its machine code)."""
+    for kernel in kernel_dispatchers():
+        for sig in kernel.signatures:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "Inspection disabled for cached code"
+                yield kernel.py_func.__name__, kernel.inspect_llvm(sig)
+
+
+_BLOCK = re.compile(r"^([A-Za-z0-9_.$-]+):", re.M)
+_DIFF_CHECK = re.compile(r"%diff\.check[\w.]* = icmp")  # the one-pair form of the check
+_FLOAT_PHI = re.compile(r"(%[\w.]+) = phi [^<\n]*?(?:<\d+ x (?:float|double)>|float|double) ")
+
+
+def guarded_reductions(ir):
+    """Loops of ``ir`` that LLVM vectorised behind a run-time overlap check (a
+    ``vector.memcheck`` block, or a ``diff.check`` comparing the distance of two
+    pointers) and that carry a floating-point sum or product.
+
+    Such a loop adds in one order when the check passes and in the scalar
+    fallback's when it fails, so its result depends on the addresses of its
+    arrays (see the module docstring).  Returns ``[(check block, loop
+    block)]``; a max reduction (order-free) is not reported.
+    """
+    found = []
+    for function in ir.split("\ndefine ")[1:]:
+        parts = _BLOCK.split(function)
+        names, bodies = parts[1::2], parts[2::2]
+        for i, name in enumerate(names):
+            if not (name.startswith("vector.memcheck") or _DIFF_CHECK.search(bodies[i])):
+                continue
+            body_at = next((j for j in range(i + 1, len(names))
+                            if names[j].startswith("vector.body")), None)
+            if body_at is None:
+                continue
+            body = bodies[body_at]
+            if any(re.search(r"= (?:fadd|fsub|fmul)[^\n]*" + re.escape(phi) + r"\b", body)
+                   for phi in _FLOAT_PHI.findall(body)):
+                found.append((name, names[body_at]))
+    return found
+
+
+def guarded_reductions_found():
+    """``(checked, [(kernel, check block, loop block)])`` over the kernels compiled in
+    this process (:func:`guarded_reductions`)."""
+    checked, found = 0, []
+    for name, ir in kernel_irs():
+        if ir:
+            checked += 1
+            found += [(name, *loop) for loop in guarded_reductions(ir)]
+    return checked, found
+
+
 def shared_loop_calls():
     """``(checked, cached, calls)``: kernel signatures whose LLVM IR was inspected, those
     loaded from the cache (no IR), and ``(kernel, callee)`` pairs where a kernel calls a
     function of the package instead of inlining it."""
     checked, cached, found = 0, 0, []
-    for kernel in kernel_dispatchers():
-        for sig in kernel.signatures:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "Inspection disabled for cached code"
-                ir = kernel.inspect_llvm(sig)
-            if not ir:
-                cached += 1
-                continue
-            called = set(re.findall(r"call [^@\n]*@(_ZN\d+attnnb[A-Za-z0-9_]+)", ir))
-            own = {name for name in called if kernel.py_func.__name__ in name}
-            found += [(kernel.py_func.__name__, name) for name in sorted(called - own)[:5]]
-            checked += 1
+    for kernel_name, ir in kernel_irs():
+        if not ir:
+            cached += 1
+            continue
+        called = set(re.findall(r"call [^@\n]*@(_ZN\d+attnnb[A-Za-z0-9_]+)", ir))
+        own = {name for name in called if kernel_name in name}
+        found += [(kernel_name, name) for name in sorted(called - own)[:5]]
+        checked += 1
     return checked, cached, found
 
 
 def kernel_dispatchers():
-    from attnnb.cpu import attention, diff, sparse, tome, topk
+    from attnnb.cpu import attention, backward, diff, rectified_backward, sparse, tome, topk
 
-    for module in (attention, diff, sparse, tome, topk):
+    for module in (attention, backward, diff, rectified_backward, sparse, tome, topk):
         for obj in vars(module).values():
             if hasattr(obj, "py_func") and getattr(obj, "targetoptions", {}).get("parallel"):
                 yield obj
@@ -174,3 +237,96 @@ def test_kernels_call_no_shared_loop():
     if checked < 3:
         pytest.skip(f"{cached} kernel signatures came from the on-disk cache (no IR to "
                     f"inspect), {checked} compiled here: run on an empty kernel cache")
+
+
+def test_kernels_sum_nothing_behind_an_overlap_check():
+    """No compiled kernel carries a sum in a loop vectorised behind a run-time
+    overlap check (:func:`guarded_reductions`); skips on a warm cache, like the
+    test above, whose fresh-compile companion makes this check too."""
+    for call in cases().values():
+        call()
+    checked, found = guarded_reductions_found()
+    assert not found, found
+    if checked < 3:
+        pytest.skip(f"{checked} kernel signatures compiled here: run on an empty kernel cache")
+
+
+def test_guarded_reductions_finds_a_fused_store_and_sum():
+    """The check reports the pattern it is for, and not the split form of it."""
+    import numba
+
+    from attnnb.cpu._exp import sum_at
+
+    def fused(src, dst):
+        total = 0.0
+        for j in range(src.shape[0]):
+            y = src[j] * 2.0
+            dst[j] = y
+            total += y
+        return total
+
+    def split(src, dst):
+        for j in range(src.shape[0]):
+            dst[j] = src[j] * 2.0
+        return sum_at(dst, 0, dst.shape[0])
+
+    irs = {}
+    for fn in (fused, split):
+        jitted = numba.njit(fastmath=True)(fn)
+        x = np.arange(100.0)
+        assert jitted(x, np.empty_like(x)) == 2 * x.sum()
+        irs[fn.__name__] = jitted.inspect_llvm(jitted.signatures[0])
+    assert guarded_reductions(irs["fused"])
+    assert not guarded_reductions(irs["split"])
+
+
+def repeated_cases():
+    """Small float64 calls, forward and gradient, of each cpu kernel family (the
+    float64 top-k row is where the address-dependent sum showed)."""
+    rng = np.random.default_rng(11)
+    # seen to differ on 2 threads in each of 3 runs of 24 calls before the fix
+    qt, kt, vt = (rng.standard_normal(s) for s in ((1, 3, 64, 4), (1, 1, 50, 4), (1, 1, 50, 3)))
+    mask_t = rng.random((64, 50)) > 0.3
+    q, k, v = (rng.standard_normal(s) for s in ((1, 2, 5, 4), (1, 1, 7, 4), (1, 1, 7, 3)))
+    mask = rng.random((5, 7)) > 0.3
+    qd, kd = rng.standard_normal((1, 4, 6, 4)), rng.standard_normal((1, 2, 9, 4))
+    vd = rng.standard_normal((1, 1, 9, 5))
+    metric = rng.standard_normal((2, 11, 3))
+    cpu = dict(backend="cpu")
+
+    def with_gradients(fn, **kwargs):
+        def call(**arrays):
+            out, pullback = attnnb.vjp(fn, **arrays, **kwargs, **cpu)
+            grads = pullback(np.ones_like(np.asarray(out[0] if isinstance(out, tuple)
+                                                     else out)))
+            return [*flatten(out), *(grads[n] for n in sorted(grads))]
+        return call
+
+    return {
+        "topk": (with_gradients(attnnb.topk_attention, top_k=4, mask=mask_t, causal=True),
+                 dict(q=qt, k=kt, v=vt)),
+        "dense": (with_gradients(attnnb.attention, mask=mask, causal=True),
+                  dict(q=q, k=k, v=v)),
+        "relu_expm1": (lambda **a: flatten(attnnb.attention(**a, normalizer="relu_expm1",
+                                                            **cpu)), dict(q=q, k=k, v=v)),
+        "sparse": (with_gradients(attnnb.sparse_attention, pattern=patterns.local((5, 7), 2)),
+                   dict(q=q, k=k, v=v)),
+        "diff": (with_gradients(attnnb.diff_attention, lam=0.3), dict(q=qd, k=kd, v=vd)),
+        "rectified": (with_gradients(attnnb.diff_attention, lam=0.3, mode="rectified"),
+                      dict(q=qd, k=kd, v=vd)),
+        "tome": (lambda metric: flatten(attnnb.tome.bipartite_soft_matching(
+            metric, 4, **cpu).merge(metric)), dict(metric=metric)),
+    }
+
+
+@pytest.mark.parametrize("name", list(repeated_cases()))
+def test_repeated_calls_agree_bit_for_bit(name):
+    """The same call, repeated on fresh copies of its inputs (new addresses for the
+    inputs and for the kernel's scratch, tasks landing on either thread), gives
+    bit-identical results every time."""
+    call, arrays = repeated_cases()[name]
+    first = call(**arrays)
+    for _ in range(32):
+        again = call(**{n: x.copy() for n, x in arrays.items()})
+        for want, got in zip(first, again, strict=True):
+            np.testing.assert_array_equal(got, want)

@@ -31,7 +31,7 @@ import numpy as np
 
 from .._codes import RELU_EXPM1, SOFTMAX1
 from ._blocks import COLS, ROWS, U, block_product, block_width, gemm_row, padded_width
-from ._exp import exp_shifted_sum_at, exp_tile_accumulate, maxnum
+from ._exp import exp_shifted_sum_at, exp_tile_accumulate, maxnum, sum_at
 from ._jit import blocks, inner, wide_vectors
 
 TILE_Q = 64
@@ -399,11 +399,10 @@ def online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer)
         if not full or normalizer == RELU_EXPM1:
             total = exp_shifted_sum_at(s, o, P_flat, o, sh, nk)
             if normalizer == RELU_EXPM1:
-                total = 0.0
                 frow = F[r]
                 for c in range(nk):
                     P_flat[o + c] *= frow[c]
-                    total += P_flat[o + c]
+                total = sum_at(P_flat, o, nk)  # not in the loop above: see sum_at
             l[r] += total
         if l[r] != l[r]:  # a NaN logit, or +inf: the row is NaN
             m[r] = np.nan
