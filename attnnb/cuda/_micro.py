@@ -566,10 +566,39 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
                         out[i, col] = finish_value(O[r * TO + e], m[r], lrow[r], row_lse,
                                                    normalizer)
 
+    @cuda.jit(device=True, inline="always")
+    def begin_tile(q_bh, i0, scale):
+        """A forward kernel's start on query tile ``i0``, every thread: ``(Qt, KV, Pt, red,
+        rows, flag)`` (:func:`shared_arrays`), ``(t, row0, key0, col0)``
+        (:func:`thread_place`) and the thread's empty online state ``(S, F, m, l, part,
+        alpha, O, T)`` -- logits and factors (``TM x TN``), row maxima, sums, partial
+        sums and rescales (``TM``), values and products (``TM x TO``) -- with the
+        tile's scaled queries ``q_bh (Lq, D)`` staged in ``Qt``.
+
+        Inlined in Numba's IR (``inline="always"``), so that these shared and local
+        arrays are the kernel's own, exactly as if it declared them itself.
+        """
+        Qt, KV, Pt, red, rows, flag = shared_arrays(
+            cuda.shared.array(N_ALL, nt, alignment=ALIGN))
+        t, row0, key0, col0 = thread_place()
+        S = cuda.local.array(N_S, nt)
+        F = cuda.local.array(N_S, nt)
+        m = cuda.local.array(TM, nt)
+        l = cuda.local.array(TM, nt)
+        part = cuda.local.array(TM, nt)
+        alpha = cuda.local.array(TM, nt)
+        O = cuda.local.array(N_O, nt)
+        T = cuda.local.array(N_O, nt)
+        start(m, l, O, flag)
+        stage_transposed(q_bh, i0, min(BQ, q_bh.shape[0] - i0), scale, Qt, BQ)
+        return (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
+                T)
+
     return SimpleNamespace(
         nt=nt, N_ALL=N_ALL, N_S=N_S, N_O=N_O, TM=TM, TN=TN, TO=TO, BQ=BQ, BK=BK, NT=NT, DV=DV,
         N_QS=DP * BQ, N_KS=DP * BK,
-        block_tile=block_tile, start=start, start_rows=start_rows, finish_tile=finish_tile,
+        block_tile=block_tile, begin_tile=begin_tile, start=start, start_rows=start_rows,
+        finish_tile=finish_tile,
         shared_arrays=shared_arrays, thread_place=thread_place,
         stage_transposed=stage_transposed, stage_values=stage_values, clear=clear,
         transposed_stager=transposed_stager, row_stager=row_stager, zeros=zeros,

@@ -12,7 +12,7 @@ from numba import cuda
 
 from .._codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
-from ._micro import ALIGN, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._micro import micro_functions, ptx_cases, tiled_kernel, tiling_for
 from ._tiles import device_functions
 
 
@@ -30,30 +30,19 @@ def build_dense(dtype, tiling):
     query may see (causal tile skipping); the diagonal is applied per element.
     """
     f = micro_functions(np.dtype(dtype), tiling)
-    nt, TM, N_S, N_O, BQ, BK, N_ALL = f.nt, f.TM, f.N_S, f.N_O, f.BQ, f.BK, f.N_ALL
+    BQ, BK = f.BQ, f.BK
     t_ = device_functions(np.dtype(dtype))
     ONE, tiles_seen = t_.CAST(1), t_.tiles_seen
-    block_tile, shared_arrays, thread_place = f.block_tile, f.shared_arrays, f.thread_place
-    stage_transposed, tile_scores, modify_tile = f.stage_transposed, f.tile_scores, f.modify_tile
-    start, online_tile, finish_tile = f.start, f.online_tile, f.finish_tile
+    block_tile, begin_tile, stage_transposed = f.block_tile, f.begin_tile, f.stage_transposed
+    tile_scores, modify_tile = f.tile_scores, f.modify_tile
+    online_tile, finish_tile = f.online_tile, f.finish_tile
 
     def dense_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks,
                                causal, normalizer, out, lse):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
-        smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
-        Qt, KV, Pt, red, rows, flag = shared_arrays(smem)
-        t, row0, key0, col0 = thread_place()
-        S = cuda.local.array(N_S, nt)
-        F = cuda.local.array(N_S, nt)
-        m = cuda.local.array(TM, nt)
-        l = cuda.local.array(TM, nt)
-        part = cuda.local.array(TM, nt)
-        alpha = cuda.local.array(TM, nt)
-        O = cuda.local.array(N_O, nt)
-        T = cuda.local.array(N_O, nt)
-        start(m, l, O, flag)
-        stage_transposed(q[b, h], i0, min(BQ, Lq - i0), scale, Qt, BQ)
+        (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
+         T) = begin_tile(q[b, h], i0, scale)
         diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
         kh = k[b, g]
         vh = v[b, g]

@@ -24,7 +24,7 @@ from numba import cuda
 from .. import _selection
 from .._codes import SOFTMAX
 from ._arrays import device_problem, finish, outputs
-from ._micro import ALIGN, U32, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._micro import U32, micro_functions, ptx_cases, tiled_kernel, tiling_for
 from ._tiles import device_functions
 
 SCRATCH_ELEMENTS = 1 << 24  # per launch: 64 MiB in float32
@@ -42,13 +42,13 @@ def build_topk(dtype, tiling):
     threshold and tie cut, which the backward reuses).
     """
     f = micro_functions(np.dtype(dtype), tiling)
-    nt, TM, TN, N_S, N_O, BQ, BK, N_ALL = f.nt, f.TM, f.TN, f.N_S, f.N_O, f.BQ, f.BK, f.N_ALL
+    nt, TM, TN, BQ, BK = f.nt, f.TM, f.TN, f.BQ, f.BK
     t_ = device_functions(np.dtype(dtype))
     ONE, NINF, tiles_seen = t_.CAST(1), t_.NINF, t_.tiles_seen
     PINF = np.dtype(dtype).type(np.inf)
-    block_tile, shared_arrays, thread_place = f.block_tile, f.shared_arrays, f.thread_place
-    stage_transposed, tile_scores, modify_tile = f.stage_transposed, f.tile_scores, f.modify_tile
-    start, online_tile, finish_tile = f.start, f.online_tile, f.finish_tile
+    block_tile, begin_tile, stage_transposed = f.block_tile, f.begin_tile, f.stage_transposed
+    tile_scores, modify_tile = f.tile_scores, f.modify_tile
+    online_tile, finish_tile = f.online_tile, f.finish_tile
 
     # the selection rules the cpu backend compiles too (attnnb/_selection.py)
     kth_smallest = cuda.jit(device=True)(_selection.kth_smallest)
@@ -96,22 +96,12 @@ def build_topk(dtype, tiling):
                               top_k, qt0, R, buf, out, lse, thr_out, cut_out):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], qt0)
-        smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
-        Qt, KV, Pt, red, rows, flag = shared_arrays(smem)
+        # F, the factors, is unused (softmax)
+        (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
+         T) = begin_tile(q[b, h], i0, scale)
         cuts = cuda.shared.array(BQ, numba.int64)
-        t, row0, key0, col0 = thread_place()
-        S = cuda.local.array(N_S, nt)
-        F = cuda.local.array(N_S, nt)  # the factors: unused (softmax)
-        m = cuda.local.array(TM, nt)
-        l = cuda.local.array(TM, nt)
-        part = cuda.local.array(TM, nt)
-        alpha = cuda.local.array(TM, nt)
-        O = cuda.local.array(N_O, nt)
-        T = cuda.local.array(N_O, nt)
         thr = cuda.local.array(TM, nt)
         cut = cuda.local.array(TM, numba.int64)
-        start(m, l, O, flag)
-        stage_transposed(q[b, h], i0, min(BQ, Lq - i0), scale, Qt, BQ)
         diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
         Rows = R[cuda.blockIdx.x, cuda.blockIdx.y * BQ:]  # this query tile's scratch rows
         kh = k[b, g]
