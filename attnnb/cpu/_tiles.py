@@ -29,6 +29,7 @@ import math
 
 import numpy as np
 
+from .. import _scalars
 from .._codes import RELU_EXPM1, SOFTMAX1
 from ._blocks import COLS, ROWS, U, block_product, block_width, gemm_row, padded_width
 from ._exp import exp_shifted_sum_at, exp_tile_accumulate, maxnum, sum_at
@@ -479,11 +480,14 @@ def finish_rows(acc, m, l, normalizer, out_rows, lse_rows):
                     out_rows[r, c] *= sig
 
 
+_sigmoid = inner(_scalars.sigmoid)
+
+
 @inner
 def sigmoid(x):
-    """``1 / (1 + exp(-x))`` without overflow for any ``x``: ``softmax1``'s factor."""
-    a = math.exp(-abs(x))
-    return 1.0 / (1.0 + a) if x >= 0.0 else a / (1.0 + a)
+    """``1 / (1 + exp(-x))`` without overflow for any ``x``: ``softmax1``'s factor
+    (:func:`attnnb._scalars.sigmoid`)."""
+    return _sigmoid(x, 1.0)
 
 
 @inner

@@ -34,6 +34,7 @@ from types import SimpleNamespace
 import numpy as np
 from numba import cuda
 
+from .. import _scalars
 from .._codes import SOFTMAX1
 
 SHARED_BYTES = 48 * 1024  # static shared memory per block on every CUDA GPU
@@ -123,6 +124,7 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
     L_MIN = dtype.type(4 / np.finfo(dtype).max)  # below this, 1 / l would overflow
     index = cuda.jit(device=True)(index_or_zero)
     tiles_seen = cuda.jit(device=True)(key_tiles_seen)
+    sigmoid = cuda.jit(device=True)(_scalars.sigmoid)  # shared with the cpu backend
 
     @cuda.jit(device=True)
     def load_rows(src, j0, nk, dst):
@@ -174,15 +176,15 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
         if l == ZERO or m == NINF:
             return ZERO
         if normalizer == SOFTMAX1:  # 1 / (l + e^-m) = sigmoid(lse) / l, stably
-            a = math.exp(-abs(lse))
-            sig = ONE / (ONE + a) if lse >= ZERO else a / (ONE + a)
-            return (x * (ONE / l)) * sig  # x / l first: sigmoid(lse) / l can be subnormal
+            # x / l first: sigmoid(lse) / l can be subnormal
+            return (x * (ONE / l)) * sigmoid(lse, ONE)
         if l < L_MIN:
             return x / l
         return x * (ONE / l)
 
     return SimpleNamespace(
         CAST=CAST, ZERO=ZERO, NINF=NINF, NAN=NAN, index=index, tiles_seen=tiles_seen,
+        sigmoid=sigmoid,
         load_rows=load_rows, row_logits=row_logits, map_lse=map_lse, finish_value=finish_value,
     )
 

@@ -522,7 +522,7 @@ def build_row_terms(dtype):
     dlse / r``; empty rows (``lse = -inf``) get 0 for both.
     """
     t_ = device_functions(np.dtype(dtype))
-    CAST, ZERO, ONE, NINF = t_.CAST, t_.ZERO, t_.CAST(1), t_.NINF
+    CAST, ZERO, ONE, NINF, sigmoid = t_.CAST, t_.ZERO, t_.CAST(1), t_.NINF, t_.sigmoid
 
     def row_terms_kernel(out, dout, lse, dlse, has_dlse, normalizer, rowv):
         B, H, Lq = lse.shape
@@ -537,9 +537,8 @@ def build_row_terms(dtype):
         delta = ZERO
         if x != NINF:
             ratio = ONE
-            if normalizer == SOFTMAX1:  # sigmoid(lse), without overflow
-                a = math.exp(-abs(x))
-                ratio = ONE / (ONE + a) if x >= ZERO else a / (ONE + a)
+            if normalizer == SOFTMAX1:
+                ratio = sigmoid(x, ONE)
             for c in range(out.shape[3]):
                 delta += CAST(dout[b, h, i, c]) * CAST(out[b, h, i, c])
             if has_dlse:
