@@ -69,6 +69,12 @@ def _unit_row(src, dst):
 
 
 @inner
+def _larger(s, t):
+    """``s`` when ``s > t``, else ``t``: a NaN ``s`` loses, a NaN ``t`` stays."""
+    return s if s > t else t
+
+
+@inner
 def _row_max(row, start, stop, init):
     """``max(init, row[start:stop])`` ignoring NaN, in 8 independent lanes.
 
@@ -78,27 +84,18 @@ def _row_max(row, start, stop, init):
     t0 = t1 = t2 = t3 = t4 = t5 = t6 = t7 = init
     j = start
     while j + 8 <= stop:
-        s0, s1, s2, s3 = row[j], row[j + 1], row[j + 2], row[j + 3]
-        s4, s5, s6, s7 = row[j + 4], row[j + 5], row[j + 6], row[j + 7]
-        t0 = s0 if s0 > t0 else t0
-        t1 = s1 if s1 > t1 else t1
-        t2 = s2 if s2 > t2 else t2
-        t3 = s3 if s3 > t3 else t3
-        t4 = s4 if s4 > t4 else t4
-        t5 = s5 if s5 > t5 else t5
-        t6 = s6 if s6 > t6 else t6
-        t7 = s7 if s7 > t7 else t7
+        t0, t1 = _larger(row[j], t0), _larger(row[j + 1], t1)
+        t2, t3 = _larger(row[j + 2], t2), _larger(row[j + 3], t3)
+        t4, t5 = _larger(row[j + 4], t4), _larger(row[j + 5], t5)
+        t6, t7 = _larger(row[j + 6], t6), _larger(row[j + 7], t7)
         j += 8
     while j < stop:
-        t0 = row[j] if row[j] > t0 else t0
+        t0 = _larger(row[j], t0)
         j += 1
-    t0 = t1 if t1 > t0 else t0
-    t2 = t3 if t3 > t2 else t2
-    t4 = t5 if t5 > t4 else t4
-    t6 = t7 if t7 > t6 else t6
-    t0 = t2 if t2 > t0 else t0
-    t4 = t6 if t6 > t4 else t4
-    return t4 if t4 > t0 else t0
+    # the lanes folded pairwise
+    low = _larger(_larger(t3, t2), _larger(t1, t0))
+    high = _larger(_larger(t7, t6), _larger(t5, t4))
+    return _larger(high, low)
 
 
 @inner
