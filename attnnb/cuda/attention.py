@@ -62,11 +62,6 @@ def build_dense(dtype, tiling):
     return dense_attention_kernel
 
 
-def dense_kernel(dtype, tiling):
-    """The compiled-on-first-launch dense kernel (cached per configuration)."""
-    return tiled_kernel("dense", build_dense, dtype, tiling)
-
-
 def attention(problem):
     """Run dense attention of a canonical problem on the GPU; returns ``(out, lse)``.
 
@@ -79,7 +74,7 @@ def attention(problem):
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)
     if Lq and B * Hq:
         tiling = tiling_for(a.dtype, D, Dv)
-        kernel = dense_kernel(a.dtype, tiling)
+        kernel = tiled_kernel("dense", build_dense, a.dtype, tiling)
         grid = (B * Hq, (Lq + tiling.bq - 1) // tiling.bq)
         kernel[grid, tiling.threads](a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.has_bias,
                          a.mask, a.has_mask, a.logks, a.has_ks, problem.causal,

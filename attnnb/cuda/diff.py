@@ -192,11 +192,6 @@ def build_diff(dtype, tiling):
     return diff_attention_kernel
 
 
-def diff_kernel(dtype, tiling):
-    """The compiled-on-first-launch differential kernel (cached per configuration)."""
-    return tiled_kernel("diff", build_diff, dtype, tiling)
-
-
 def diff_forward(problem, lam, mode, a=None, lses=None):
     """Run the differential kernel; returns device arrays ``(out, lses)``.
 
@@ -213,7 +208,7 @@ def diff_forward(problem, lam, mode, a=None, lses=None):
         lses = cuda.device_array((B, H, 2, Lq), a.dtype)
     if Lq and B * H:
         tiling = tiling_for(a.dtype, D, Dv, streams=2)
-        kernel = diff_kernel(a.dtype, tiling)
+        kernel = tiled_kernel("diff", build_diff, a.dtype, tiling)
         lam_d = lam if hasattr(lam, "copy_to_host") else cuda.to_device(
             np.ascontiguousarray(lam))
         kernel[(B * H, (Lq + tiling.bq - 1) // tiling.bq), tiling.threads](

@@ -74,11 +74,6 @@ def build_sparse(dtype, tiling):
     return sparse_attention_kernel
 
 
-def sparse_kernel(dtype, tiling):
-    """The compiled-on-first-launch sparse kernel (cached per configuration)."""
-    return tiled_kernel("sparse", build_sparse, dtype, tiling)
-
-
 def sparse_attention(problem, pattern):
     """Attention of a canonical problem over ``pattern``; returns ``(out, lse)``.
 
@@ -91,7 +86,7 @@ def sparse_attention(problem, pattern):
     if Lq and B * Hq:
         tiling = tiling_for(a.dtype, D, Dv)
         layout = pattern.blocks(tiling.bq, tiling.bk)
-        kernel = sparse_kernel(a.dtype, tiling)
+        kernel = tiled_kernel("sparse", build_sparse, a.dtype, tiling)
         dev = [cuda.to_device(np.ascontiguousarray(x)) for x in (
             pattern.indptr, pattern.indices, layout.tile_ptr, layout.tile_idx,
             layout.tile_full)]

@@ -144,11 +144,6 @@ def build_topk(dtype, tiling):
     return topk_attention_kernel
 
 
-def topk_kernel(dtype, tiling):
-    """The compiled-on-first-launch top-k kernel (cached per configuration)."""
-    return tiled_kernel("topk", build_topk, dtype, tiling)
-
-
 def topk_selection(problem, top_k, a=None):
     """Run the top-k kernel; returns device arrays ``(out, lse, thr, cut)``.
 
@@ -165,7 +160,7 @@ def topk_selection(problem, top_k, a=None):
     if Lq and B * Hq:
         tiling = tiling_for(a.dtype, D, Dv)
         tq = tiling.bq
-        kernel = topk_kernel(a.dtype, tiling)
+        kernel = tiled_kernel("topk", build_topk, a.dtype, tiling)
         n_qt = (Lq + tq - 1) // tq
         chunk = max(1, min(n_qt, SCRATCH_ELEMENTS // (2 * B * Hq * tq * max(Lk, 1))))
         R = cuda.device_array((B * Hq, chunk * tq, max(Lk, 1)), a.dtype)
