@@ -212,9 +212,18 @@ def shared_loop_calls():
 
 
 def kernel_dispatchers():
-    from attnnb.cpu import attention, backward, diff, rectified_backward, sparse, tome, topk
+    from attnnb.cpu import (
+        _prologue,
+        attention,
+        backward,
+        diff,
+        rectified_backward,
+        sparse,
+        tome,
+        topk,
+    )
 
-    for module in (attention, backward, diff, rectified_backward, sparse, tome, topk):
+    for module in (_prologue, attention, backward, diff, rectified_backward, sparse, tome, topk):
         for obj in vars(module).values():
             if hasattr(obj, "py_func") and getattr(obj, "targetoptions", {}).get("parallel"):
                 yield obj

@@ -17,12 +17,13 @@ from ._tiles import TILE_K, TILE_Q, tile_is_finite, transpose_tile, view2d
 
 @inner
 def prepare_kv_tiles(k, v, kt, vt, k_ok, v_ok, task):
-    """Task ``task`` of ``kt.shape[0] * kt.shape[1] * kt.shape[2]`` in a backward
-    kernel's prologue: transpose key tile ``(b, g, t)`` into ``kt`` and check it
-    (``k_ok``), and, once per value head (``k`` may hold ``r`` key heads per value
-    head, as the differential layout does), transpose and check the value tile
-    (``vt``, ``v_ok``).  ``kt``: ``(B, Hk, n_tiles, D, TILE_K)``; ``vt``: ``(B, Hv,
-    n_tiles, Dv, TILE_K)``; ``k_ok (B, Hk, n_tiles)``, ``v_ok (B, Hv, n_tiles)``.
+    """Task ``task`` of ``kt.shape[0] * kt.shape[1] * kt.shape[2]`` of the backward's
+    prologue (:func:`attnnb.cpu._prologue.kv_tiles_kernel`): transpose key tile
+    ``(b, g, t)`` into ``kt`` and check it (``k_ok``), and, once per value head
+    (``k`` may hold ``r`` key heads per value head, as the differential layout
+    does), transpose and check the value tile (``vt``, ``v_ok``).  ``kt``: ``(B,
+    Hk, n_tiles, D, TILE_K)``; ``vt``: ``(B, Hv, n_tiles, Dv, TILE_K)``; ``k_ok
+    (B, Hk, n_tiles)``, ``v_ok (B, Hv, n_tiles)``.
     """
     Hk, n_kt = kt.shape[1], kt.shape[2]
     b, g, t = task // (Hk * n_kt), (task // n_kt) % Hk, task % n_kt

@@ -7,11 +7,12 @@ leading arguments, in this order, followed by its own and then the outputs::
            causal, *own, out, lse)
 
 ``kt`` and ``v_ok`` are the per-call key-tile buffers
-(:func:`attnnb.cpu._scratch.key_tile_buffers`, filled by the kernel's first
-``prange``); ``bias``, ``mask`` and ``logks`` are always arrays (placeholders
-when absent, so that calls with and without them share one compiled
-kernel), with ``has_*`` saying whether they are real.  :func:`run_sweep` is
-the one place that builds them, allocates the outputs and launches.
+(:func:`attnnb.cpu._scratch.key_tile_buffers`, filled just before by
+:func:`attnnb.cpu._prologue.key_tiles_kernel`); ``bias``, ``mask`` and
+``logks`` are always arrays (placeholders when absent, so that calls with
+and without them share one compiled kernel), with ``has_*`` saying whether
+they are real.  :func:`run_sweep` is the one place that builds them,
+allocates the outputs and launches.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._jit import launch
-from ._scratch import key_tile_buffers
+from ._prologue import filled_key_tiles
 
 
 def _dummy_pairwise(dtype):
@@ -68,7 +69,7 @@ def run_sweep(kernel_fn, problem, *own, out_heads=None, key_tiles=True):
     if out.size == 0 and lse.size == 0:
         return out, lse
     bias, mask, logks = score_arguments(problem)
-    with key_tile_buffers(k, v, key_tiles) as (kt, v_ok):
+    with filled_key_tiles(k, v, key_tiles) as (kt, v_ok):
         launch(kernel_fn, q, k, v, kt, v_ok, q.dtype.type(problem.scale), bias,
                problem.bias is not None, mask, problem.mask is not None, logks,
                problem.log_key_size is not None, problem.causal, *own, out, lse)

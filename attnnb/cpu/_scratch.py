@@ -74,7 +74,7 @@ def held_bytes() -> int:
 
 @contextmanager
 def key_tile_buffers(k: np.ndarray, v: np.ndarray, tiles: bool = True):
-    """``(kt, v_ok)`` for one kernel call, filled by the kernel's prologue.
+    """``(kt, v_ok)`` for one kernel call, filled by :mod:`attnnb.cpu._prologue`.
 
     ``kt``: ``(B, Hk, n_tiles, D, TILE_K)`` in ``k``'s dtype, C-contiguous and
     64-byte aligned, from the pool; ``v_ok``: ``(B, Hv, n_tiles)`` bool, new.

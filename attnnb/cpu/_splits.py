@@ -4,7 +4,7 @@ A step of autoregressive decoding asks for ``Lq = 1 .. 16`` queries against
 thousands of keys.  Two things of the general sweep then cost more than the
 attention itself:
 
-* the kernels' prologue transposes every key tile into a buffer as large as
+* the sweeps' prologue transposes every key tile into a buffer as large as
   ``k`` (:func:`attnnb.cpu._tiles.prepare_key_tile`), which pays off only
   when many query tiles read each key tile.  With at most
   :data:`LOCAL_TILE_ROWS` query rows a task transposes each key tile itself,

@@ -36,9 +36,9 @@ def sweep_geometry(q, k, v, tile_q, causal):
 def query_task(task, q, kt, v, scale, tile_q, group, n_qt):
     """Everything task ``task`` of ``B * Hq * n_qt`` needs before its key sweep.
 
-    Returns ``(b, h, qt, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat,
-    F_flat, T_flat)``: batch, query head, query tile and its rows ``i0 : i0 +
-    nq``; the key head's transposed key tiles ``kth`` and values ``vh``; the
+    Returns ``(b, h, g, qt, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat,
+    F_flat, T_flat)``: batch, query head, its key head (GQA), query tile and
+    its rows ``i0 : i0 + nq``; the key head's transposed key tiles ``kth`` and values ``vh``; the
     scaled queries ``qs (nq, D)``; the online state (running shift ``m``, sum
     ``l``, accumulator ``acc (nq, Dv)``); and the flat scratch of
     :func:`~attnnb.cpu._tiles.task_scratch`.
@@ -49,4 +49,5 @@ def query_task(task, q, kt, v, scale, tile_q, group, n_qt):
     q_flat, S_flat, P_flat, F_flat, T_flat = task_scratch(q, tile_q, Dv)
     m, l, acc = online_state(q, nq, Dv)
     qs = scaled_rows(q[b, h], i0, nq, scale, q_flat)
-    return b, h, qt, i0, nq, kt[b, g], v[b, g], qs, m, l, acc, S_flat, P_flat, F_flat, T_flat
+    return (b, h, g, qt, i0, nq, kt[b, g], v[b, g], qs, m, l, acc, S_flat, P_flat, F_flat,
+            T_flat)

@@ -525,9 +525,9 @@ def tile_is_finite(v, b, h, j0):
 
 @inner
 def prepare_key_tile(k, v, kt, v_ok, task):
-    """Task ``task`` of ``kt.shape[0] * kt.shape[1] * kt.shape[2]`` in a kernel's
-    prologue (a ``prange`` before its main loop): transpose one key tile and
-    check the matching value tile.
+    """Task ``task`` of ``kt.shape[0] * kt.shape[1] * kt.shape[2]`` of the forward's
+    prologue (:func:`attnnb.cpu._prologue.key_tiles_kernel`, launched before the
+    sweep): transpose one key tile and check the matching value tile.
 
     ``kt``: ``(B, Hk, n_tiles, D, TILE_K)``, the keys ``k (B, Hk, Lk, D)``
     transposed tile by tile for :func:`tile_logits_t`; ``v_ok``: ``(B, Hv,
@@ -538,8 +538,8 @@ def prepare_key_tile(k, v, kt, v_ok, task):
     ``k`` may hold a whole multiple ``r`` of ``v``'s heads (the differential
     kernel's two components per value head): key head ``g`` then checks value
     head ``g // r`` when ``g % r == 0``, so every value tile is checked once.
-    Done inside the kernel rather than by host helpers: one launch, in
-    parallel, and no host pass over ``v`` (measured: 5 % of a small call).
+    Done by a parallel kernel rather than by host helpers: no host pass over
+    ``v`` (measured: 5 % of a small call).
     """
     Hk, n_kt = kt.shape[1], kt.shape[2]
     b, g, t = task // (Hk * n_kt), (task // n_kt) % Hk, task % n_kt

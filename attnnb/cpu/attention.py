@@ -19,7 +19,6 @@ from ._tiles import (
     key_tiles_seen,
     modify_logits,
     online_update,
-    prepare_key_tile,
     tile_is_finite,
     tile_logits_rows,
     tile_logits_t,
@@ -38,7 +37,7 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
     see, and only tiles that cross the diagonal are masked element by element.
 
     Decoding (:mod:`attnnb.cpu._splits`): with at most ``LOCAL_TILE_ROWS``
-    queries there is no prologue (``kt`` and ``v_ok`` have no tiles) and each
+    queries the host fills no key tiles (``kt`` and ``v_ok`` have none) and each
     task transposes and checks its key and value tiles itself; with
     ``n_split > 1`` each task sweeps one contiguous range of the key tiles
     into ``part_out (n_split, B, Hq, Lq, Dv)`` and ``part_lse``, and a last
@@ -46,24 +45,20 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, SWEEP_TILE_Q, causal)
     local_tiles = Lq <= LOCAL_TILE_ROWS
-    if not local_tiles:
-        for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
-            prepare_key_tile(k, v, kt, v_ok, task)
     per_split = (n_kt + n_split - 1) // n_split
     # softmax1's +1 belongs to the whole row: the splits finish as softmax
     split_normalizer = SOFTMAX if normalizer == SOFTMAX1 and n_split > 1 else normalizer
     for task in prange(B * Hq * n_qt * n_split):
         wide_vectors()
         split = task % n_split
-        (b, h, _, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat, F_flat,
+        (b, h, g, _, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat, F_flat,
          T_flat) = query_task(task // n_split, q, kt, v, scale, SWEEP_TILE_Q, group, n_qt)
-        g = h // group
         own_tile = np.empty((1, k.shape[3], TILE_K), q.dtype)
         last = min(key_tiles_seen(i0, nq, diag, n_kt), (split + 1) * per_split)
         for t in range(split * per_split, last):
             j0 = t * TILE_K
             nk = min(TILE_K, Lk - j0)
-            # the key tile: from the prologue's buffer, or transposed here (decoding)
+            # the key tile: from the filled buffer, or transposed here (decoding)
             tiles = kth
             tile_j0 = j0
             if local_tiles:

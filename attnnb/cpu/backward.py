@@ -34,6 +34,7 @@ when a bias was given and needs one).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 from numba import prange
@@ -44,13 +45,12 @@ from ._grad_tiles import (
     by_key_tile,
     dense_tiles,
     pair_scratch,
-    prepare_kv_tiles,
     read_only,
     transpose_into,
 )
 from ._host import score_arguments
 from ._jit import inner, kernel, launch, wide_vectors
-from ._scratch import key_tile_buffers
+from ._prologue import filled_kv_tiles
 from ._sparse_tiles import csr_tile_mask
 from ._task import sweep_geometry
 from ._tiles import (
@@ -69,45 +69,82 @@ from .rectified_backward import rectified_vjp
 from .topk import topk_selection
 
 
+class PairArguments(NamedTuple):
+    """The arguments :func:`pair_gradients` reads besides the tiles, one value for both
+    kernels (Numba compiles a named tuple of arrays into the kernel like separate
+    arguments; the names keep the kernels readable).
+
+    Score modification as the forward's (:mod:`attnnb.cpu._host`): ``scale``,
+    ``bias``/``has_bias``, ``mask``/``has_mask``, ``logks``/``has_ks``,
+    ``causal``, ``normalizer``.  Per row ``(B, Hq, Lq)``: ``dout`` (with ``Dv``),
+    ``lse``, ``ratio``, ``delta`` (:func:`row_terms`).  A sparse pattern:
+    ``p_heads``, its CSR ``indptr``/``indices``, ``csr`` (False for dense
+    placeholders).  A top-k selection held fixed: ``selected``, ``thr``, ``cut``.
+    """
+
+    scale: float
+    bias: np.ndarray
+    has_bias: bool
+    mask: np.ndarray
+    has_mask: bool
+    logks: np.ndarray
+    has_ks: bool
+    causal: bool
+    normalizer: int
+    dout: np.ndarray
+    lse: np.ndarray
+    ratio: np.ndarray
+    delta: np.ndarray
+    p_heads: int
+    indptr: np.ndarray
+    indices: np.ndarray
+    csr: bool
+    selected: bool
+    thr: np.ndarray
+    cut: np.ndarray
+
+
 @inner
-def pair_gradients(q_bh, dout_bh, kth, vth, i0, nq, j0, nk, scale, diag, bias_bh, has_bias,
-                   mask_bh, has_mask, logks_b, has_ks, normalizer, lse_bh, ratio_bh, delta_bh,
-                   csr_masked, indptr, indices, row0, cursor, selected, thr_bh, cut_bh, q_flat,
-                   do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat):
+def pair_gradients(pair, q, kt, vt, b, h, ph, i0, nq, j0, nk, diag, csr_masked, cursor,
+                   scratch):
     """Weights ``W`` and logit gradients ``dS`` of one (query tile, key tile) pair.
 
-    Recomputes the forward's modified logits of rows ``i0 : i0 + nq`` and
-    keys ``j0 : j0 + nk`` (see the module docstring), with the element mask
-    of a sparse pattern's partial tile when ``csr_masked`` (CSR rows
-    ``row0 ..`` of ``indptr``/``indices``; ``cursor`` is scratch of ``nq``)
-    and, when ``selected``, only the keys of the forward's top-k selection
-    (``thr_bh``, ``cut_bh``: :func:`attnnb.cpu.topk.topk_selection`);
-    returns ``(W, dS, dP)``,
-    ``(nq, nk)`` views of ``W_flat``, ``dS_flat`` and ``dP_flat``, with
-    ``dP`` overwritten by ``dP - delta`` (what ``d log key_size`` needs).
-    Rows with ``lse = -inf`` (nothing allowed) have zero weights and
-    gradients.
+    Recomputes the forward's modified logits of query head ``h``'s rows
+    ``i0 : i0 + nq`` and keys ``j0 : j0 + nk`` (see the module docstring),
+    with the element mask of a sparse pattern's partial tile when
+    ``csr_masked`` (the CSR rows of pattern head ``ph``; ``cursor`` is
+    scratch of ``nq``) and, when ``pair.selected``, only the keys of the
+    forward's top-k selection (:func:`attnnb.cpu.topk.topk_selection`);
+    ``scratch`` is :func:`~attnnb.cpu._grad_tiles.pair_scratch`'s.  Returns
+    ``(W, dS, dP)``, ``(nq, nk)`` views of the scratch, with ``dP``
+    overwritten by ``dP - delta`` (what ``d log key_size`` needs).  Rows
+    with ``lse = -inf`` (nothing allowed) have zero weights and gradients.
     """
-    qs = scaled_rows(q_bh, i0, nq, scale, q_flat)
-    S = tile_logits_t(qs, kth, j0, nk, S_flat)
+    q_flat, do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat, _, _ = scratch
+    normalizer, indptr, indices = pair.normalizer, pair.indptr, pair.indices
+    g = h // (q.shape[1] // kt.shape[1])
+    lse_bh, ratio_bh, delta_bh = pair.lse[b, h], pair.ratio[b, h], pair.delta[b, h]
+    row0 = ph * q.shape[2] + i0  # CSR row of the tile's first query
+    qs = scaled_rows(q[b, h], i0, nq, pair.scale, q_flat)
+    S = tile_logits_t(qs, kt[b, g], j0, nk, S_flat)
     if csr_masked:
         # the pairs are visited in any order: find each row's first key >= j0
         for r in range(nq):
-            a, b = indptr[row0 + r], indptr[row0 + r + 1]
-            cursor[r] = a + np.searchsorted(indices[a:b], j0)
+            start, stop = indptr[row0 + r], indptr[row0 + r + 1]
+            cursor[r] = start + np.searchsorted(indices[start:stop], j0)
         csr_tile_mask(S, indptr, indices, row0, j0, cursor)
     F = view2d(F_flat, nq, nk) if normalizer == RELU_EXPM1 else S
-    modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b, has_ks,
-                  normalizer)
-    if selected:  # the forward's rule, on the same modified logits
+    modify_logits(S, F, i0, j0, diag, pair.bias[b, h], pair.has_bias, pair.mask[b, h],
+                  pair.has_mask, pair.logks[b], pair.has_ks, normalizer)
+    if pair.selected:  # the forward's rule, on the same modified logits
         for r in range(nq):
-            thr, cut = thr_bh[i0 + r], cut_bh[i0 + r]
+            thr, cut = pair.thr[b, h, i0 + r], pair.cut[b, h, i0 + r]
             for c in range(nk):
                 x = S[r, c]
                 if not (x > thr or (x == thr and j0 + c <= cut) or x != x):
                     S[r, c] = -np.inf
-    do = scaled_rows(dout_bh, i0, nq, 1.0, do_flat)
-    dP = tile_logits_t(do, vth, j0, nk, dP_flat)
+    do = scaled_rows(pair.dout[b, h], i0, nq, 1.0, do_flat)
+    dP = tile_logits_t(do, vt[b, g], j0, nk, dP_flat)
     W = view2d(W_flat, nq, nk)
     dS = view2d(dS_flat, nq, nk)
     for r in range(nq):
@@ -126,105 +163,93 @@ def pair_gradients(q_bh, dout_bh, kth, vth, i0, nq, j0, nk, scale, diag, bias_bh
                 dP[r, c] = 0.0
                 W[r, c] = 0.0
                 continue
-            g = dP[r, c] - delta
-            dS[r, c] = p * g
-            dP[r, c] = g
+            grad = dP[r, c] - delta
+            dS[r, c] = p * grad
+            dP[r, c] = grad
             W[r, c] = p * F[r, c] if normalizer == RELU_EXPM1 else p
     return W, dS, dP
 
 
 @kernel
-def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
-                has_ks, causal, normalizer, dout, lse, ratio, delta, p_heads, indptr, indices,
-                csr, selected, thr, cut, col_ptr, col_qt, col_full, need_dbias, dk, dv, dbias,
-                dlogks):
+def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, pair, col_ptr, col_qt, col_full, need_dbias, dk,
+                dv, dbias, dlogks):
     """One task per (batch, key head, key tile): ``dk``, ``dv`` and that tile's
     ``dbias`` columns and ``dlogks`` (per key head; summed on the host).
 
-    The query tiles that see key tile ``t`` of pattern head ``ph`` are
+    ``kt``, ``vt``, ``k_ok``, ``v_ok``: the transposed tiles and their checks,
+    filled before by :func:`attnnb.cpu._prologue.kv_tiles_kernel`.  The
+    query tiles that see key tile ``t`` of pattern head ``ph`` are
     ``col_qt[col_ptr[ph * n_kt + t] : col_ptr[ph * n_kt + t + 1]]`` (the
     forward's tile lists read by key tile, :func:`by_key_tile`); ``col_full``
-    says which need no element mask from the CSR rows (``csr``).
+    says which need no element mask from the CSR rows (``pair.csr``).
     """
-    B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
+    B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, pair.causal)
     Hk, D = k.shape[1], k.shape[3]
-    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
-        prepare_kv_tiles(k, v, kt, vt, k_ok, v_ok, task)
     for task in prange(B * Hk * n_kt):
         wide_vectors()
         b, g, t = task // (Hk * n_kt), (task // n_kt) % Hk, task % n_kt
         j0 = t * TILE_K
         nk = min(TILE_K, Lk - j0)
-        (q_flat, do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat, Tr_flat,
-         T_flat) = pair_scratch(q.dtype, D, Dv)
+        scratch = pair_scratch(q.dtype, D, Dv)
+        Tr_flat, T_flat = scratch[7], scratch[8]
         cursor = np.empty(TILE_Q, np.int64)
         dk_acc = np.zeros((nk, D), q.dtype)
         dv_acc = np.zeros((nk, Dv), q.dtype)
         for h in range(g * group, (g + 1) * group):
-            ph = h if p_heads > 1 else 0
+            ph = h if pair.p_heads > 1 else 0
             col = ph * n_kt + t
             for p in range(col_ptr[col], col_ptr[col + 1]):
                 i0 = col_qt[p] * TILE_Q
                 nq = min(TILE_Q, Lq - i0)
-                partial = csr and not col_full[p]  # (no control flow inside a call)
-                W, dS, G = pair_gradients(
-                    q[b, h], dout[b, h], kt[b, g], vt[b, g], i0, nq, j0, nk, scale, diag,
-                    bias[b, h], has_bias, mask[b, h], has_mask, logks[b], has_ks, normalizer,
-                    lse[b, h], ratio[b, h], delta[b, h], partial, indptr, indices,
-                    ph * Lq + i0, cursor, selected, thr[b, h], cut[b, h], q_flat, do_flat,
-                    S_flat, F_flat, W_flat, dS_flat, dP_flat)
-                values_product(transpose_into(W, Tr_flat), dout[b, h], i0, dv_acc, T_flat)
+                partial = pair.csr and not col_full[p]  # (no control flow inside a call)
+                W, dS, G = pair_gradients(pair, q, kt, vt, b, h, ph, i0, nq, j0, nk, diag,
+                                          partial, cursor, scratch)
+                values_product(transpose_into(W, Tr_flat), pair.dout[b, h], i0, dv_acc, T_flat)
                 values_product(transpose_into(dS, Tr_flat), q[b, h], i0, dk_acc, T_flat)
                 if need_dbias:
                     for r in range(nq):
                         for c in range(nk):
                             dbias[b, h, i0 + r, j0 + c] = dS[r, c]
-                if has_ks:
+                if pair.has_ks:
                     for r in range(nq):
                         for c in range(nk):
                             dlogks[b, g, j0 + c] += W[r, c] * G[r, c]
         for c in range(nk):
             for e in range(D):
-                dk[b, g, j0 + c, e] = scale * dk_acc[c, e]
+                dk[b, g, j0 + c, e] = pair.scale * dk_acc[c, e]
             for e in range(Dv):
                 dv[b, g, j0 + c, e] = dv_acc[c, e]
 
 
 @kernel
-def dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
-              has_ks, causal, normalizer, dout, lse, ratio, delta, p_heads, indptr, indices,
-              csr, selected, thr, cut, row_ptr, row_kt, row_full, dq):
+def dq_kernel(q, k, v, kt, vt, k_ok, pair, row_ptr, row_kt, row_full, dq):
     """One task per (batch, query head, query tile): ``dq`` of its rows, over the key
-    tiles ``row_kt[row_ptr[ph * n_qt + qt] : ...]`` of the forward's tile lists."""
-    B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
+    tiles ``row_kt[row_ptr[ph * n_qt + qt] : ...]`` of the forward's tile lists.
+
+    ``kt``, ``vt``, ``k_ok``: as :func:`dkdv_kernel`'s, the same filled buffers.
+    """
+    B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, pair.causal)
     D = k.shape[3]
-    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
-        prepare_kv_tiles(k, v, kt, vt, k_ok, v_ok, task)
     for task in prange(B * Hq * n_qt):
         wide_vectors()
         b, h, qt, i0, nq = task_rows(task, Hq, n_qt, TILE_Q, Lq)
         g = h // group
-        ph = h if p_heads > 1 else 0
+        ph = h if pair.p_heads > 1 else 0
         row = ph * n_qt + qt
-        (q_flat, do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat, _,
-         T_flat) = pair_scratch(q.dtype, D, Dv)
+        scratch = pair_scratch(q.dtype, D, Dv)
         cursor = np.empty(TILE_Q, np.int64)
         dq_acc = np.zeros((nq, D), q.dtype)
         for p in range(row_ptr[row], row_ptr[row + 1]):
             j0 = row_kt[p] * TILE_K
             nk = min(TILE_K, Lk - j0)
-            partial = csr and not row_full[p]  # (no control flow inside a call)
-            _, dS, _ = pair_gradients(
-                q[b, h], dout[b, h], kt[b, g], vt[b, g], i0, nq, j0, nk, scale, diag,
-                bias[b, h], has_bias, mask[b, h], has_mask, logks[b], has_ks, normalizer,
-                lse[b, h], ratio[b, h], delta[b, h], partial, indptr, indices,
-                ph * Lq + i0, cursor, selected, thr[b, h], cut[b, h], q_flat, do_flat, S_flat,
-                F_flat, W_flat, dS_flat, dP_flat)
+            partial = pair.csr and not row_full[p]  # (no control flow inside a call)
+            _, dS, _ = pair_gradients(pair, q, kt, vt, b, h, ph, i0, nq, j0, nk, diag, partial,
+                                      cursor, scratch)
             # a key tile holding Inf or NaN: skip the zero weights, as the forward does
-            add_weighted_values(dS, k[b, g], j0, k_ok[b, g, row_kt[p]], dq_acc, T_flat)
+            add_weighted_values(dS, k[b, g], j0, k_ok[b, g, row_kt[p]], dq_acc, scratch[8])
         for r in range(nq):
             for e in range(D):
-                dq[b, h, i0 + r, e] = scale * dq_acc[r, e]
+                dq[b, h, i0 + r, e] = pair.scale * dq_acc[r, e]
 
 
 def row_terms(problem, out, lse, dout, dlse):
@@ -299,15 +324,16 @@ def tiled_vjp(problem, out, lse, dout, dlse, need_bias, pattern=None, selection=
     lse = np.ascontiguousarray(lse, dt)
     ratio, delta = row_terms(problem, out, lse, dout, dlse)
     bias, mask, logks = score_arguments(problem)
-    common = (dt.type(problem.scale), bias, problem.bias is not None, mask,
-              problem.mask is not None, logks, has_ks, problem.causal,
-              NORMALIZER_CODES[problem.normalizer], dout, lse, ratio, delta, p_heads, indptr,
-              indices, pattern is not None, selection is not None, thr, cut)
-    with key_tile_buffers(k, v) as (kt, _), key_tile_buffers(v, v) as (vt, v_ok):
-        k_ok = np.empty(kt.shape[:3], np.bool_)
-        launch(dkdv_kernel, q, k, v, kt, vt, k_ok, v_ok, *common, *cols, need_bias, dk, dv,
-               dbias, dlogks)
-        launch(dq_kernel, q, k, v, kt, vt, k_ok, v_ok, *common, *rows, dq)
+    pair = PairArguments(
+        scale=dt.type(problem.scale), bias=bias, has_bias=problem.bias is not None, mask=mask,
+        has_mask=problem.mask is not None, logks=logks, has_ks=has_ks, causal=problem.causal,
+        normalizer=NORMALIZER_CODES[problem.normalizer], dout=dout, lse=lse, ratio=ratio,
+        delta=delta, p_heads=p_heads, indptr=indptr, indices=indices, csr=pattern is not None,
+        selected=selection is not None, thr=thr, cut=cut)
+    with filled_kv_tiles(k, v) as (kt, vt, k_ok, v_ok):
+        launch(dkdv_kernel, q, k, v, kt, vt, k_ok, v_ok, pair, *cols, need_bias, dk, dv, dbias,
+               dlogks)
+        launch(dq_kernel, q, k, v, kt, vt, k_ok, pair, *rows, dq)
     if has_ks:
         grads["log_key_size"] = dlogks.sum(axis=1)
     return grads

@@ -30,7 +30,6 @@ from ._tiles import (
     modify_logits,
     online_state,
     online_update,
-    prepare_key_tile,
     scaled_rows,
     task_rows,
     task_scratch,
@@ -87,8 +86,6 @@ def diff_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
     H, D = H2 // 2, q.shape[3]
     no_values = np.zeros((Lk, 0), q.dtype)
     no_values_ok = np.zeros(n_kt, np.bool_)
-    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
-        prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * H * n_qt):
         wide_vectors()
         b, h, _, i0, nq = task_rows(task, H, n_qt, SWEEP_TILE_Q, Lq)

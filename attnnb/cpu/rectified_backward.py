@@ -30,12 +30,11 @@ from ._grad_tiles import (
     by_key_tile,
     dense_tiles,
     pair_scratch,
-    prepare_kv_tiles,
     transpose_into,
 )
 from ._host import score_arguments
 from ._jit import inner, kernel, launch, wide_vectors
-from ._scratch import key_tile_buffers
+from ._prologue import filled_kv_tiles
 from ._task import sweep_geometry
 from ._tiles import (
     TILE_K,
@@ -119,8 +118,6 @@ def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, h
     tile's ``dbias`` columns and ``dlogks`` (per value head; summed on the host)."""
     B, H2, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
     D, Hv = q.shape[3], v.shape[1]
-    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
-        prepare_kv_tiles(k, v, kt, vt, k_ok, v_ok, task)
     for task in prange(B * Hv * n_kt):
         wide_vectors()
         b, g, t = task // (Hv * n_kt), (task // n_kt) % Hv, task % n_kt
@@ -170,8 +167,6 @@ def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has
     recomputation serves both passes (it is inlined: once, not twice)."""
     B, H2, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
     D = q.shape[3]
-    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
-        prepare_kv_tiles(k, v, kt, vt, k_ok, v_ok, task)
     for task in prange(B * (H2 // 2) * n_qt):
         wide_vectors()
         b, h, _, i0, nq = task_rows(task, H2 // 2, n_qt, TILE_Q, Lq)
@@ -248,8 +243,7 @@ def rectified_vjp(problem, lam, dout, dbias_shape=None):
                   lam)
         col_ptr, col_qt, _ = by_key_tile(*dense_tiles(Lq, Lk, problem.causal),
                                          -(-Lq // TILE_Q), -(-Lk // TILE_K))
-        with key_tile_buffers(k, v) as (kt, _), key_tile_buffers(v, v) as (vt, v_ok):
-            k_ok = np.empty(kt.shape[:3], np.bool_)
+        with filled_kv_tiles(k, v) as (kt, vt, k_ok, v_ok):
             bufs = (q, k, v, kt, vt, k_ok, v_ok)
             launch(rect_dq_kernel, *bufs, *common, d1, e, dq)  # first: it forms d1 and e
             launch(rect_dkdv_kernel, *bufs, *common, d1, e, col_ptr, col_qt, need_bias, dk,

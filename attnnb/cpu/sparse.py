@@ -24,7 +24,6 @@ from ._tiles import (
     finish_rows,
     modify_logits,
     online_update,
-    prepare_key_tile,
     tile_logits_t,
     view2d,
 )
@@ -40,13 +39,10 @@ def sparse_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logk
     ``p_heads`` is the pattern's head count (1: shared by all query heads).
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, _, _ = sweep_geometry(q, k, v, TILE_Q, False)
-    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
-        prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * Hq * n_qt):
         wide_vectors()
-        (b, h, qt, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat, F_flat,
+        (b, h, g, qt, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat, F_flat,
          T_flat) = query_task(task, q, kt, v, scale, TILE_Q, group, n_qt)
-        g = h // group
         ph = h if p_heads > 1 else 0
         row0 = ph * Lq + i0  # CSR row of the tile's first query
         tr = ph * n_qt + qt  # block-layout row of this query tile

@@ -29,7 +29,6 @@ from ._tiles import (
     key_tiles_seen,
     modify_logits,
     online_update,
-    prepare_key_tile,
     tile_logits_t,
     view2d,
 )
@@ -51,13 +50,10 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
     holds fixed.
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
-    for task in prange(kt.shape[0] * kt.shape[1] * kt.shape[2]):
-        prepare_key_tile(k, v, kt, v_ok, task)
     for task in prange(B * Hq * n_qt):
         wide_vectors()
-        (b, h, _, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat, _,
+        (b, h, g, _, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat, _,
          T_flat) = query_task(task, q, kt, v, scale, TILE_Q, group, n_qt)
-        g = h // group
         R = view2d(np.empty(TILE_Q * Lk, q.dtype), nq, Lk)
         # the selection's scratch (select_row); at least one element each
         w = scratch_size(Lk)
