@@ -347,3 +347,29 @@ def test_nonzero_weight_carries_a_bad_value(rng, backend, dtype):
     assert np.isposinf(out[..., 1][~clipped]).all() and clipped.any() and not clipped.all()
     assert_close(out[clipped], want[clipped], dtype)
     assert_close(out[..., [0, 2]], want[..., [0, 2]], dtype)
+
+
+# ------------------------------------------- non-finite values at a tile's edges
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lq", [1, 20])  # tiles transposed per task (decoding), or filled first
+@pytest.mark.parametrize("key, column", [(0, 0), (63, 8), (64, 0), (127, 8), (149, 8)])
+@pytest.mark.parametrize("value", [np.inf, np.nan])
+def test_a_value_at_a_tile_edge_behind_a_zero_weight(rng, dtype, lq, key, column, value):
+    """The finiteness check of a value tile covers every element of it: the first and
+    last of a full 64-key tile, and the last of the partial last one (150 keys).  A
+    value there behind a zero weight (a masked key) leaves no trace; allowed, it fills
+    its column with NaN or Inf as the reference does."""
+    q, k, v = qkv(rng, batch=(1,), hq=2, hk=1, lq=lq, lk=150, d=8, dv=9, dtype=dtype)
+    v[0, 0, key, column] = value
+    mask = np.ones((lq, 150), bool)
+    mask[:, key] = False
+    out = attnnb.attention(q, k, v, mask=mask, backend="cpu")
+    want = attnnb.attention(q, k, v, mask=mask, backend="reference")
+    assert np.isfinite(out).all()
+    assert_close(out, want, dtype)
+    seen = attnnb.attention(q, k, v, backend="cpu")
+    assert not np.isfinite(seen[..., column]).any()
+    assert np.isfinite(np.delete(seen, column, axis=-1)).all()
+    assert_close(seen, attnnb.attention(q, k, v, backend="reference"), dtype)

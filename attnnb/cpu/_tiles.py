@@ -151,7 +151,7 @@ def tile_logits_t(qs, kth, j0, nk, S_flat):
 def _dot(a, a0, b, b0, n):
     """``sum_e a[a0 + e] * b[b0 + e]`` for ``e < n``, vectorised over ``e``."""
     wide_vectors()
-    acc = a[0] * 0.0
+    acc = a.dtype.type(0.0)  # in the arrays' dtype (a float64 literal would promote it)
     ua = U(a0)
     ub = U(b0)
     for e in range(U(n)):
@@ -514,12 +514,23 @@ def transpose_tile(k, kt, b, h, j0):
 
 @inner
 def tile_is_finite(v, b, h, j0):
-    """True when rows ``j0 : j0 + TILE_K`` of ``v[b, h]`` hold no NaN or Inf."""
+    """True when rows ``j0 : j0 + TILE_K`` of ``v[b, h]`` hold no NaN or Inf.
+
+    ``x * 0`` is NaN for a NaN or an infinite ``x`` and 0 otherwise, so the sum
+    is 0 exactly when every element is finite.  The rows are one contiguous
+    run of ``v[b, h]`` (C-contiguous), read as one flat loop in ``v``'s own
+    dtype: one vectorised reduction per tile.  Row by row, with a float64
+    zero, it was a reduction per row through float64 conversions, and took
+    30 % of a decoding call (``Lq = 1``, ``Lk = 4096``, one thread).
+    """
     vh = v[b, h]
-    acc = 0.0
-    for j in range(j0, min(j0 + TILE_K, vh.shape[0])):
-        for c in range(vh.shape[1]):
-            acc += vh[j, c] * 0.0  # NaN for NaN or +-Inf; vectorises
+    n_rows, width = vh.shape
+    flat = vh.reshape(n_rows * width)
+    start = U(j0 * width)
+    zero = flat.dtype.type(0.0)
+    acc = zero
+    for e in range(U((min(j0 + TILE_K, n_rows) - j0) * width)):
+        acc += flat[start + e] * zero
     return acc == 0.0
 
 
