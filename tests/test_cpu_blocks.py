@@ -114,3 +114,18 @@ def test_blocks_keep_accumulators_in_zmm_registers(rng, width):
     assert len(fmas) >= width // 4, f"{len(fmas)} zmm FMAs"
     scalar = re.findall(r"vfmadd\d+ss", asm)
     assert not scalar, f"{len(scalar)} scalar FMAs: the block was not vectorised"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("nr, nc", [(0, 5), (1, 1), (15, 17), (16, 16), (33, 48), (64, 64),
+                                    (64, 20), (50, 64)])
+def test_transposed_copy_is_the_transpose(rng, dtype, nr, nc):
+    """The 16 x 16 blocks and the rows and columns left over give exactly ``src.T``
+    (a window of it, at an offset), and write nothing outside ``dst[:nc, :nr]``."""
+    from attnnb.cpu._tiles import transposed_copy
+
+    src = rng.standard_normal((nr + 7, nc + 3)).astype(dtype)
+    dst = np.full((nc + 2, nr + 5), np.nan, dtype)
+    transposed_copy(src, 4, nr, 2, nc, dst)
+    np.testing.assert_array_equal(dst[:nc, :nr], src[4 : 4 + nr, 2 : 2 + nc].T)
+    assert np.isnan(dst[nc:]).all() and np.isnan(dst[:, nr:]).all()

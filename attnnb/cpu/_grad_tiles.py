@@ -12,7 +12,7 @@ import numpy as np
 
 from ._blocks import COLS, ROWS
 from ._jit import inner
-from ._tiles import TILE_K, TILE_Q, tile_is_finite, transpose_tile, view2d
+from ._tiles import TILE_K, TILE_Q, tile_is_finite, transpose_tile, transposed_copy, view2d
 
 
 @inner
@@ -51,9 +51,7 @@ def transpose_into(A, flat):
     """``A^T`` as a C-contiguous view of ``flat`` (``A`` is ``(n, m)``)."""
     n, m = A.shape
     At = view2d(flat, m, n)
-    for r in range(n):
-        for c in range(m):
-            At[c, r] = A[r, c]
+    transposed_copy(A, 0, n, 0, m, At)
     return At
 
 
