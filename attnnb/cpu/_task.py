@@ -38,10 +38,10 @@ def query_task(task, q, kt, v, scale, tile_q, group, n_qt):
 
     Returns ``(b, h, g, qt, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat,
     F_flat, T_flat)``: batch, query head, its key head (GQA), query tile and
-    its rows ``i0 : i0 + nq``; the key head's transposed key tiles ``kth`` and values ``vh``; the
-    scaled queries ``qs (nq, D)``; the online state (running shift ``m``, sum
-    ``l``, accumulator ``acc (nq, Dv)``); and the flat scratch of
-    :func:`~attnnb.cpu._tiles.task_scratch`.
+    its rows ``i0 : i0 + nq``; the key head's transposed key tiles ``kth``
+    and values ``vh``; the scaled queries ``qs (nq, D)``; the online state
+    (running shift ``m``, sum ``l``, accumulator ``acc (nq, Dv)``); and the
+    flat scratch of :func:`~attnnb.cpu._tiles.task_scratch`.
     """
     Hq, Lq, Dv = q.shape[1], q.shape[2], v.shape[3]
     b, h, qt, i0, nq = task_rows(task, Hq, n_qt, tile_q, Lq)
