@@ -228,6 +228,8 @@ class _Hooks:
         from numba.core.caching import Cache
         from numba.core.dispatcher import Dispatcher
 
+        from .cpu._compile import compiled_in_child
+
         compile_, save = Dispatcher.compile, Cache.save_overload
         hooks = self
 
@@ -245,8 +247,10 @@ class _Hooks:
                 hits = sum(self._cache_hits.values())
                 start = time.perf_counter()
                 entry = hooks._nested(compile_, self, sig)
+                loaded = (sum(self._cache_hits.values()) > hits
+                          and not compiled_in_child(self, sig))
                 hooks.records.append(Kernel(name, str(args), time.perf_counter() - start,
-                                            sum(self._cache_hits.values()) > hits))
+                                            loaded))
             return entry
 
         def save_overload(self, sig, data):
@@ -307,6 +311,10 @@ _worker_cases: dict[str, dict] = {}  # module -> {case name: run}
 
 def _worker_init(claims_root: str) -> None:
     global _worker_hooks
+    from .cpu._compile import COMPILE_HERE
+
+    # A worker compiles and keeps nothing; the processes that run the kernels load them.
+    os.environ[COMPILE_HERE] = "1"
     _worker_hooks = _Hooks(_Claims(claims_root))
     _worker_hooks.install()
 

@@ -6,7 +6,9 @@
 
 Each test installs a copy of the package in a temporary directory and runs
 one small kernel (ToMe's unmerge gather, compiled in about a second) in
-fresh processes, reading the dispatcher's cache statistics.
+fresh processes, reading the dispatcher's cache statistics.  A process that
+finds no cached kernel has a child process compile it and then loads it
+(attnnb/cpu/_compile.py), so its statistics show a hit, with ``child`` set.
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ SCRIPT = """
 import json
 import numpy as np
 import attnnb
+from attnnb.cpu._compile import compiled_in_child
 from attnnb.cpu.tome import unmerge, unmerge_kernel
 out = unmerge(np.arange(12, dtype=np.float32).reshape(1, 4, 3), np.array([[0, 1, 1, 3, 2]]))
 stats = unmerge_kernel.stats
+(sig,) = unmerge_kernel.signatures
 print(json.dumps({"file": attnnb.__file__, "path": stats.cache_path, "out": out.tolist(),
                   "hits": sum(stats.cache_hits.values()),
-                  "misses": sum(stats.cache_misses.values())}))
+                  "misses": sum(stats.cache_misses.values()),
+                  "child": compiled_in_child(unmerge_kernel, sig)}))
 """
 
 
@@ -45,8 +50,18 @@ def install_copy(site):
     return site / "attnnb"
 
 
+COMPILED = {"hits": 1, "misses": 0, "child": True}  # by a child, then loaded
+LOADED = {"hits": 1, "misses": 0, "child": False}
+
+
+def made(report):
+    return {key: report[key] for key in ("hits", "misses", "child")}
+
+
 def run_kernel(site, prefix=(), **env_extra):
-    env = dict(os.environ, PYTHONPATH=str(site), **env_extra)
+    env = dict(os.environ, PYTHONPATH=str(site))
+    env.pop("ATTNNB_COMPILE_HERE", None)
+    env.update(env_extra)
     env.pop("NUMBA_CACHE_DIR", None)  # Numba's own choice of place, as for a user
     proc = subprocess.run([*prefix, sys.executable, "-c", SCRIPT], cwd=str(site), env=env,
                           capture_output=True, text=True, timeout=TIMEOUT)
@@ -61,7 +76,7 @@ def test_reinstalling_the_same_files_keeps_the_cache_and_an_edit_does_not(tmp_pa
     site = tmp_path / "site"
     pkg = install_copy(site)
     first = run_kernel(site)
-    assert (first["hits"], first["misses"]) == (0, 1)
+    assert made(first) == COMPILED
     assert first["path"].startswith(str(pkg))  # __pycache__ of the installation
     # a reinstall: every file written again, same bytes, later modification times
     for path in pkg.rglob("*.py"):
@@ -70,12 +85,22 @@ def test_reinstalling_the_same_files_keeps_the_cache_and_an_edit_does_not(tmp_pa
         st = path.stat()
         os.utime(path, (st.st_atime + 100, st.st_mtime + 100))
     again = run_kernel(site)
-    assert (again["hits"], again["misses"]) == (1, 0)
+    assert made(again) == LOADED
     # an edit to a module the kernel does not even use still makes it stale
     with open(pkg / "cpu" / "_tiles.py", "a") as f:
         f.write("\n# an edit\n")
     edited = run_kernel(site)
-    assert (edited["hits"], edited["misses"]) == (0, 1)
+    assert made(edited) == COMPILED
+
+
+def test_a_process_told_to_compile_here_does_so_and_saves_it(tmp_path):
+    """``ATTNNB_COMPILE_HERE=1`` (what warmup's workers set): no child; the kernel
+    compiles in the process, and the next process loads what it saved."""
+    site = tmp_path / "site"
+    install_copy(site)
+    here = run_kernel(site, ATTNNB_COMPILE_HERE="1")
+    assert made(here) == {"hits": 0, "misses": 1, "child": False}
+    assert made(run_kernel(site)) == LOADED
 
 
 def _read_only_prefix(path):
@@ -114,12 +139,12 @@ def test_read_only_installation_caches_in_the_user_cache_directory(tmp_path):
             pytest.skip("cannot make the copy read-only for this user (root without unshare)")
         user_cache = tmp_path / "xdg-cache"
         first = run_kernel(site, prefix, XDG_CACHE_HOME=str(user_cache))
-        assert (first["hits"], first["misses"]) == (0, 1)
+        assert made(first) == COMPILED
         assert first["path"].startswith(str(user_cache / "numba"))
         assert any(name.endswith(".nbi") for _, _, files in os.walk(user_cache)
                    for name in files)
         again = run_kernel(site, prefix, XDG_CACHE_HOME=str(user_cache))
-        assert (again["hits"], again["misses"]) == (1, 0)
+        assert made(again) == LOADED
         assert not (pkg / "cpu" / "__pycache__").exists()
     finally:
         _chmod_tree(site, writable=True)

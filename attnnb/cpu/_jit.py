@@ -25,6 +25,8 @@ import numba
 from numba import types
 from numba.extending import intrinsic
 
+from ._compile import compile_in_child_first
+
 FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
 
 _NOALIAS_OPTION = "_attnnb_noalias"
@@ -49,9 +51,18 @@ NOALIAS = _enable_noalias_option()
 
 
 def kernel(fn=None, *, parallel=True):
-    """``numba.njit`` for a top-level kernel: cached, parallel, project fastmath."""
+    """``numba.njit`` for a top-level kernel: cached, parallel, project fastmath.
+
+    A parallel kernel's new specialisations compile in a child process and
+    load from the cache (:mod:`._compile` says why).
+    """
     deco = numba.njit(parallel=parallel, cache=True, fastmath=FASTMATH, nogil=True)
-    return deco(fn) if fn is not None else deco
+
+    def make(fn):
+        dispatcher = deco(fn)
+        return compile_in_child_first(dispatcher) if parallel else dispatcher
+
+    return make(fn) if fn is not None else make
 
 
 def inner(fn):
