@@ -218,11 +218,12 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
     batch, squeeze, comp, out_dtype = check_qkv(qa, ka, va, q_name=q_name, k_name=k_name,
                                                 v_name=v_name, head_pairs=head_pairs)
 
+    flat_batch = math.prod(batch)  # Python ints: no overflow, and 1 for ()
+
     def to4(a):
         if squeeze:
             return a.reshape((1, 1) + tuple(a.shape))
-        B = int(np.prod(batch, dtype=np.int64)) if batch else 1
-        return a.reshape((B,) + tuple(a.shape[-3:]))
+        return a.reshape((flat_batch,) + tuple(a.shape[-3:]))
 
     if all(on_dev):
         out = [to4(a) for a in arrs]
