@@ -22,18 +22,51 @@ import numpy as np
 from ._jit import launch
 from ._prologue import filled_key_tiles
 
+_PLACEHOLDERS: dict = {}
+
 
 def _dummy_pairwise(dtype):
     # Shaped so that Numba types it like a real broadcast mask or bias (readonly, layout
-    # 'A'): calls with and without a mask then share one compiled kernel.
-    return np.broadcast_to(np.zeros((), dtype), (1, 1, 2, 2))
+    # 'A'): calls with and without a mask then share one compiled kernel.  Read-only, so
+    # one per dtype serves every call (np.broadcast_to costs ~3 us a call).
+    dtype = np.dtype(dtype)
+    placeholder = _PLACEHOLDERS.get(dtype)
+    if placeholder is None:
+        placeholder = np.broadcast_to(np.zeros((), dtype), (1, 1, 2, 2))
+        _PLACEHOLDERS[dtype] = placeholder
+    return placeholder
+
+
+def _placeholder_typed(x):
+    """``x (B, H, Lq, Lk)`` as a view that Numba types like the placeholders.
+
+    Numba compiles a kernel per layout of each argument.  A broadcast mask or
+    bias is a read-only view in layout ``'A'``; one without broadcast axes
+    (a one-head 2-D call's, or a C-contiguous ``(1, H, Lq, Lk)`` bias) is
+    ``'C'`` and would compile every kernel a second time.  Where the batch
+    or head axis has length 1, it is given length 2 with stride 0 (the
+    kernels index only the real rows), which makes the view ``'A'``.  A
+    full ``(B, H, Lq, Lk)`` array with ``B, H > 1`` keeps its own kernels.
+    """
+    if not (x.flags.c_contiguous or x.flags.f_contiguous or x.flags.writeable):
+        return x
+    axis = 0 if x.shape[0] == 1 else 1 if x.shape[1] == 1 else None
+    if axis is None:
+        return x
+    shape, strides = list(x.shape), list(x.strides)
+    shape[axis], strides[axis] = 2, 0
+    return np.lib.stride_tricks.as_strided(x, shape, strides, writeable=False)
 
 
 def score_arguments(problem):
     """``(bias, mask, logks)`` for the kernel: real arrays or typed placeholders."""
     dt = problem.q.dtype
-    bias = problem.bias if problem.bias is not None else _dummy_pairwise(dt)
-    mask = problem.mask if problem.mask is not None else _dummy_pairwise(np.bool_)
+    if problem.bias is not None:
+        bias = _placeholder_typed(problem.bias)
+    else:
+        bias = _dummy_pairwise(dt)
+    mask = _placeholder_typed(problem.mask) if problem.mask is not None else \
+        _dummy_pairwise(np.bool_)
     if problem.log_key_size is not None:
         logks = problem.log_key_size
     else:
