@@ -129,3 +129,22 @@ def test_transposed_copy_is_the_transpose(rng, dtype, nr, nc):
     transposed_copy(src, 4, nr, 2, nc, dst)
     np.testing.assert_array_equal(dst[:nc, :nr], src[4 : 4 + nr, 2 : 2 + nc].T)
     assert np.isnan(dst[nc:]).all() and np.isnan(dst[:, nr:]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("nq, dv", [(4, 16), (7, 40), (8, 16), (13, 20), (13, 80), (64, 144),
+                                    (128, 16), (9, 64), (5, 32), (3, 16)])
+def test_values_product_adds_p_times_v_at_every_width_and_row_count(rng, dtype, nq, dv):
+    """``acc += P @ V[j0:j0+nk]`` over the 4-row and single-row paths, the 64- and 16-wide
+    blocks and the blocks that reach back over rows or columns already added."""
+    from attnnb.cpu._tiles import values_product
+
+    nk, j0 = 61, 10
+    P = rng.random((nq, nk)).astype(dtype)
+    v = rng.standard_normal((j0 + nk + 3, dv)).astype(dtype)
+    acc = rng.standard_normal((nq, dv)).astype(dtype)
+    want = acc.astype(np.float64) + P.astype(np.float64) @ v[j0:j0 + nk].astype(np.float64)
+    T = np.empty(_blocks.ROWS * min(dv, 64), dtype)
+    values_product(P, v, j0, acc, T)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(acc, want, rtol=tol, atol=tol * np.abs(want).max())
