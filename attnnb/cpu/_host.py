@@ -38,7 +38,8 @@ def _dummy_pairwise(dtype):
 
 
 def _placeholder_typed(x):
-    """``x (B, H, Lq, Lk)`` as a view that Numba types like the placeholders.
+    """``x (B, H, Lq, Lk)`` as a view that Numba types like the placeholders (read-only,
+    layout ``'A'``), where that needs no copy.
 
     Numba compiles a kernel per layout of each argument.  A broadcast mask or
     bias is a read-only view in layout ``'A'``; one without broadcast axes
@@ -61,12 +62,9 @@ def _placeholder_typed(x):
 def score_arguments(problem):
     """``(bias, mask, logks)`` for the kernel: real arrays or typed placeholders."""
     dt = problem.q.dtype
-    if problem.bias is not None:
-        bias = _placeholder_typed(problem.bias)
-    else:
-        bias = _dummy_pairwise(dt)
-    mask = _placeholder_typed(problem.mask) if problem.mask is not None else \
-        _dummy_pairwise(np.bool_)
+    bias = _dummy_pairwise(dt) if problem.bias is None else _placeholder_typed(problem.bias)
+    mask = (_dummy_pairwise(np.bool_) if problem.mask is None
+            else _placeholder_typed(problem.mask))
     if problem.log_key_size is not None:
         logks = problem.log_key_size
     else:
