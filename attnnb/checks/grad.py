@@ -50,6 +50,10 @@ def cases():
             (f"grad attention mask+bias+causal+key_size+dlse {tag}",
              _case(21, dtype, attention, mask=(70, 131), bias=(4, 1, 131), key_size=(2, 131),
                    causal=True, return_lse=True)),
+            # two batches of four key heads: the one-sweep backward (attnnb/cpu/backward.py)
+            (f"grad attention 8 key heads, one sweep {tag}",
+             _case(29, dtype, attention, hq=8, hk=4, mask=(70, 131), bias=(8, 1, 131),
+                   key_size=(2, 131), causal=True, return_lse=True)),
             (f"grad attention softmax1 {tag}", _case(22, dtype, attention, normalizer="softmax1")),
             (f"grad attention relu_expm1 {tag}",
              _case(23, dtype, attention, normalizer="relu_expm1", causal=True)),

@@ -17,7 +17,12 @@ are ``p F``), every normalizer has the same backward::
 Two kernels, as FlashAttention-2: :func:`dkdv_kernel` owns the gradients
 of one key tile (it sweeps the query tiles that can see it, for every
 query head of the GQA group: no write races) and :func:`dq_kernel` owns
-one query tile's ``dq``.  Both walk tile lists: the dense (or causal)
+one query tile's ``dq``.  That recomputes each pair's weights twice.  With
+at least :data:`ONE_SWEEP_TASKS` key heads (times the batch)
+:func:`one_sweep_kernel` runs instead, one task per key head owning all
+three gradients: each pair once, and the same bits as the two kernels
+(the same per-tile code, ``dq``'s terms in the same order).  All walk tile
+lists: the dense (or causal)
 problem's or a sparse pattern's block layout, read by query tile for
 ``dq`` and by key tile for ``dk``/``dv`` (:mod:`attnnb.cpu._grad_tiles`),
 so sparse attention's backward also costs in proportion to the allowed
@@ -67,6 +72,12 @@ from ._tiles import (
 from .attention import attention as attention_forward
 from .rectified_backward import rectified_vjp
 from .topk import topk_selection
+
+# Key heads (times the batch) from which one sweep forms all three gradients
+# (:func:`one_sweep_kernel`); below, two sweeps with a task per tile keep every
+# core busy.  A function of the shape alone, so that which kernels run, and so
+# the results, do not depend on the number of threads.
+ONE_SWEEP_TASKS = 8
 
 
 class PairArguments(NamedTuple):
@@ -170,6 +181,62 @@ def pair_gradients(pair, q, kt, vt, b, h, ph, i0, nq, j0, nk, diag, csr_masked, 
     return W, dS, dP
 
 
+@inner
+def key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_full,
+                       need_dbias, own_dq, dq, dk, dv, dbias, dlogks, scratch, cursor):
+    """Every gradient term of key tile ``t`` of key head ``g``: its ``dk``, ``dv``,
+    ``dbias`` columns and ``dlogks``, and with ``own_dq`` its terms of ``dq``.
+
+    Sweeps the query tiles that see the tile (``col_qt[col_ptr[...]]``, the
+    forward's tile lists read by key tile) for every query head of the GQA
+    group.  ``dq`` gets ``dS @ k_tile`` added unscaled (its owner scales it
+    once at the end); ``dk`` and ``dv`` of the tile are written, scaled.
+    """
+    Hq, Lq, D, Dv = q.shape[1], q.shape[2], k.shape[3], v_width(pair)
+    Lk, n_kt = k.shape[2], kt.shape[2]
+    group = Hq // k.shape[1]
+    diag = Lk - Lq if pair.causal else Lk
+    j0 = t * TILE_K
+    nk = min(TILE_K, Lk - j0)
+    Tr_flat, T_flat = scratch[7], scratch[8]
+    dk_acc = np.zeros((nk, D), q.dtype)
+    dv_acc = np.zeros((nk, Dv), q.dtype)
+    for h in range(g * group, (g + 1) * group):
+        ph = h if pair.p_heads > 1 else 0
+        col = ph * n_kt + t
+        for p in range(col_ptr[col], col_ptr[col + 1]):
+            i0 = col_qt[p] * TILE_Q
+            nq = min(TILE_Q, Lq - i0)
+            partial = pair.csr and not col_full[p]  # (no control flow inside a call)
+            W, dS, G = pair_gradients(pair, q, kt, vt, b, h, ph, i0, nq, j0, nk, diag,
+                                      partial, cursor, scratch)
+            if own_dq:
+                # a key tile holding Inf or NaN: skip the zero weights, as the forward does
+                add_weighted_values(dS, k[b, g], j0, k_ok[b, g, t], dq[b, h, i0 : i0 + nq],
+                                    T_flat)
+            values_product(transpose_into(W, Tr_flat), pair.dout[b, h], i0, dv_acc, T_flat)
+            values_product(transpose_into(dS, Tr_flat), q[b, h], i0, dk_acc, T_flat)
+            if need_dbias:
+                for r in range(nq):
+                    for c in range(nk):
+                        dbias[b, h, i0 + r, j0 + c] = dS[r, c]
+            if pair.has_ks:
+                for r in range(nq):
+                    for c in range(nk):
+                        dlogks[b, g, j0 + c] += W[r, c] * G[r, c]
+    for c in range(nk):
+        for e in range(D):
+            dk[b, g, j0 + c, e] = pair.scale * dk_acc[c, e]
+        for e in range(Dv):
+            dv[b, g, j0 + c, e] = dv_acc[c, e]
+
+
+@inner
+def v_width(pair):
+    """``Dv``, the width of the values (and of ``dout``)."""
+    return pair.dout.shape[3]
+
+
 @kernel
 def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, pair, col_ptr, col_qt, col_full, need_dbias, dk,
                 dv, dbias, dlogks):
@@ -183,42 +250,45 @@ def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, pair, col_ptr, col_qt, col_full, ne
     forward's tile lists read by key tile, :func:`by_key_tile`); ``col_full``
     says which need no element mask from the CSR rows (``pair.csr``).
     """
-    B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, pair.causal)
-    Hk, D = k.shape[1], k.shape[3]
-    for task in prange(B * Hk * n_kt):
+    Hk, D, Dv, n_kt = k.shape[1], k.shape[3], v.shape[3], kt.shape[2]
+    for task in prange(q.shape[0] * Hk * n_kt):
         wide_vectors()
         b, g, t = task // (Hk * n_kt), (task // n_kt) % Hk, task % n_kt
-        j0 = t * TILE_K
-        nk = min(TILE_K, Lk - j0)
         scratch = pair_scratch(q.dtype, D, Dv)
-        Tr_flat, T_flat = scratch[7], scratch[8]
         cursor = np.empty(TILE_Q, np.int64)
-        dk_acc = np.zeros((nk, D), q.dtype)
-        dv_acc = np.zeros((nk, Dv), q.dtype)
+        key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_full,
+                           need_dbias, False, dk, dk, dv, dbias, dlogks, scratch, cursor)
+
+
+@kernel
+def one_sweep_kernel(q, k, v, kt, vt, k_ok, v_ok, pair, col_ptr, col_qt, col_full, need_dbias,
+                     dq, dk, dv, dbias, dlogks):
+    """One task per (batch, key head): all three gradients in one sweep over its key tiles.
+
+    Each (query tile, key tile) pair is recomputed once, not once for
+    ``dk``/``dv`` and again for ``dq`` as with :func:`dkdv_kernel` and
+    :func:`dq_kernel` (five tile products a pair instead of seven).  The
+    task owns ``dq`` of every query head of its GQA group, so nothing is
+    written by two tasks; ``dq`` must come in as zeros.  ``dq``'s terms
+    arrive in the order of the key tiles, as in :func:`dq_kernel`.  Only
+    ``B * Hk`` tasks: :func:`tiled_vjp` takes this kernel when that is at
+    least :data:`ONE_SWEEP_TASKS`.
+    """
+    B, Hq, Lq, D = q.shape
+    Hk, Dv, n_kt = k.shape[1], v.shape[3], kt.shape[2]
+    group = Hq // Hk
+    for task in prange(B * Hk):
+        wide_vectors()
+        b, g = task // Hk, task % Hk
+        scratch = pair_scratch(q.dtype, D, Dv)
+        cursor = np.empty(TILE_Q, np.int64)
+        for t in range(n_kt):
+            key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_full,
+                               need_dbias, True, dq, dk, dv, dbias, dlogks, scratch, cursor)
         for h in range(g * group, (g + 1) * group):
-            ph = h if pair.p_heads > 1 else 0
-            col = ph * n_kt + t
-            for p in range(col_ptr[col], col_ptr[col + 1]):
-                i0 = col_qt[p] * TILE_Q
-                nq = min(TILE_Q, Lq - i0)
-                partial = pair.csr and not col_full[p]  # (no control flow inside a call)
-                W, dS, G = pair_gradients(pair, q, kt, vt, b, h, ph, i0, nq, j0, nk, diag,
-                                          partial, cursor, scratch)
-                values_product(transpose_into(W, Tr_flat), pair.dout[b, h], i0, dv_acc, T_flat)
-                values_product(transpose_into(dS, Tr_flat), q[b, h], i0, dk_acc, T_flat)
-                if need_dbias:
-                    for r in range(nq):
-                        for c in range(nk):
-                            dbias[b, h, i0 + r, j0 + c] = dS[r, c]
-                if pair.has_ks:
-                    for r in range(nq):
-                        for c in range(nk):
-                            dlogks[b, g, j0 + c] += W[r, c] * G[r, c]
-        for c in range(nk):
-            for e in range(D):
-                dk[b, g, j0 + c, e] = pair.scale * dk_acc[c, e]
-            for e in range(Dv):
-                dv[b, g, j0 + c, e] = dv_acc[c, e]
+            for r in range(Lq):
+                for e in range(D):
+                    dq[b, h, r, e] = pair.scale * dq[b, h, r, e]
 
 
 @kernel
@@ -331,9 +401,13 @@ def tiled_vjp(problem, out, lse, dout, dlse, need_bias, pattern=None, selection=
         delta=delta, p_heads=p_heads, indptr=indptr, indices=indices, csr=pattern is not None,
         selected=selection is not None, thr=thr, cut=cut)
     with filled_kv_tiles(k, v) as (kt, vt, k_ok, v_ok):
-        launch(dkdv_kernel, q, k, v, kt, vt, k_ok, v_ok, pair, *cols, need_bias, dk, dv, dbias,
-               dlogks)
-        launch(dq_kernel, q, k, v, kt, vt, k_ok, pair, *rows, dq)
+        if B * Hk >= ONE_SWEEP_TASKS:
+            launch(one_sweep_kernel, q, k, v, kt, vt, k_ok, v_ok, pair, *cols, need_bias, dq,
+                   dk, dv, dbias, dlogks)
+        else:
+            launch(dkdv_kernel, q, k, v, kt, vt, k_ok, v_ok, pair, *cols, need_bias, dk, dv,
+                   dbias, dlogks)
+            launch(dq_kernel, q, k, v, kt, vt, k_ok, pair, *rows, dq)
     if has_ks:
         grads["log_key_size"] = dlogks.sum(axis=1)
     return grads
