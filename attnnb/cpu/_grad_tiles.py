@@ -29,11 +29,11 @@ def prepare_kv_tiles(k, v, kt, vt, k_ok, v_ok, task):
     b, g, t = task // (Hk * n_kt), (task // n_kt) % Hk, task % n_kt
     j0 = t * TILE_K
     transpose_tile(k, kt, b, g, j0)
-    k_ok[b, g, t] = tile_is_finite(k, b, g, j0)
+    k_ok[b, g, t] = tile_is_finite(k[b, g], j0)
     r = Hk // vt.shape[1]
     if g % r == 0:
         transpose_tile(v, vt, b, g // r, j0)
-        v_ok[b, g // r, t] = tile_is_finite(v, b, g // r, j0)
+        v_ok[b, g // r, t] = tile_is_finite(v[b, g // r], j0)
 
 
 @inner

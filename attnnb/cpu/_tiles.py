@@ -34,6 +34,7 @@ from .._codes import RELU_EXPM1, SOFTMAX1
 from ._blocks import COLS, ROWS, U, block_product, block_width, gemm_row, padded_width
 from ._exp import exp_shifted_sum_at, exp_tile_accumulate, maxnum, sum_at
 from ._jit import blocks, inner, wide_vectors
+from ._views import flat, rows_of
 
 TILE_Q = 64
 TILE_K = COLS  # 64: the register blocks' width
@@ -89,9 +90,9 @@ def key_tiles_seen(i0, nq, diag, n_kt):
 
 
 @inner
-def view2d(flat, rows, cols):
+def view2d(buffer, rows, cols):
     """A ``(rows, cols)`` C-contiguous view of the start of a flat scratch buffer."""
-    return flat[: rows * cols].reshape((rows, cols))
+    return rows_of(buffer, rows, cols)
 
 
 @inner
@@ -128,8 +129,8 @@ def tile_logits_t(qs, kth, j0, nk, S_flat):
     by row.
     """
     nq, d = qs.shape
-    a = qs.reshape(nq * d)
-    b = kth[j0 // TILE_K].reshape(d * TILE_K)
+    a = flat(qs)
+    b = flat(kth[j0 // TILE_K])
     if nq < ROWS:
         for r in range(nq):
             gemm_row(a, r * d, d, b, 0, TILE_K, S_flat, r * nk, nk)
@@ -170,8 +171,8 @@ def tile_logits_rows(qs, kh, j0, nk, S_flat):
     ``kh (Lk, D)`` and ``qs (nq, D)`` C-contiguous.
     """
     nq, d = qs.shape
-    a = qs.reshape(nq * d)
-    b = kh.reshape(kh.shape[0] * d)
+    a = flat(qs)
+    b = flat(kh)
     for r in range(nq):
         for c in range(nk):
             S_flat[r * nk + c] = _dot(a, r * d, b, (j0 + c) * d, d)
@@ -207,9 +208,9 @@ def values_product(P, vh, j0, acc, T_flat):
     """
     nq, nk = P.shape
     dv = acc.shape[1]
-    p = P.reshape(nq * nk)
-    v = vh.reshape(vh.shape[0] * dv)
-    a = acc.reshape(nq * dv)
+    p = flat(P)
+    v = flat(vh)
+    a = flat(acc)
     r0 = 0  # rows added so far
     if dv >= 16 and nq >= ROWS:
         while r0 < nq:
@@ -350,7 +351,7 @@ def online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer)
     """
     nq, nk = S.shape
     dv = acc.shape[1]
-    s = S.reshape(nq * nk)
+    s = flat(S)
     P = view2d(P_flat, nq, nk)
     if normalizer == RELU_EXPM1:
         for r in range(nq):
@@ -546,24 +547,24 @@ def transpose_tile(k, kt, b, h, j0):
 
 
 @inner
-def tile_is_finite(v, b, h, j0):
-    """True when rows ``j0 : j0 + TILE_K`` of ``v[b, h]`` hold no NaN or Inf.
+def tile_is_finite(vh, j0):
+    """True when rows ``j0 : j0 + TILE_K`` of one head's values ``vh (L, Dv)`` hold no
+    NaN or Inf.
 
     ``x * 0`` is NaN for a NaN or an infinite ``x`` and 0 otherwise, so the sum
     is 0 exactly when every element is finite.  The rows are one contiguous
-    run of ``v[b, h]`` (C-contiguous), read as one flat loop in ``v``'s own
+    run of ``vh`` (C-contiguous), read as one flat loop in its own
     dtype: one vectorised reduction per tile.  Row by row, with a float64
     zero, it was a reduction per row through float64 conversions, and took
     30 % of a decoding call (``Lq = 1``, ``Lk = 4096``, one thread).
     """
-    vh = v[b, h]
     n_rows, width = vh.shape
-    flat = vh.reshape(n_rows * width)
+    values = flat(vh)
     start = U(j0 * width)
-    zero = flat.dtype.type(0.0)
+    zero = values.dtype.type(0.0)
     acc = zero
     for e in range(U((min(j0 + TILE_K, n_rows) - j0) * width)):
-        acc += flat[start + e] * zero
+        acc += values[start + e] * zero
     return acc == 0.0
 
 
@@ -590,4 +591,4 @@ def prepare_key_tile(k, v, kt, v_ok, task):
     transpose_tile(k, kt, b, g, t * TILE_K)
     r = Hk // v_ok.shape[1]
     if g % r == 0:
-        v_ok[b, g // r, t] = tile_is_finite(v, b, g // r, t * TILE_K)
+        v_ok[b, g // r, t] = tile_is_finite(v[b, g // r], t * TILE_K)

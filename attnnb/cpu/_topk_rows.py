@@ -45,6 +45,7 @@ from .. import _selection
 from ._blocks import COLS
 from ._exp import exp_shifted_sum_at, maxnum
 from ._jit import blocks, inner, wide_vectors
+from ._views import flat
 
 U = np.uint64
 CHUNK = 64  # values per vectorised step (four 512-bit vectors of float32)
@@ -379,7 +380,7 @@ def gather_row(r, cval, cidx, cnt, vh, m, l, acc, pbuf, blk):
             n += U(pbuf[x] != 0.0)
     a = acc[r]
     dv = a.shape[0]
-    vflat = vh.reshape(vh.shape[0] * dv)
+    vflat = flat(vh)
     full = dv - dv % COLS
     for c0 in range(0, full, COLS):
         _weighted_rows(pbuf, n, vflat, cidx, dv, c0, blk)

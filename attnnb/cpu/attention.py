@@ -25,6 +25,7 @@ from ._tiles import (
     transpose_keys,
     view2d,
 )
+from ._views import keep_alive, unowned
 
 
 @kernel
@@ -54,6 +55,11 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
         (b, h, g, _, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat, F_flat,
          T_flat) = query_task(task // n_split, q, kt, v, scale, SWEEP_TILE_Q, group, n_qt)
         own_tile = np.empty((1, k.shape[3], TILE_K), q.dtype)
+        # the key loop works on ownerless aliases of the task's scratch: no reference
+        # counting on every tile (see attnnb.cpu._views); the owners live to the task's end
+        owners = (qs, m, l, acc, S_flat, P_flat, F_flat, T_flat, own_tile)
+        qs, m, l, acc, S_flat, P_flat, F_flat, T_flat, own_tile = unowned(owners)
+        kh, bias_bh, mask_bh, logks_b = k[b, g], bias[b, h], mask[b, h], logks[b]
         last = min(key_tiles_seen(i0, nq, diag, n_kt), (split + 1) * per_split)
         for t in range(split * per_split, last):
             j0 = t * TILE_K
@@ -62,21 +68,21 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
             tiles = kth
             tile_j0 = j0
             if local_tiles:
-                v_finite = tile_is_finite(v, b, g, j0)
+                v_finite = tile_is_finite(vh, j0)
                 if nq >= ROWS:
-                    transpose_keys(k[b, g], j0, own_tile[0])
+                    transpose_keys(kh, j0, own_tile[0])
                     tiles = own_tile
                     tile_j0 = 0
             else:
                 v_finite = v_ok[b, g, t]
             if local_tiles and nq < ROWS:  # a row or three: dot products beat transposing
-                S = tile_logits_rows(qs, k[b, g], j0, nk, S_flat)
+                S = tile_logits_rows(qs, kh, j0, nk, S_flat)
             else:
                 S = tile_logits_t(qs, tiles, tile_j0, nk, S_flat)
             # relu_expm1 keeps the logits and the kernel values apart (see modify_logits)
             F = view2d(F_flat, nq, nk) if normalizer == RELU_EXPM1 else S
-            modify_logits(S, F, i0, j0, diag, bias[b, h], has_bias, mask[b, h], has_mask,
-                          logks[b], has_ks, normalizer)
+            modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b,
+                          has_ks, normalizer)
             online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer)
         dest_out = out
         dest_lse = lse
@@ -85,6 +91,7 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
             dest_lse = part_lse[split]
         finish_rows(acc, m, l, split_normalizer, dest_out[b, h, i0 : i0 + nq],
                     dest_lse[b, h, i0 : i0 + nq])
+        keep_alive(owners)
     if n_split > 1:  # B * Hq * Lq rows of n_split * Dv products: a serial loop is enough
         for row in range(B * Hq * Lq):
             merge_split_rows(part_out, part_lse, row, normalizer, out, lse)
