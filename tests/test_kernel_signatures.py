@@ -12,9 +12,9 @@ import numpy as np
 
 import attnnb
 from attnnb.cpu.attention import attention_kernel
-from attnnb.cpu.backward import dkdv_kernel, dq_kernel, one_sweep_kernel
+from attnnb.cpu.backward import dkdv_kernel, dq_kernel
 
-KERNELS = (attention_kernel, dkdv_kernel, dq_kernel, one_sweep_kernel)
+KERNELS = (attention_kernel, dkdv_kernel, dq_kernel)
 
 
 def signatures():

@@ -19,9 +19,9 @@ of one key tile (it sweeps the query tiles that can see it, for every
 query head of the GQA group: no write races) and :func:`dq_kernel` owns
 one query tile's ``dq``.  That recomputes each pair's weights twice.  With
 at least :data:`ONE_SWEEP_TASKS` key heads (times the batch)
-:func:`one_sweep_kernel` runs instead, one task per key head owning all
-three gradients: each pair once, and the same bits as the two kernels
-(the same per-tile code, ``dq``'s terms in the same order).  All walk tile
+:func:`dkdv_kernel` runs alone, one task per key head owning all three
+gradients: each pair once, and the same bits as the two kernels (the same
+per-tile code, ``dq``'s terms in the same order).  All walk tile
 lists: the dense (or causal)
 problem's or a sparse pattern's block layout, read by query tile for
 ``dq`` and by key tile for ``dk``/``dv`` (:mod:`attnnb.cpu._grad_tiles`),
@@ -74,8 +74,8 @@ from .rectified_backward import rectified_vjp
 from .topk import topk_selection
 
 # Key heads (times the batch) from which one sweep forms all three gradients
-# (:func:`one_sweep_kernel`); below, two sweeps with a task per tile keep every
-# core busy.  A function of the shape alone, so that which kernels run, and so
+# (:func:`dkdv_kernel` with ``own_dq``); below, two sweeps with a task per tile
+# keep every core busy.  A function of the shape alone, so that which kernels run, and so
 # the results, do not depend on the number of threads.
 ONE_SWEEP_TASKS = 8
 
@@ -238,10 +238,18 @@ def v_width(pair):
 
 
 @kernel
-def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, pair, col_ptr, col_qt, col_full, need_dbias, dk,
-                dv, dbias, dlogks):
-    """One task per (batch, key head, key tile): ``dk``, ``dv`` and that tile's
-    ``dbias`` columns and ``dlogks`` (per key head; summed on the host).
+def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, pair, col_ptr, col_qt, col_full, need_dbias,
+                own_dq, dq, dk, dv, dbias, dlogks):
+    """``dk``, ``dv``, ``dbias`` columns and ``dlogks`` (per key head; summed on the
+    host), and with ``own_dq`` also ``dq``.
+
+    Without ``own_dq``, one task per (batch, key head, key tile), and
+    :func:`dq_kernel` forms ``dq`` afterwards.  With it, one task per (batch,
+    key head) sweeps all its key tiles and owns ``dq`` of its GQA group's query
+    heads as well (``dq`` must come in as zeros): each pair's weights are
+    recomputed once instead of twice, five tile products instead of seven.
+    One kernel for both, so that the one-sweep form costs no compile of its
+    own; :func:`tiled_vjp` picks it from :data:`ONE_SWEEP_TASKS` key heads.
 
     ``kt``, ``vt``, ``k_ok``, ``v_ok``: the transposed tiles and their checks,
     filled before by :func:`attnnb.cpu._prologue.kv_tiles_kernel`.  The
@@ -250,45 +258,24 @@ def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, pair, col_ptr, col_qt, col_full, ne
     forward's tile lists read by key tile, :func:`by_key_tile`); ``col_full``
     says which need no element mask from the CSR rows (``pair.csr``).
     """
-    Hk, D, Dv, n_kt = k.shape[1], k.shape[3], v.shape[3], kt.shape[2]
-    for task in prange(q.shape[0] * Hk * n_kt):
-        wide_vectors()
-        b, g, t = task // (Hk * n_kt), (task // n_kt) % Hk, task % n_kt
-        scratch = pair_scratch(q.dtype, D, Dv)
-        cursor = np.empty(TILE_Q, np.int64)
-        key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_full,
-                           need_dbias, False, dk, dk, dv, dbias, dlogks, scratch, cursor)
-
-
-@kernel
-def one_sweep_kernel(q, k, v, kt, vt, k_ok, v_ok, pair, col_ptr, col_qt, col_full, need_dbias,
-                     dq, dk, dv, dbias, dlogks):
-    """One task per (batch, key head): all three gradients in one sweep over its key tiles.
-
-    Each (query tile, key tile) pair is recomputed once, not once for
-    ``dk``/``dv`` and again for ``dq`` as with :func:`dkdv_kernel` and
-    :func:`dq_kernel` (five tile products a pair instead of seven).  The
-    task owns ``dq`` of every query head of its GQA group, so nothing is
-    written by two tasks; ``dq`` must come in as zeros.  ``dq``'s terms
-    arrive in the order of the key tiles, as in :func:`dq_kernel`.  Only
-    ``B * Hk`` tasks: :func:`tiled_vjp` takes this kernel when that is at
-    least :data:`ONE_SWEEP_TASKS`.
-    """
     B, Hq, Lq, D = q.shape
     Hk, Dv, n_kt = k.shape[1], v.shape[3], kt.shape[2]
     group = Hq // Hk
-    for task in prange(B * Hk):
+    per_task = n_kt if own_dq else 1
+    n_ranges = n_kt // per_task
+    for task in prange(B * Hk * n_ranges):
         wide_vectors()
-        b, g = task // Hk, task % Hk
+        b, g, first = task // (Hk * n_ranges), (task // n_ranges) % Hk, task % n_ranges
         scratch = pair_scratch(q.dtype, D, Dv)
         cursor = np.empty(TILE_Q, np.int64)
-        for t in range(n_kt):
+        for t in range(first * per_task, (first + 1) * per_task):
             key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_full,
-                               need_dbias, True, dq, dk, dv, dbias, dlogks, scratch, cursor)
-        for h in range(g * group, (g + 1) * group):
-            for r in range(Lq):
-                for e in range(D):
-                    dq[b, h, r, e] = pair.scale * dq[b, h, r, e]
+                               need_dbias, own_dq, dq, dk, dv, dbias, dlogks, scratch, cursor)
+        if own_dq:  # dq's terms arrived in key-tile order, as in dq_kernel; now scaled
+            for h in range(g * group, (g + 1) * group):
+                for r in range(Lq):
+                    for e in range(D):
+                        dq[b, h, r, e] = pair.scale * dq[b, h, r, e]
 
 
 @kernel
@@ -401,12 +388,10 @@ def tiled_vjp(problem, out, lse, dout, dlse, need_bias, pattern=None, selection=
         delta=delta, p_heads=p_heads, indptr=indptr, indices=indices, csr=pattern is not None,
         selected=selection is not None, thr=thr, cut=cut)
     with filled_kv_tiles(k, v) as (kt, vt, k_ok, v_ok):
-        if B * Hk >= ONE_SWEEP_TASKS:
-            launch(one_sweep_kernel, q, k, v, kt, vt, k_ok, v_ok, pair, *cols, need_bias, dq,
-                   dk, dv, dbias, dlogks)
-        else:
-            launch(dkdv_kernel, q, k, v, kt, vt, k_ok, v_ok, pair, *cols, need_bias, dk, dv,
-                   dbias, dlogks)
+        one_sweep = B * Hk >= ONE_SWEEP_TASKS
+        launch(dkdv_kernel, q, k, v, kt, vt, k_ok, v_ok, pair, *cols, need_bias, one_sweep, dq,
+               dk, dv, dbias, dlogks)
+        if not one_sweep:
             launch(dq_kernel, q, k, v, kt, vt, k_ok, pair, *rows, dq)
     if has_ks:
         grads["log_key_size"] = dlogks.sum(axis=1)
