@@ -192,7 +192,7 @@ def key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_f
     group.  ``dq`` gets ``dS @ k_tile`` added unscaled (its owner scales it
     once at the end); ``dk`` and ``dv`` of the tile are written, scaled.
     """
-    Hq, Lq, D, Dv = q.shape[1], q.shape[2], k.shape[3], v_width(pair)
+    Hq, Lq, D, Dv = q.shape[1], q.shape[2], k.shape[3], dv.shape[3]
     Lk, n_kt = k.shape[2], kt.shape[2]
     group = Hq // k.shape[1]
     diag = Lk - Lq if pair.causal else Lk
@@ -231,12 +231,6 @@ def key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_f
             dv[b, g, j0 + c, e] = dv_acc[c, e]
 
 
-@inner
-def v_width(pair):
-    """``Dv``, the width of the values (and of ``dout``)."""
-    return pair.dout.shape[3]
-
-
 @kernel
 def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, pair, col_ptr, col_qt, col_full, need_dbias,
                 own_dq, dq, dk, dv, dbias, dlogks):
@@ -265,10 +259,10 @@ def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, pair, col_ptr, col_qt, col_full, ne
     n_ranges = n_kt // per_task
     for task in prange(B * Hk * n_ranges):
         wide_vectors()
-        b, g, first = task // (Hk * n_ranges), (task // n_ranges) % Hk, task % n_ranges
+        b, g, span = task // (Hk * n_ranges), (task // n_ranges) % Hk, task % n_ranges
         scratch = pair_scratch(q.dtype, D, Dv)
         cursor = np.empty(TILE_Q, np.int64)
-        for t in range(first * per_task, (first + 1) * per_task):
+        for t in range(span * per_task, (span + 1) * per_task):
             key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_full,
                                need_dbias, own_dq, dq, dk, dv, dbias, dlogks, scratch, cursor)
         if own_dq:  # dq's terms arrived in key-tile order, as in dq_kernel; now scaled
