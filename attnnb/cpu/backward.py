@@ -21,9 +21,8 @@ one query tile's ``dq``.  That recomputes each pair's weights twice.  With
 at least :data:`ONE_SWEEP_TASKS` key heads (times the batch)
 :func:`dkdv_kernel` runs alone, one task per key head owning all three
 gradients: each pair once, and the same bits as the two kernels (the same
-per-tile code, ``dq``'s terms in the same order).  All walk tile
-lists: the dense (or causal)
-problem's or a sparse pattern's block layout, read by query tile for
+per-tile code, ``dq``'s terms in the same order).  All walk tile lists: the
+dense (or causal) problem's or a sparse pattern's block layout, read by query tile for
 ``dq`` and by key tile for ``dk``/``dv`` (:mod:`attnnb.cpu._grad_tiles`),
 so sparse attention's backward also costs in proportion to the allowed
 pairs.  All five matrix
@@ -192,10 +191,8 @@ def key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_f
     group.  ``dq`` gets ``dS @ k_tile`` added unscaled (its owner scales it
     once at the end); ``dk`` and ``dv`` of the tile are written, scaled.
     """
-    Hq, Lq, D, Dv = q.shape[1], q.shape[2], k.shape[3], dv.shape[3]
-    Lk, n_kt = k.shape[2], kt.shape[2]
-    group = Hq // k.shape[1]
-    diag = Lk - Lq if pair.causal else Lk
+    _, _, Lq, Lk, Dv, group, _, n_kt, diag = sweep_geometry(q, k, dv, TILE_Q, pair.causal)
+    D = k.shape[3]
     j0 = t * TILE_K
     nk = min(TILE_K, Lk - j0)
     Tr_flat, T_flat = scratch[7], scratch[8]
