@@ -24,13 +24,13 @@ def _compile(fn, noalias, inline=False):
     return numba.njit(**opts)(fn.py_func)
 
 
-def _constant_width_block(width, noalias=True):
-    """:func:`gemm_block` inlined into a caller that passes ``width`` as a constant, as
-    :func:`attnnb.cpu._blocks.block_product` does."""
+def _constant_width_block(width, noalias=True, rows=_blocks.ROWS):
+    """:func:`gemm_block` inlined into a caller that passes ``width`` and ``rows`` as
+    constants, as :func:`attnnb.cpu._blocks.block_product` does."""
     block = _compile(_blocks.gemm_block, noalias, inline=True)
 
     def call(a, a0, lda, n, b, b0, ldb, blk, c0):
-        block(a, a0, lda, n, b, b0, ldb, blk, c0, width)
+        block(a, a0, lda, n, b, b0, ldb, blk, c0, width, rows)
 
     opts = dict(fastmath=_jit.FASTMATH, nogil=True)
     if noalias:
@@ -38,8 +38,12 @@ def _constant_width_block(width, noalias=True):
     return numba.njit(**opts)(call)
 
 
+# (width, rows) of every block shape the kernels use
+BLOCK_SHAPES = [(64, _blocks.ROWS), (16, _blocks.ROWS), (16, 2 * _blocks.ROWS)]
+
+
 def _gemm_args(rng, dtype, n=37):
-    rows, cols = _blocks.ROWS, _blocks.COLS
+    rows, cols = 2 * _blocks.ROWS, _blocks.COLS
     a = rng.standard_normal(rows * n + 5).astype(dtype)
     b = rng.standard_normal(n * (cols + 7) + 3).astype(dtype)
     blk = np.full(rows * cols + 9, np.nan, dtype)
@@ -56,20 +60,43 @@ def test_noalias_option_is_registered():
     assert _jit.NOALIAS, "numba.core internals changed: the noalias flag is no longer available"
 
 
-@pytest.mark.parametrize("width", _blocks.BLOCK_WIDTHS)
+@pytest.mark.parametrize("width, rows", BLOCK_SHAPES)
 @pytest.mark.parametrize("noalias", [True, False])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_gemm_block_matches_numpy_with_and_without_noalias(rng, noalias, dtype, width):
-    fn = _constant_width_block(width, noalias)
+def test_gemm_block_matches_numpy_with_and_without_noalias(rng, noalias, dtype, width, rows):
+    fn = _constant_width_block(width, noalias, rows)
     a, b, blk, n = _gemm_args(rng, dtype)
     ldb = _blocks.COLS + 7
     fn(a, 5, n, n, b, 3, ldb, blk, 9)
-    got = blk[9:9 + _blocks.ROWS * width].reshape(_blocks.ROWS, width)
-    want = _expected(a, b, n, 5, n, 3, ldb, _blocks.ROWS, width)
+    got = blk[9:9 + rows * width].reshape(rows, width)
+    want = _expected(a, b, n, 5, n, 3, ldb, rows, width)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
     assert np.isnan(blk[:9]).all(), "wrote before the block"
-    assert np.isnan(blk[9 + _blocks.ROWS * width:]).all(), "wrote after the block"
+    assert np.isnan(blk[9 + rows * width:]).all(), "wrote after the block"
+
+
+@pytest.mark.parametrize("width, rows", BLOCK_SHAPES)
+@pytest.mark.parametrize("r_from, c_from", [(0, 0), (3, 0), (0, 9), (2, 5)])
+def test_block_product_add_adds_only_the_new_rows_and_columns(rng, width, rows, r_from,
+                                                              c_from):
+    """The block's product is added to ``dst`` where ``r >= r_from`` and ``c >= c_from``;
+    the other entries, and everything outside the block, keep their bits."""
+    fn = numba.njit(fastmath=_jit.FASTMATH)(_blocks.block_product_add.py_func)
+    a, b, _, n = _gemm_args(rng, np.float64)
+    ldb, ldd = _blocks.COLS + 7, width + 5
+    dst = rng.standard_normal((rows + 2) * ldd + 3)
+    before = dst.copy()
+    blk = np.empty(rows * width)
+    fn(a, 5, n, n, b, 3, ldb, blk, dst, 3, ldd, width, rows, r_from, c_from)
+    want = before.copy()
+    product = _expected(a, b, n, 5, n, 3, ldb, rows, width)
+    for r in range(r_from, rows):
+        for c in range(c_from, width):
+            want[3 + r * ldd + c] += product[r, c]
+    untouched = want == before
+    np.testing.assert_array_equal(dst[untouched], before[untouched])
+    np.testing.assert_allclose(dst, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("noalias", [True, False])
@@ -84,7 +111,7 @@ def test_gemm_row_matches_numpy(rng, noalias):
 def test_noalias_flag_reaches_llvm(rng):
     """With the option the array arguments carry LLVM's ``noalias``; without, they do not."""
     a, b, blk, n = _gemm_args(rng, np.float32)
-    args = (a, 0, n, n, b, 0, _blocks.COLS, blk, 0, _blocks.COLS)
+    args = (a, 0, n, n, b, 0, _blocks.COLS, blk, 0, _blocks.COLS, _blocks.ROWS)
     counts = {}
     for flag in (True, False):
         fn = _compile(_blocks.gemm_block, flag)
@@ -103,15 +130,16 @@ def _has_avx512():
 
 
 @pytest.mark.skipif(not _has_avx512(), reason="needs AVX-512")
-@pytest.mark.parametrize("width", _blocks.BLOCK_WIDTHS)
-def test_blocks_keep_accumulators_in_zmm_registers(rng, width):
-    """A 4 x ``width`` float32 block: ``width / 4`` FMAs on 512-bit registers per step."""
-    fn = _constant_width_block(width)
+@pytest.mark.parametrize("width, rows", BLOCK_SHAPES)
+def test_blocks_keep_accumulators_in_zmm_registers(rng, width, rows):
+    """A ``rows x width`` float32 block: ``rows * width / 16`` FMAs on 512-bit registers
+    per step."""
+    fn = _constant_width_block(width, rows=rows)
     a, b, blk, n = _gemm_args(rng, np.float32)
     fn(a, 0, n, n, b, 0, _blocks.COLS, blk, 0)
     asm = fn.inspect_asm(fn.signatures[0])
     fmas = re.findall(r"vfmadd\d+ps\s+[^\n]*zmm", asm)
-    assert len(fmas) >= width // 4, f"{len(fmas)} zmm FMAs"
+    assert len(fmas) >= rows * width // 16, f"{len(fmas)} zmm FMAs"
     scalar = re.findall(r"vfmadd\d+ss", asm)
     assert not scalar, f"{len(scalar)} scalar FMAs: the block was not vectorised"
 
@@ -133,9 +161,10 @@ def test_transposed_copy_is_the_transpose(rng, dtype, nr, nc):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("nq, dv", [(4, 16), (7, 40), (8, 16), (13, 20), (13, 80), (64, 144),
-                                    (128, 16), (9, 64), (5, 32), (3, 16)])
+                                    (128, 16), (9, 64), (5, 32), (3, 16), (21, 16), (12, 48),
+                                    (9, 7)])
 def test_values_product_adds_p_times_v_at_every_width_and_row_count(rng, dtype, nq, dv):
-    """``acc += P @ V[j0:j0+nk]`` over the 4-row and single-row paths, the 64- and 16-wide
+    """``acc += P @ V[j0:j0+nk]`` over the single-row path, the 4 x 64, 4 x 16 and 8 x 16
     blocks and the blocks that reach back over rows or columns already added."""
     from attnnb.cpu._tiles import values_product
 
@@ -144,7 +173,7 @@ def test_values_product_adds_p_times_v_at_every_width_and_row_count(rng, dtype, 
     v = rng.standard_normal((j0 + nk + 3, dv)).astype(dtype)
     acc = rng.standard_normal((nq, dv)).astype(dtype)
     want = acc.astype(np.float64) + P.astype(np.float64) @ v[j0:j0 + nk].astype(np.float64)
-    T = np.empty(_blocks.ROWS * min(dv, 64), dtype)
+    T = np.empty(_blocks.ROWS * _blocks.COLS, dtype)
     values_product(P, v, j0, acc, T)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(acc, want, rtol=tol, atol=tol * np.abs(want).max())

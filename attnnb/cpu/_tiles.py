@@ -31,7 +31,17 @@ import numpy as np
 
 from .. import _scalars
 from .._codes import RELU_EXPM1, SOFTMAX1
-from ._blocks import COLS, ROWS, U, block_product, block_width, gemm_row, padded_width
+from ._blocks import (
+    COLS,
+    ROWS,
+    U,
+    block_product,
+    block_product_add,
+    block_rows,
+    block_width,
+    gemm_row,
+    padded_width,
+)
 from ._exp import exp_shifted_sum_at, exp_tile_accumulate, maxnum, sum_at
 from ._jit import blocks, inner, wide_vectors
 from ._views import flat, rows_of
@@ -180,53 +190,44 @@ def tile_logits_rows(qs, kh, j0, nk, S_flat):
 
 
 @inner
-def _add_block(dst, d0, ldd, src, width, r_from, c_from):
-    """``dst[d0 + i * ldd + c] += src[i * width + c]`` for ``r_from <= i < ROWS`` and
-    ``c_from <= c < width``: one block of :func:`values_product`, less the rows and
-    columns an earlier block already added."""
-    for i in range(r_from, ROWS):
-        o = d0 + i * ldd
-        so = i * width
-        for c in range(c_from, width):
-            dst[o + c] += src[so + c]
-
-
-@inner
 def values_product(P, vh, j0, acc, T_flat):
-    """``acc += P @ vh[j0:j0+nk]``, each block's sum formed first in ``T_flat``.
+    """``acc += P @ vh[j0:j0+nk]``, each block summed on its own and then added.
 
-    Register-blocked in 4 rows by 64 or 16 value columns
-    (:func:`~attnnb.cpu._blocks.block_product`: a value width of 80 is 64 +
-    16, 160 is 64 + 64 + 16 + 16).  Where fewer than 16 columns or 4 rows
-    remain, the last block reaches back over columns or rows an earlier
-    block added, and adds only its new part (40 is 16 + 16 + the last 8 of a
-    16-wide block), so that only value widths below 16 and tiles of fewer
-    than 4 rows go row by row.  Summing the tile on its own and then adding
-    keeps one long FMA chain over every key out (it lost accuracy: 2.5e-6).
-    ``acc`` is C-contiguous ``(nq, Dv)``; ``T_flat`` holds at least ``ROWS *
-    min(Dv, 64)`` elements.
+    Register-blocked (:func:`~attnnb.cpu._blocks.block_product_add`) in
+    column blocks of 64 or 16 value columns (a value width of 80 is 64 + 16,
+    160 is 64 + 64 + 16 + 16), each swept over the rows in blocks of 4 rows
+    (64 wide) or 8 (16 wide, :func:`~attnnb.cpu._blocks.block_rows`).  Where
+    fewer than 16 columns or a block's rows remain, the last block reaches
+    back over columns or rows an earlier block added, and adds only its new
+    part (40 is 16 + 16 + the last 8 of a 16-wide block), so that only value
+    widths below 16 and tiles of fewer than 4 rows go row by row.  Summing
+    the tile on its own and then adding keeps one long FMA chain over every
+    key out (it lost accuracy: 2.5e-6).  ``acc`` is C-contiguous ``(nq,
+    Dv)``; ``T_flat`` holds at least ``ROWS * COLS`` elements.
     """
     nq, nk = P.shape
     dv = acc.shape[1]
     p = flat(P)
     v = flat(vh)
     a = flat(acc)
-    r0 = 0  # rows added so far
     if dv >= 16 and nq >= ROWS:
-        while r0 < nq:
-            rs = min(r0, nq - ROWS)
-            c0 = 0  # columns of these rows added so far
-            while c0 < dv:
-                w = block_width(dv - c0)
-                cs = c0
-                if w == 0:
-                    w = 16
-                    cs = dv - 16
-                block_product(p, rs * nk, nk, nk, v, j0 * dv + cs, dv, T_flat, 0, w)
-                _add_block(a, rs * dv + cs, dv, T_flat, w, r0 - rs, c0 - cs)
-                c0 = cs + w
-            r0 = rs + ROWS
-    for r in range(r0, nq):
+        c0 = 0  # columns added so far
+        while c0 < dv:
+            w = block_width(dv - c0)
+            cs = c0
+            if w == 0:
+                w = 16
+                cs = dv - 16
+            rows = block_rows(w, nq)
+            r0 = 0  # rows of these columns added so far
+            while r0 < nq:
+                rs = min(r0, nq - rows)
+                block_product_add(p, rs * nk, nk, nk, v, j0 * dv + cs, dv, T_flat, a,
+                                  rs * dv + cs, dv, w, rows, r0 - rs, c0 - cs)
+                r0 = rs + rows
+            c0 = cs + w
+        return
+    for r in range(nq):
         c0 = 0
         while c0 < dv:
             w = min(COLS, dv - c0)
