@@ -30,7 +30,7 @@ def _constant_width_block(width, noalias=True, rows=_blocks.ROWS):
     block = _compile(_blocks.gemm_block, noalias, inline=True)
 
     def call(a, a0, lda, n, b, b0, ldb, blk, c0):
-        block(a, a0, lda, n, b, b0, ldb, blk, c0, width, rows)
+        block(a, a0, lda, 1, n, b, b0, ldb, blk, c0, width, rows)
 
     opts = dict(fastmath=_jit.FASTMATH, nogil=True)
     if noalias:
@@ -88,7 +88,7 @@ def test_block_product_add_adds_only_the_new_rows_and_columns(rng, width, rows, 
     dst = rng.standard_normal((rows + 2) * ldd + 3)
     before = dst.copy()
     blk = np.empty(rows * width)
-    fn(a, 5, n, n, b, 3, ldb, blk, dst, 3, ldd, width, rows, r_from, c_from)
+    fn(a, 5, n, 1, n, b, 3, ldb, blk, dst, 3, ldd, width, rows, r_from, c_from)
     want = before.copy()
     product = _expected(a, b, n, 5, n, 3, ldb, rows, width)
     for r in range(r_from, rows):
@@ -103,7 +103,7 @@ def test_block_product_add_adds_only_the_new_rows_and_columns(rng, width, rows, 
 def test_gemm_row_matches_numpy(rng, noalias):
     fn = _compile(_blocks.gemm_row, noalias)
     a, b, blk, n = _gemm_args(rng, np.float64)
-    fn(a, 2, n, b, 1, 50, blk, 4, 23)
+    fn(a, 2, 1, n, b, 1, 50, blk, 4, 23)
     want = _expected(a, b, n, 2, n, 1, 50, 1, 23)[0]
     np.testing.assert_allclose(blk[4:27], want, rtol=1e-12)
 
@@ -111,7 +111,7 @@ def test_gemm_row_matches_numpy(rng, noalias):
 def test_noalias_flag_reaches_llvm(rng):
     """With the option the array arguments carry LLVM's ``noalias``; without, they do not."""
     a, b, blk, n = _gemm_args(rng, np.float32)
-    args = (a, 0, n, n, b, 0, _blocks.COLS, blk, 0, _blocks.COLS, _blocks.ROWS)
+    args = (a, 0, n, 1, n, b, 0, _blocks.COLS, blk, 0, _blocks.COLS, _blocks.ROWS)
     counts = {}
     for flag in (True, False):
         fn = _compile(_blocks.gemm_block, flag)
@@ -177,3 +177,27 @@ def test_values_product_adds_p_times_v_at_every_width_and_row_count(rng, dtype, 
     values_product(P, v, j0, acc, T)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(acc, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("nq, nk, dv", [(64, 64, 64), (37, 5, 16), (64, 13, 40), (3, 64, 80),
+                                        (20, 9, 7), (64, 64, 16)])
+def test_transposed_values_product_equals_the_product_with_a_transposed_copy(rng, dtype, nq,
+                                                                             nk, dv):
+    """``acc += W.T @ V[j0:j0+nq]`` read from ``W (nq, nk)`` as stored gives the same bits
+    as :func:`values_product` with ``W.T`` copied out first (the same sums in the same
+    order), and matches the float64 product."""
+    from attnnb.cpu._tiles import transposed_values_product, values_product
+
+    j0 = 6
+    W = rng.random((nq, nk)).astype(dtype)
+    v = rng.standard_normal((j0 + nq + 2, dv)).astype(dtype)
+    start = rng.standard_normal((nk, dv)).astype(dtype)
+    T = np.empty(_blocks.ROWS * _blocks.COLS, dtype)
+    got, copied = start.copy(), start.copy()
+    transposed_values_product(W, v, j0, got, T)
+    values_product(np.ascontiguousarray(W.T), v, j0, copied, T)
+    np.testing.assert_array_equal(got, copied)
+    want = start.astype(np.float64) + W.T.astype(np.float64) @ v[j0:j0 + nq].astype(np.float64)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())

@@ -31,8 +31,8 @@ U = np.uint64
 
 
 @blocks
-def gemm_block(a, a0, lda, n, b, b0, ldb, blk, c0, width, rows):
-    """``blk[c0 + r * width + c] = sum_e a[a0 + r * lda + e] * b[b0 + e * ldb + c]``.
+def gemm_block(a, a0, lda, a_step, n, b, b0, ldb, blk, c0, width, rows):
+    """``blk[c0 + r * width + c] = sum_e a[a0 + r * lda + e * a_step] * b[b0 + e * ldb + c]``.
 
     ``r < rows``, ``c < width``; ``a``, ``b`` and ``blk`` are flat 1-D arrays;
     ``blk`` must not overlap ``a`` or ``b``.  Offsets are non-negative.
@@ -46,6 +46,12 @@ def gemm_block(a, a0, lda, n, b, b0, ldb, blk, c0, width, rows):
     in registers (4 x 64 float32: 16 512-bit registers; narrower blocks fewer).
     The rows are written out one by one, because a loop over them inside the
     reduction is not vectorised; rows 4 to 7 fold away when ``rows`` is 4.
+
+    ``A`` is read one element per row and step (broadcast to a vector), so
+    it may be stored either way: ``a_step = 1`` reads its rows as stored,
+    ``lda = 1`` reads the columns of a stored matrix as its rows, ``A^T``
+    without a transposed copy (the backward's ``W^T @ dout`` and ``dS^T @
+    q``).  Callers pass the 1 as a constant, so it folds away.
     """
     wide_vectors()
     w = U(width)
@@ -62,22 +68,22 @@ def gemm_block(a, a0, lda, n, b, b0, ldb, blk, c0, width, rows):
             blk[o + U(5) * w + c] = 0.0
             blk[o + U(6) * w + c] = 0.0
             blk[o + U(7) * w + c] = 0.0
-    ua = U(a0)
     ul = U(lda)
     ub = U(b0)
     ubl = U(ldb)
     for e in range(U(n)):
-        x0 = a[ua + e]
-        x1 = a[ua + ul + e]
-        x2 = a[ua + U(2) * ul + e]
-        x3 = a[ua + U(3) * ul + e]
+        ua = U(a0) + e * U(a_step)
+        x0 = a[ua]
+        x1 = a[ua + ul]
+        x2 = a[ua + U(2) * ul]
+        x3 = a[ua + U(3) * ul]
         bo = ub + e * ubl
         x4 = x5 = x6 = x7 = zero
         if eight:
-            x4 = a[ua + U(4) * ul + e]
-            x5 = a[ua + U(5) * ul + e]
-            x6 = a[ua + U(6) * ul + e]
-            x7 = a[ua + U(7) * ul + e]
+            x4 = a[ua + U(4) * ul]
+            x5 = a[ua + U(5) * ul]
+            x6 = a[ua + U(6) * ul]
+            x7 = a[ua + U(7) * ul]
         for c in range(w):
             y = b[bo + c]
             blk[o + c] += x0 * y
@@ -147,9 +153,9 @@ def block_product(a, a0, lda, n, b, b0, ldb, blk, c0, width):
     they already have instead.
     """
     if width == 64:
-        gemm_block(a, a0, lda, n, b, b0, ldb, blk, c0, 64, ROWS)
+        gemm_block(a, a0, lda, 1, n, b, b0, ldb, blk, c0, 64, ROWS)
     else:
-        gemm_block(a, a0, lda, n, b, b0, ldb, blk, c0, 16, ROWS)
+        gemm_block(a, a0, lda, 1, n, b, b0, ldb, blk, c0, 16, ROWS)
 
 
 @inner
@@ -162,8 +168,8 @@ def block_rows(width, n_rows):
 
 
 @inner
-def block_product_add(a, a0, lda, n, b, b0, ldb, blk, dst, d0, ldd, width, rows, r_from,
-                      c_from):
+def block_product_add(a, a0, lda, a_step, n, b, b0, ldb, blk, dst, d0, ldd, width, rows,
+                      r_from, c_from):
     """``dst[d0 + r * ldd + c] += (A @ B)[r, c]`` for one ``rows x width`` block, less
     the rows before ``r_from`` and the columns before ``c_from`` (:func:`add_block`);
     ``A`` and ``B`` as in :func:`gemm_block`, ``blk`` scratch of ``rows * width``.
@@ -176,19 +182,20 @@ def block_product_add(a, a0, lda, n, b, b0, ldb, blk, dst, d0, ldd, width, rows,
     latency (the value product at ``Dv = 16`` took 1.25x as long).
     """
     if width == 64:
-        gemm_block(a, a0, lda, n, b, b0, ldb, blk, 0, 64, ROWS)
+        gemm_block(a, a0, lda, a_step, n, b, b0, ldb, blk, 0, 64, ROWS)
         add_block(dst, d0, ldd, blk, 64, ROWS, r_from, c_from)
     elif rows == ROWS:
-        gemm_block(a, a0, lda, n, b, b0, ldb, blk, 0, 16, ROWS)
+        gemm_block(a, a0, lda, a_step, n, b, b0, ldb, blk, 0, 16, ROWS)
         add_block(dst, d0, ldd, blk, 16, ROWS, r_from, c_from)
     else:
-        gemm_block(a, a0, lda, n, b, b0, ldb, blk, 0, 16, 2 * ROWS)
+        gemm_block(a, a0, lda, a_step, n, b, b0, ldb, blk, 0, 16, 2 * ROWS)
         add_block(dst, d0, ldd, blk, 16, 2 * ROWS, r_from, c_from)
 
 
 @blocks
-def gemm_row(a, a0, n, b, b0, ldb, blk, c0, width):
-    """One row: ``blk[c0 + c] = sum_e a[a0 + e] * b[b0 + e * ldb + c]`` for ``c < width``."""
+def gemm_row(a, a0, a_step, n, b, b0, ldb, blk, c0, width):
+    """One row: ``blk[c0 + c] = sum_e a[a0 + e * a_step] * b[b0 + e * ldb + c]`` for
+    ``c < width`` (``a_step`` as in :func:`gemm_block`)."""
     wide_vectors()
     o = U(c0)
     uw = U(width)
@@ -198,7 +205,7 @@ def gemm_row(a, a0, n, b, b0, ldb, blk, c0, width):
     ub = U(b0)
     ubl = U(ldb)
     for e in range(U(n)):
-        x0 = a[ua + e]
+        x0 = a[ua + e * U(a_step)]
         bo = ub + e * ubl
         for c in range(uw):
             blk[o + c] += x0 * b[bo + c]

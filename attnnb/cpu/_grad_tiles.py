@@ -2,8 +2,7 @@
 
 The backward sweeps (:mod:`attnnb.cpu.backward`,
 :mod:`attnnb.cpu.rectified_backward`) walk the forward's tile lists, read by
-query tile for ``dq`` and by key tile for ``dk``/``dv``; the products with a
-transposed weight tile go through :func:`transpose_into`.
+query tile for ``dq`` and by key tile for ``dk``/``dv``.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import numpy as np
 
 from ._blocks import COLS, ROWS
 from ._jit import inner
-from ._tiles import TILE_K, TILE_Q, tile_is_finite, transpose_tile, transposed_copy, view2d
+from ._tiles import TILE_K, TILE_Q, tile_is_finite, transpose_tile
 
 
 @inner
@@ -44,15 +43,6 @@ def pair_scratch(dt, d, dv):
     return (np.empty(TILE_Q * d, dt), np.empty(TILE_Q * dv, dt), np.empty(tile, dt),
             np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt),
             np.empty(tile, dt), np.empty(ROWS * COLS, dt))
-
-
-@inner
-def transpose_into(A, flat):
-    """``A^T`` as a C-contiguous view of ``flat`` (``A`` is ``(n, m)``)."""
-    n, m = A.shape
-    At = view2d(flat, m, n)
-    transposed_copy(A, 0, n, 0, m, At)
-    return At
 
 
 def read_only(a):

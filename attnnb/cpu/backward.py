@@ -29,7 +29,9 @@ pairs.  All five matrix
 products are the forward's register-blocked ones: ``q k^T`` and
 ``dout v^T`` read keys and values transposed tile by tile
 (:func:`~attnnb.cpu._tiles.prepare_key_tile`), the three others are
-:func:`~attnnb.cpu._tiles.values_product` on transposed weight tiles.
+:func:`~attnnb.cpu._tiles.values_product` and
+:func:`~attnnb.cpu._tiles.transposed_values_product`, which reads a weight
+tile's columns as its rows (no transposed copy).
 Working memory: O(tile) per task, plus the transposed keys and values
 and the gradients themselves (the bias gradient is materialised only
 when a bias was given and needs one).
@@ -50,7 +52,6 @@ from ._grad_tiles import (
     dense_tiles,
     pair_scratch,
     read_only,
-    transpose_into,
 )
 from ._host import score_arguments
 from ._jit import inner, kernel, launch, wide_vectors
@@ -65,7 +66,7 @@ from ._tiles import (
     scaled_rows,
     task_rows,
     tile_logits_t,
-    values_product,
+    transposed_values_product,
     view2d,
 )
 from .attention import attention as attention_forward
@@ -195,7 +196,7 @@ def key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_f
     D = k.shape[3]
     j0 = t * TILE_K
     nk = min(TILE_K, Lk - j0)
-    Tr_flat, T_flat = scratch[7], scratch[8]
+    T_flat = scratch[8]
     dk_acc = np.zeros((nk, D), q.dtype)
     dv_acc = np.zeros((nk, Dv), q.dtype)
     for h in range(g * group, (g + 1) * group):
@@ -211,8 +212,8 @@ def key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_f
                 # a key tile holding Inf or NaN: skip the zero weights, as the forward does
                 add_weighted_values(dS, k[b, g], j0, k_ok[b, g, t], dq[b, h, i0 : i0 + nq],
                                     T_flat)
-            values_product(transpose_into(W, Tr_flat), pair.dout[b, h], i0, dv_acc, T_flat)
-            values_product(transpose_into(dS, Tr_flat), q[b, h], i0, dk_acc, T_flat)
+            transposed_values_product(W, pair.dout[b, h], i0, dv_acc, T_flat)
+            transposed_values_product(dS, q[b, h], i0, dk_acc, T_flat)
             if need_dbias:
                 for r in range(nq):
                     for c in range(nk):

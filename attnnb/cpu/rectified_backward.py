@@ -30,7 +30,6 @@ from ._grad_tiles import (
     by_key_tile,
     dense_tiles,
     pair_scratch,
-    transpose_into,
 )
 from ._host import score_arguments
 from ._jit import inner, kernel, launch, wide_vectors
@@ -45,7 +44,7 @@ from ._tiles import (
     scaled_rows,
     task_rows,
     tile_logits_t,
-    values_product,
+    transposed_values_product,
     view2d,
 )
 from .attention import attention as attention_forward
@@ -125,7 +124,6 @@ def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, h
         nk = min(TILE_K, Lk - j0)
         (q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, dS1_flat, dS2_flat,
          T_flat) = pair_scratch(q.dtype, D, Dv)
-        Tr_flat = np.empty(TILE_Q * TILE_K, q.dtype)
         dk1 = np.zeros((nk, D), q.dtype)
         dk2 = np.zeros((nk, D), q.dtype)
         dv_acc = np.zeros((nk, Dv), q.dtype)
@@ -139,9 +137,9 @@ def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, h
                     A2_flat, G_flat, W_flat)
                 dS1, dS2 = logit_gradients(A1, A2, G, lam[b, h], d1[b, h], e[b, h], i0,
                                            dS1_flat, dS2_flat)
-                values_product(transpose_into(W, Tr_flat), dout[b, h], i0, dv_acc, T_flat)
-                values_product(transpose_into(dS1, Tr_flat), q[b, 2 * h], i0, dk1, T_flat)
-                values_product(transpose_into(dS2, Tr_flat), q[b, 2 * h + 1], i0, dk2, T_flat)
+                transposed_values_product(W, dout[b, h], i0, dv_acc, T_flat)
+                transposed_values_product(dS1, q[b, 2 * h], i0, dk1, T_flat)
+                transposed_values_product(dS2, q[b, 2 * h + 1], i0, dk2, T_flat)
                 if need_dbias:
                     for r in range(nq):
                         for c in range(nk):
