@@ -201,3 +201,31 @@ def test_transposed_values_product_equals_the_product_with_a_transposed_copy(rng
     want = start.astype(np.float64) + W.T.astype(np.float64) @ v[j0:j0 + nq].astype(np.float64)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_max_64_is_the_exact_maximum_and_marks_nan_rows(rng, dtype):
+    """Without NaN the vector tree gives ``max`` exactly (-inf rows included); with a
+    NaN in the row it gives NaN or a value of the row, never more than its maximum."""
+    from attnnb.cpu._reduce import row_max_64
+
+    @numba.njit
+    def maxima(x, n):
+        out = np.empty(n, x.dtype)
+        for r in range(n):
+            out[r] = row_max_64(x, r * 64)
+        return out
+
+    rows = rng.standard_normal((40, 64)).astype(dtype) * 1e4
+    rows[1] = -np.inf
+    rows[2, 17] = np.inf
+    rows[3, :63] = -np.inf
+    for r in range(4, 40):
+        rows[r, rng.integers(64)] = rows[r].max() + 1.0  # a unique maximum, at a random lane
+    np.testing.assert_array_equal(maxima(rows.ravel(), 40), rows.max(axis=1))
+    for lane in (0, 5, 31, 63):
+        with_nan = rows[4:8].copy()
+        with_nan[:, lane] = np.nan
+        got = maxima(with_nan.ravel(), 4)
+        finite_max = np.nanmax(with_nan, axis=1)
+        assert np.all(np.isnan(got) | (got <= finite_max)), (lane, got, finite_max)

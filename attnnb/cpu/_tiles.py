@@ -44,6 +44,7 @@ from ._blocks import (
 )
 from ._exp import exp_shifted_sum_at, exp_tile_accumulate, maxnum, sum_at
 from ._jit import blocks, inner, wide_vectors
+from ._reduce import row_max_64
 from ._views import flat, rows_of
 
 TILE_Q = 64
@@ -329,17 +330,12 @@ def row_max(x, x0, n):
     return mx
 
 
-@blocks
+@inner
 def tile_row_max(x, out, nq):
-    """``out[r] = max(x[r * 64 : (r + 1) * 64])`` for ``r < nq``: a full tile in one call."""
-    wide_vectors()
-    w = U(COLS)
-    for r in range(U(nq)):
-        o = r * w
-        mx = x[o]
-        for c in range(w):
-            mx = maxnum(mx, x[o + c])
-        out[r] = mx
+    """``out[r] = max(x[r * 64 : (r + 1) * 64])`` for ``r < nq``: a full tile in one call
+    (:func:`attnnb.cpu._reduce.row_max_64`; ``x`` flat and C-contiguous)."""
+    for r in range(nq):
+        out[r] = row_max_64(x, r * COLS)
 
 
 @inner
@@ -391,7 +387,7 @@ def online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer)
         if mo != mo:
             continue
         mx = P_flat[r] if full else row_max(s, o, nk)
-        if mx == -np.inf:  # nothing allowed here, unless maxnum skipped NaN logits
+        if mx == -np.inf:  # nothing allowed here, unless the maximum skipped NaN logits
             for c in range(nk):
                 if s[o + c] != s[o + c]:
                     m[r] = np.nan
