@@ -207,7 +207,7 @@ def test_transposed_values_product_equals_the_product_with_a_transposed_copy(rng
 def test_row_max_64_is_the_exact_maximum_and_marks_nan_rows(rng, dtype):
     """Without NaN the vector tree gives ``max`` exactly (-inf rows included); with a
     NaN in the row it gives NaN or a value of the row, never more than its maximum."""
-    from attnnb.cpu._reduce import row_max_64
+    from attnnb.cpu._vector_ir import row_max_64
 
     @numba.njit
     def maxima(x, n):
@@ -229,3 +229,16 @@ def test_row_max_64_is_the_exact_maximum_and_marks_nan_rows(rng, dtype):
         got = maxima(with_nan.ravel(), 4)
         finite_max = np.nanmax(with_nan, axis=1)
         assert np.all(np.isnan(got) | (got <= finite_max)), (lane, got, finite_max)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_transposed_copy_of_a_strided_view_takes_the_loop_and_is_the_transpose(rng, dtype):
+    """A source that is not C-contiguous (every other column) goes through the plain
+    loop of :func:`attnnb.cpu._vector_ir.transpose_16`, with the same result."""
+    from attnnb.cpu._tiles import transposed_copy
+
+    base = rng.standard_normal((40, 70)).astype(dtype)
+    src = base[:, ::2]  # (40, 35), strided
+    dst = np.full((33, 36), np.nan, dtype)
+    transposed_copy(src, 3, 36, 1, 33, dst)
+    np.testing.assert_array_equal(dst, src[3:39, 1:34].T)

@@ -44,7 +44,7 @@ from ._blocks import (
 )
 from ._exp import exp_shifted_sum_at, exp_tile_accumulate, maxnum, sum_at
 from ._jit import blocks, inner, wide_vectors
-from ._reduce import row_max_64
+from ._vector_ir import row_max_64, transpose_16
 from ._views import flat, rows_of
 
 TILE_Q = 64
@@ -333,7 +333,7 @@ def row_max(x, x0, n):
 @inner
 def tile_row_max(x, out, nq):
     """``out[r] = max(x[r * 64 : (r + 1) * 64])`` for ``r < nq``: a full tile in one call
-    (:func:`attnnb.cpu._reduce.row_max_64`; ``x`` flat and C-contiguous)."""
+    (:func:`attnnb.cpu._vector_ir.row_max_64`; ``x`` flat and C-contiguous)."""
     for r in range(nq):
         out[r] = row_max_64(x, r * COLS)
 
@@ -510,8 +510,8 @@ def sigmoid(x):
 def transposed_copy(src, r0, nr, c0, nc, dst):
     """``dst[c, r] = src[r0 + r, c0 + c]`` for ``r < nr``, ``c < nc`` (2-D arrays).
 
-    In 16 x 16 blocks (:func:`_transpose_block`), then the rows and columns
-    that are left.  A plain double loop reads or writes with a stride in its
+    In 16 x 16 blocks (:func:`attnnb.cpu._vector_ir.transpose_16`), then the
+    rows and columns that are left.  A plain double loop reads or writes with a stride in its
     inner loop, which LLVM turns into gathers or scattered stores (a 64 x 64
     float32 tile took 1.55 us on the project's Zen 4 machine); a block with
     constant bounds is unrolled, and its loads stay contiguous.  Measured on
@@ -524,21 +524,13 @@ def transposed_copy(src, r0, nr, c0, nc, dst):
     nc_blocks = nc - nc % 16
     for cb in range(0, nc_blocks, 16):
         for rb in range(0, nr_blocks, 16):
-            _transpose_block(src, r0 + rb, c0 + cb, dst, cb, rb)
+            transpose_16(src, r0 + rb, c0 + cb, dst, cb, rb)
     for c in range(nc_blocks, nc):
         for r in range(nr_blocks):
             dst[c, r] = src[r0 + r, c0 + c]
     for c in range(nc):
         for r in range(nr_blocks, nr):
             dst[c, r] = src[r0 + r, c0 + c]
-
-
-@inner
-def _transpose_block(src, r0, c0, dst, d0, e0):
-    """``dst[d0 + a, e0 + b] = src[r0 + b, c0 + a]`` for ``a, b < 16``."""
-    for b in range(16):
-        for a in range(16):
-            dst[d0 + a, e0 + b] = src[r0 + b, c0 + a]
 
 
 @inner

@@ -1,0 +1,166 @@
+"""Two loops of the tiled core written in LLVM's vector IR: a full key tile's row
+maximum and a 16 x 16 transposed copy.
+
+**Row maximum.**
+The online softmax needs each row's maximum of every 64-key tile before
+any weight.  Written as a loop, ``max(mx, x)`` is a reduction LLVM does not
+vectorise without the ``nnan`` flag, which the project leaves out (NaN
+inputs must propagate, see :mod:`attnnb.cpu._jit`): with ``maxnum`` it was
+scalar code at ~13 ns a row (1.6-1.8 us of a 128 x 64 float32 tile, as long
+as the tile's exponentials; a quarter of a tile's time at D = 16).
+
+:func:`row_max_64` loads the row as 512-bit vectors and reduces them in a
+tree of ``a > b ? a : b`` selects (vertical first, then halving shuffles),
+which x86 lowers to ``vmaxps`` / ``vmaxpd`` one for one: 0.14 us a tile.
+
+NaN: ``a > b ? a : b`` returns ``b`` when either is NaN, so with a NaN in
+the row the result is either NaN or the maximum of some of the row's other
+elements.  Both make the row NaN, as it must be (:func:`attnnb.cpu._tiles.
+online_update`: a NaN shift marks the row NaN at once; a finite one gives
+the NaN logit a NaN weight, and the row's sum turns NaN).  Without NaN the
+result is the exact maximum, in any order: no rounding is involved, so the
+bits do not depend on the reduction's shape.
+
+**Transposed copy.** Written as a double loop, a 16 x 16 block's transpose
+reads rows as vectors and stores its columns element by element: one
+scalar store per element, 1.0-1.1 us for a 64 x 64 float32 tile (the
+forward's prologue transposes every key tile once per call, decoding each
+key tile once per task). :func:`transpose_16` loads the block's 16 rows
+as vectors and swaps one bit of the row index with the same bit of the
+column index per round (four rounds of 16 two-vector shuffles), then
+stores 16 rows: 0.16 us a float32 tile, 0.53 us float64 (1.1 us before).
+It is a copy, exact in any order.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from ._jit import FASTMATH
+
+ROW = 64  # elements per row: the key tile's width (attnnb.cpu._blocks.COLS)
+_I32 = ir.IntType(32)
+
+
+def _select_max(builder, a, b):
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+
+@intrinsic
+def row_max_64(typingctx, x, start):
+    """``max(x[start : start + 64])`` of a C-contiguous 1-D float32 or float64 array
+    (``a > b ? a : b`` semantics, see the module docstring).  No bounds check: the
+    caller passes a row that lies inside ``x``."""
+    if not (isinstance(x, types.Array) and x.ndim == 1 and x.layout == "C"
+            and x.dtype in (types.float32, types.float64)
+            and isinstance(start, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        element = context.get_value_type(signature.args[0].dtype)
+        lanes = 16 if signature.args[0].dtype == types.float32 else 8  # 512 bits
+        vector = ir.VectorType(element, lanes)
+        base = builder.bitcast(builder.gep(arr.data, [args[1]]), vector.as_pointer())
+        size = 4 if lanes == 16 else 8
+        parts = [builder.load(builder.gep(base, [ir.Constant(ir.IntType(64), i)]), align=size)
+                 for i in range(ROW // lanes)]
+        while len(parts) > 1:  # vertical: one vector of lanes
+            parts = [_select_max(builder, parts[i], parts[i + 1])
+                     for i in range(0, len(parts), 2)]
+        v = parts[0]
+        while lanes > 1:  # horizontal: halve the vector
+            half = lanes // 2
+            low = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half),
+                                                           list(range(half))))
+            high = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half),
+                                                            list(range(half, lanes))))
+            v = _select_max(builder, low, high)
+            lanes = half
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return x.dtype(x, start), codegen
+
+
+BLOCK = 16  # rows and columns of one transposed block
+_I64 = ir.IntType(64)
+
+
+def _row_pointer(builder, arr, row, col, stride, vector):
+    """Pointer to ``arr[row, col]`` of a C-contiguous 2-D array as a vector pointer."""
+    offset = builder.add(builder.mul(row, stride), col)
+    return builder.bitcast(builder.gep(arr.data, [offset]), vector.as_pointer())
+
+
+@intrinsic
+def _transpose_16_c(typingctx, src, r0, c0, dst, d0, e0):
+    """``dst[d0 + a, e0 + b] = src[r0 + b, c0 + a]`` for ``a, b < 16``: C-contiguous 2-D
+    arrays of one dtype, the block inside both (not checked)."""
+    if not (isinstance(src, types.Array) and isinstance(dst, types.Array) and src.ndim == 2
+            and dst.ndim == 2 and src.layout == "C" and dst.layout == "C"
+            and src.dtype == dst.dtype and isinstance(src.dtype, types.Float)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        s_arr = context.make_array(signature.args[0])(context, builder, args[0])
+        d_arr = context.make_array(signature.args[3])(context, builder, args[3])
+        element = context.get_value_type(signature.args[0].dtype)
+        size = context.get_abi_sizeof(element)
+        vector = ir.VectorType(element, BLOCK)
+        # C-contiguous: a row is shape[1] elements apart
+        s_ld = cgutils.unpack_tuple(builder, s_arr.shape, 2)[1]
+        d_ld = cgutils.unpack_tuple(builder, d_arr.shape, 2)[1]
+        rows = []
+        for r in range(BLOCK):
+            row = builder.add(args[1], ir.Constant(_I64, r))
+            ptr = _row_pointer(builder, s_arr, row, args[2], s_ld, vector)
+            rows.append(builder.load(ptr, align=size))
+        bit = 1
+        while bit < BLOCK:  # swap this bit of the row and column indices
+            for r in range(BLOCK):
+                if r & bit:
+                    continue
+                # row r takes its columns with the bit set from row r | bit, and back
+                low = [c if not c & bit else BLOCK + (c ^ bit) for c in range(BLOCK)]
+                high = [c | bit if not c & bit else BLOCK + c for c in range(BLOCK)]
+                a, b = rows[r], rows[r | bit]
+                rows[r] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, BLOCK),
+                                                                   low))
+                rows[r | bit] = builder.shuffle_vector(
+                    a, b, ir.Constant(ir.VectorType(_I32, BLOCK), high))
+            bit *= 2
+        for r in range(BLOCK):
+            row = builder.add(args[4], ir.Constant(_I64, r))
+            builder.store(rows[r], _row_pointer(builder, d_arr, row, args[5], d_ld, vector),
+                          align=size)
+        return context.get_dummy_value()
+
+    return types.none(src, types.intp, types.intp, dst, types.intp, types.intp), codegen
+
+
+def transpose_16(src, r0, c0, dst, d0, e0):
+    """``dst[d0 + a, e0 + b] = src[r0 + b, c0 + a]`` for ``a, b < 16`` (2-D arrays; the
+    block must lie inside both).  Vector IR for C-contiguous arrays of one float dtype,
+    a plain double loop for any other layout."""
+    raise NotImplementedError  # only callable from Numba code
+
+
+@overload(transpose_16, jit_options={"fastmath": FASTMATH, "forceinline": True})
+def _transpose_16_impl(src, r0, c0, dst, d0, e0):
+    if (isinstance(src, types.Array) and isinstance(dst, types.Array) and src.layout == "C"
+            and dst.layout == "C" and src.dtype == dst.dtype
+            and isinstance(src.dtype, types.Float)):
+        def impl_vector(src, r0, c0, dst, d0, e0):
+            _transpose_16_c(src, r0, c0, dst, d0, e0)
+
+        return impl_vector
+
+    def impl_loop(src, r0, c0, dst, d0, e0):
+        for b in range(BLOCK):
+            for a in range(BLOCK):
+                dst[d0 + a, e0 + b] = src[r0 + b, c0 + a]
+
+    return impl_loop
