@@ -39,10 +39,18 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from ._blocks import COLS
 from ._jit import FASTMATH
 
-ROW = 64  # elements per row: the key tile's width (attnnb.cpu._blocks.COLS)
 _I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+
+
+def _c_float_arrays(*arrays):
+    """True for Numba array types, all C-contiguous and of one float dtype."""
+    return (all(isinstance(a, types.Array) and a.layout == "C" for a in arrays)
+            and isinstance(arrays[0].dtype, types.Float)
+            and all(a.dtype == arrays[0].dtype for a in arrays))
 
 
 def _select_max(builder, a, b):
@@ -54,20 +62,18 @@ def row_max_64(typingctx, x, start):
     """``max(x[start : start + 64])`` of a C-contiguous 1-D float32 or float64 array
     (``a > b ? a : b`` semantics, see the module docstring).  No bounds check: the
     caller passes a row that lies inside ``x``."""
-    if not (isinstance(x, types.Array) and x.ndim == 1 and x.layout == "C"
-            and x.dtype in (types.float32, types.float64)
-            and isinstance(start, types.Integer)):
+    if not (_c_float_arrays(x) and x.ndim == 1 and isinstance(start, types.Integer)):
         return None
 
     def codegen(context, builder, signature, args):
         arr = context.make_array(signature.args[0])(context, builder, args[0])
         element = context.get_value_type(signature.args[0].dtype)
-        lanes = 16 if signature.args[0].dtype == types.float32 else 8  # 512 bits
+        lanes = 64 // context.get_abi_sizeof(element)  # 512 bits
         vector = ir.VectorType(element, lanes)
         base = builder.bitcast(builder.gep(arr.data, [args[1]]), vector.as_pointer())
-        size = 4 if lanes == 16 else 8
-        parts = [builder.load(builder.gep(base, [ir.Constant(ir.IntType(64), i)]), align=size)
-                 for i in range(ROW // lanes)]
+        size = context.get_abi_sizeof(element)
+        parts = [builder.load(builder.gep(base, [ir.Constant(_I64, i)]), align=size)
+                 for i in range(COLS // lanes)]
         while len(parts) > 1:  # vertical: one vector of lanes
             parts = [_select_max(builder, parts[i], parts[i + 1])
                      for i in range(0, len(parts), 2)]
@@ -86,7 +92,6 @@ def row_max_64(typingctx, x, start):
 
 
 BLOCK = 16  # rows and columns of one transposed block
-_I64 = ir.IntType(64)
 
 
 def _row_pointer(builder, arr, row, col, stride, vector):
@@ -99,9 +104,7 @@ def _row_pointer(builder, arr, row, col, stride, vector):
 def _transpose_16_c(typingctx, src, r0, c0, dst, d0, e0):
     """``dst[d0 + a, e0 + b] = src[r0 + b, c0 + a]`` for ``a, b < 16``: C-contiguous 2-D
     arrays of one dtype, the block inside both (not checked)."""
-    if not (isinstance(src, types.Array) and isinstance(dst, types.Array) and src.ndim == 2
-            and dst.ndim == 2 and src.layout == "C" and dst.layout == "C"
-            and src.dtype == dst.dtype and isinstance(src.dtype, types.Float)):
+    if not (_c_float_arrays(src, dst) and src.ndim == 2 and dst.ndim == 2):
         return None
 
     def codegen(context, builder, signature, args):
@@ -150,9 +153,7 @@ def transpose_16(src, r0, c0, dst, d0, e0):
 
 @overload(transpose_16, jit_options={"fastmath": FASTMATH, "forceinline": True})
 def _transpose_16_impl(src, r0, c0, dst, d0, e0):
-    if (isinstance(src, types.Array) and isinstance(dst, types.Array) and src.layout == "C"
-            and dst.layout == "C" and src.dtype == dst.dtype
-            and isinstance(src.dtype, types.Float)):
+    if _c_float_arrays(src, dst) and src.ndim == 2 and dst.ndim == 2:
         def impl_vector(src, r0, c0, dst, d0, e0):
             _transpose_16_c(src, r0, c0, dst, d0, e0)
 
