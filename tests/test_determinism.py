@@ -205,6 +205,22 @@ def test_a_process_that_finds_no_kernel_computes_what_a_loaded_one_does(tmp_path
             np.testing.assert_array_equal(got[f"arr_{i}"], want, err_msg=f"{run}: {i}")
 
 
+@pytest.mark.slow
+def test_a_process_that_compiles_a_kernel_itself_computes_what_a_loaded_one_does(tmp_path):
+    """float64, ``ATTNNB_COMPILE_HERE=1``: the compiling process runs the kernel's own
+    copy of its loop bodies, because their stand-alone libraries are linked, never
+    compiled (:mod:`attnnb.cpu._linking`); before, this process's results differed
+    from a loaded kernel's by 1-2 ulp (AMD EPYC Zen 5)."""
+    proc = start(tmp_path / "here.npz", [], tmp_path / "cache", compile_here=True,
+                 script=FLOAT64_SCRIPT)
+    out, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out.splitlines()[-1]) == [False]
+    got = np.load(tmp_path / "here.npz")
+    for i, want in enumerate(float64_dense()):
+        np.testing.assert_array_equal(got[f"arr_{i}"], want, err_msg=str(i))
+
+
 def kernel_irs():
     """``(kernel name, LLVM IR)`` of every compiled kernel signature; the IR is empty
     for one loaded from the on-disk cache (Numba keeps only its machine code)."""

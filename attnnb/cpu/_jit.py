@@ -26,6 +26,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from ._compile import compile_in_child_first
+from ._linking import link_parfors_once
 
 FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
 
@@ -54,13 +55,16 @@ def kernel(fn=None, *, parallel=True):
     """``numba.njit`` for a top-level kernel: cached, parallel, project fastmath.
 
     A parallel kernel's new specialisations compile in a child process and
-    load from the cache (:mod:`._compile` says why).
+    load from the cache (:mod:`._compile` says why), and its loop bodies are
+    optimised and compiled once, inside its own library (:mod:`._linking`).
     """
     deco = numba.njit(parallel=parallel, cache=True, fastmath=FASTMATH, nogil=True)
 
     def make(fn):
         dispatcher = deco(fn)
-        return compile_in_child_first(dispatcher) if parallel else dispatcher
+        if not parallel:
+            return dispatcher
+        return compile_in_child_first(link_parfors_once(dispatcher))
 
     return make(fn) if fn is not None else make
 

@@ -1,0 +1,92 @@
+"""A parallel kernel's loop bodies are optimised and compiled once, in its own library
+(:mod:`attnnb.cpu._linking`); other Numba functions compile as Numba does."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from attnnb.cpu import _linking
+
+pytestmark = pytest.mark.skipif(not _linking.ENABLED, reason="Numba internals not found")
+
+
+def _row_sums(x, out):
+    for i in numba.prange(x.shape[0]):
+        total = 0.0
+        for j in range(x.shape[1]):
+            total += x[i, j]
+        out[i] = total
+
+
+def _linked_libraries(library, seen=None):
+    """Every library that ``library`` links in, recursively."""
+    seen = [] if seen is None else seen
+    for linked in library._linking_libraries:
+        if linked not in seen:
+            seen.append(linked)
+            _linked_libraries(linked, seen)
+    return seen
+
+
+def _link_only(dispatcher):
+    (cres,) = dispatcher.overloads.values()
+    return [lib.name for lib in _linked_libraries(cres.library)
+            if getattr(lib, _linking._LINK_ONLY, False)]
+
+
+def test_a_marked_kernel_links_its_loop_bodies_without_compiling_them():
+    kernel = _linking.link_parfors_once(numba.njit(parallel=True)(_row_sums))
+    x = np.arange(35.0).reshape(7, 5)
+    out = np.zeros(7)
+    kernel(x, out)
+    np.testing.assert_array_equal(out, x.sum(axis=1))
+    names = _link_only(kernel)
+    # the loop body, its array wrapper and the launcher
+    assert len(names) == 3, names
+    assert any(name.startswith("__numba_parfor_gufunc_") for name in names)
+
+
+def test_an_unmarked_parallel_function_compiles_as_numba_does():
+    plain = numba.njit(parallel=True)(_row_sums)
+    x = np.arange(12.0).reshape(3, 4)
+    out = np.zeros(3)
+    plain(x, out)
+    np.testing.assert_array_equal(out, x.sum(axis=1))
+    assert _link_only(plain) == []
+
+
+class _Recording(dict):
+    """A dict that remembers every key ever set."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys_set = []
+
+    def __setitem__(self, key, value):
+        self.keys_set.append(key)
+        super().__setitem__(key, value)
+
+
+def test_the_loop_body_environment_is_set_once_the_kernel_defines_it(monkeypatch):
+    """Numba points a compiled function's environment global at its ``Env``; for the
+    link-only loop body that global exists only in the kernel's library, so the
+    assignment waits for it (Numba would write through a null address)."""
+    import ctypes
+
+    recording = _Recording()
+    monkeypatch.setattr(_linking, "_pending_envs", recording)
+    kernel = _linking.link_parfors_once(numba.njit(parallel=True)(_row_sums))
+    x = np.ones((4, 3))
+    out = np.zeros(4)
+    kernel(x, out)
+    np.testing.assert_array_equal(out, np.full(4, 3.0))
+    assert recording.keys_set, "no environment was deferred"
+    assert dict(recording) == {}, "deferred environments left unset"
+    (cres,) = kernel.overloads.values()
+    engine = cres.library.codegen._engine
+    for name in recording.keys_set:
+        address = engine.get_global_value_address(name)
+        assert address != 0
+        assert ctypes.c_void_p.from_address(address).value, name
