@@ -43,3 +43,24 @@ def assert_close(actual, expected, dtype=None, rtol=None, what="output"):
     err, problem = relative_error(actual, expected)
     assert not problem, f"{what}: {problem}"
     assert err <= rtol, f"{what}: max relative error {err:.3g} > {rtol:.3g}"
+
+
+_JIT_CALLERS: dict = {}
+
+
+def from_jit(fn):
+    """``fn`` (a shared loop of the cpu backend) called through a ``numba.njit`` function.
+
+    Shared loops are compiled only to be inlined into kernels and have no entry point
+    from Python (:mod:`attnnb.cpu._linking`); the caller is compiled from their IR, as
+    a kernel is.  One caller per function, compiled for each new argument types.
+    """
+    caller = _JIT_CALLERS.get(fn)
+    if caller is None:
+        import numba
+
+        def call(*args):
+            return fn(*args)
+
+        caller = _JIT_CALLERS[fn] = numba.njit(call)
+    return caller

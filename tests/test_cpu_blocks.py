@@ -14,6 +14,8 @@ import pytest
 
 from attnnb.cpu import _blocks, _jit
 
+from .helpers import from_jit
+
 
 def _compile(fn, noalias, inline=False):
     opts = dict(fastmath=_jit.FASTMATH, nogil=True)  # no cache: inspection needs a fresh compile
@@ -154,7 +156,7 @@ def test_transposed_copy_is_the_transpose(rng, dtype, nr, nc):
 
     src = rng.standard_normal((nr + 7, nc + 3)).astype(dtype)
     dst = np.full((nc + 2, nr + 5), np.nan, dtype)
-    transposed_copy(src, 4, nr, 2, nc, dst)
+    from_jit(transposed_copy)(src, 4, nr, 2, nc, dst)
     np.testing.assert_array_equal(dst[:nc, :nr], src[4 : 4 + nr, 2 : 2 + nc].T)
     assert np.isnan(dst[nc:]).all() and np.isnan(dst[:, nr:]).all()
 
@@ -174,7 +176,7 @@ def test_values_product_adds_p_times_v_at_every_width_and_row_count(rng, dtype, 
     acc = rng.standard_normal((nq, dv)).astype(dtype)
     want = acc.astype(np.float64) + P.astype(np.float64) @ v[j0:j0 + nk].astype(np.float64)
     T = np.empty(_blocks.ROWS * _blocks.COLS, dtype)
-    values_product(P, v, j0, acc, T)
+    from_jit(values_product)(P, v, j0, acc, T)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(acc, want, rtol=tol, atol=tol * np.abs(want).max())
 
@@ -195,8 +197,8 @@ def test_transposed_values_product_equals_the_product_with_a_transposed_copy(rng
     start = rng.standard_normal((nk, dv)).astype(dtype)
     T = np.empty(_blocks.ROWS * _blocks.COLS, dtype)
     got, copied = start.copy(), start.copy()
-    transposed_values_product(W, v, j0, got, T)
-    values_product(np.ascontiguousarray(W.T), v, j0, copied, T)
+    from_jit(transposed_values_product)(W, v, j0, got, T)
+    from_jit(values_product)(np.ascontiguousarray(W.T), v, j0, copied, T)
     np.testing.assert_array_equal(got, copied)
     want = start.astype(np.float64) + W.T.astype(np.float64) @ v[j0:j0 + nq].astype(np.float64)
     tol = 1e-5 if dtype == np.float32 else 1e-12
@@ -240,5 +242,5 @@ def test_transposed_copy_of_a_strided_view_takes_the_loop_and_is_the_transpose(r
     base = rng.standard_normal((40, 70)).astype(dtype)
     src = base[:, ::2]  # (40, 35), strided
     dst = np.full((33, 36), np.nan, dtype)
-    transposed_copy(src, 3, 36, 1, 33, dst)
+    from_jit(transposed_copy)(src, 3, 36, 1, 33, dst)
     np.testing.assert_array_equal(dst, src[3:39, 1:34].T)

@@ -90,3 +90,49 @@ def test_the_loop_body_environment_is_set_once_the_kernel_defines_it(monkeypatch
         address = engine.get_global_value_address(name)
         assert address != 0
         assert ctypes.c_void_p.from_address(address).value, name
+
+
+def test_a_shared_loop_has_no_entry_point_from_python_and_runs_inside_jitted_code():
+    from attnnb.cpu._tiles import transposed_copy
+
+    from .helpers import from_jit
+
+    src = np.arange(30, dtype=np.float32).reshape(5, 6)
+    dst = np.zeros((6, 5), np.float32)
+    with pytest.raises(TypeError, match="only to be inlined into kernels"):
+        transposed_copy(src, 0, 5, 0, 6, dst)
+    np.testing.assert_array_equal(dst, 0.0)
+    from_jit(transposed_copy)(src, 0, 5, 0, 6, dst)
+    np.testing.assert_array_equal(dst, src.T)
+
+
+_CACHED_SHARED_LOOP = """
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from attnnb.cpu._tiles import transposed_copy
+from tests.helpers import from_jit
+src = np.arange(12, dtype=np.float64).reshape(3, 4)
+dst = np.zeros((4, 3))
+from_jit(transposed_copy)(src, 0, 3, 0, 4, dst)
+(cres,) = transposed_copy.overloads.values()
+print(json.dumps([bool(np.array_equal(dst, src.T)), sum(transposed_copy.stats.cache_hits.values()),
+                  bool(getattr(cres.library, "_attnnb_link_only", False))]))
+"""
+
+
+def test_a_shared_loop_is_cached_as_ir_and_loads_from_the_cache(tmp_path):
+    """The first process compiles the loop and caches its IR; the second loads it and a
+    jitted caller compiled from it computes the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _CACHED_SHARED_LOOP, root],
+                                      cwd=root, env=env, capture_output=True, text=True,
+                                      check=True).stdout.splitlines()[-1])
+            for _ in range(2)]
+    assert runs == [[True, 0, True], [True, 1, True]]

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import attnnb
 from attnnb import patterns as P
 
-from .helpers import HOST_BACKENDS, assert_close, qkv
+from .helpers import HOST_BACKENDS, assert_close, from_jit, qkv
 
 
 def dense_with_mask(q, k, v, pattern, **kw):
@@ -206,7 +206,7 @@ def test_csr_tile_mask_keeps_exactly_the_rows_keys(seed, nq, nk, j0, density, ba
     S = rng.standard_normal((nq, nk))
     before = S.copy()
     cursor = p.indptr[:-1].copy()  # each row's first stored key: no later than its first >= j0
-    csr_tile_mask(S, p.indptr, p.indices, 0, j0, cursor)
+    from_jit(csr_tile_mask)(S, p.indptr, p.indices, 0, j0, cursor)
     keep = allowed[:, j0 : j0 + nk]
     np.testing.assert_array_equal(S, np.where(keep, before, -np.inf))
     # the cursor now points past the row's keys below j0 + nk

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import attnnb
 
-from .helpers import HOST_BACKENDS, assert_close
+from .helpers import HOST_BACKENDS, assert_close, from_jit
 
 GRAD_RTOL = {np.float64: 1e-12, np.float32: 1e-4}  # as tests/test_grad_cpu.py
 
@@ -167,10 +167,10 @@ def run_select_row(row, top_k):
     from attnnb.cpu._topk_rows import BUCKETS, scratch_size, select_row
 
     n = len(row)
-    w = scratch_size(n)
+    w = from_jit(scratch_size)(n)
     gmax, cval, ftmp = (np.empty(w, row.dtype) for _ in range(3))
     cidx, itmp = np.empty(w, np.int64), np.empty(w, np.int64)
-    thr, cut, cnt = select_row(row, n, top_k, gmax, cval, cidx, ftmp, itmp,
+    thr, cut, cnt = from_jit(select_row)(row, n, top_k, gmax, cval, cidx, ftmp, itmp,
                                np.empty(BUCKETS, np.int64))
     if cnt < 0:
         return thr, cut, None
@@ -254,8 +254,9 @@ def test_kth_largest_buckets():
                   rng.integers(0, 4, 257)):
             a = a.astype(dtype)
             for k in (1, 2, len(a) // 3, len(a) - 1, len(a)):
-                got = kth_largest(a.copy(), len(a), k, a.min(), a.max(), np.empty(len(a), dtype),
-                                  np.empty(len(a), np.int64), np.empty(BUCKETS, np.int64))
+                got = from_jit(kth_largest)(a.copy(), len(a), k, a.min(), a.max(),
+                                            np.empty(len(a), dtype), np.empty(len(a), np.int64),
+                                            np.empty(BUCKETS, np.int64))
                 assert got == np.sort(a)[::-1][k - 1], (k, dtype)
 
 

@@ -26,7 +26,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from ._compile import compile_in_child_first
-from ._linking import link_parfors_once
+from ._linking import link_only, link_parfors_once
 
 FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
 
@@ -84,21 +84,31 @@ def inner(fn):
     Measured cost: no change in speed; cold compiles ~10 % longer (dense,
     sparse), more where a loop is called from several places (the
     differential kernel, which is why it calls each shared loop once).
+
+    Being only inlined, a shared loop is linked into kernels as IR and never
+    compiled to machine code of its own (:func:`._linking.link_only`: 5 % of
+    a cold ``warmup``), so it cannot be called from Python (``TypeError``);
+    tests call it through a ``numba.njit`` caller.
     """
-    return numba.njit(cache=True, fastmath=FASTMATH, nogil=True, forceinline=True)(fn)
+    return link_only(numba.njit(cache=True, fastmath=FASTMATH, nogil=True, forceinline=True)(fn))
 
 
 def blocks(fn=None, *, noalias=None):
     """``numba.njit`` for a register-blocked tile product: like :func:`inner` (always
     inlined), plus the ``noalias`` flag when available (``noalias=False`` forces it
     off, which tests use to check that the flag takes effect and the result is the same).
+    Not callable from Python either.
     """
     use = NOALIAS if noalias is None else (noalias and NOALIAS)
     opts = dict(cache=True, fastmath=FASTMATH, nogil=True, forceinline=True)
     if use:
         opts[_NOALIAS_OPTION] = True
     deco = numba.njit(**opts)
-    return deco(fn) if fn is not None else deco
+
+    def make(fn):
+        return link_only(deco(fn))
+
+    return make(fn) if fn is not None else make
 
 
 _WIDE_ATTRIBUTES = ('"prefer-vector-width"="512"', '"min-legal-vector-width"="512"')

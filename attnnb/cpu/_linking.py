@@ -1,4 +1,4 @@
-"""Optimise and compile a parallel kernel's loop body once, inside the kernel's own library.
+"""Machine code only where it runs: a kernel's loop bodies and shared loops are linked as IR.
 
 Where a kernel's compile time went
     Numba compiles the body of each ``prange`` loop as a function of its own
@@ -8,33 +8,46 @@ Where a kernel's compile time went
     them into the kernel's library.  Every library is optimised by LLVM's
     full module pipeline and compiled to machine code when it is finalised,
     so the loop body, which holds every inlined tile loop, was optimised four
-    times and turned into machine code four times.  Only the copy inside the
-    kernel's library ever runs from the on-disk cache.  Measured on the
-    2-core Xeon (model 167): the first compile of the float32 dense kernel
-    spent 4.3 s of its 15.2 s in those four libraries, and ``python -m attnnb
-    warmup`` on an empty cache took 109 s.
+    times and turned into machine code four times.  The shared loops
+    (:func:`._jit.inner`, :func:`._jit.blocks`) are compiled stand-alone too,
+    each a library of its own, and their machine code never runs: kernels
+    inline them.  Only the kernel's own library runs from the on-disk cache.
+    Measured on the 2-core Xeon (model 167), one ``python -m attnnb warmup``
+    on an empty cache: 104 s of CPU time, of which 10 s was the shared
+    loops' machine code; the first compile of the float32 dense kernel spent
+    4.3 s of its 15.2 s in the loop body's four libraries.
 
 What this module changes
-    While an attnnb kernel compiles (:func:`link_parfors_once` marks its
-    dispatcher), the libraries Numba creates for its parallel loops are
-    *link-only*: their functions get the function-level passes that every
-    module gets when it is added, and they are linked into the next library
-    as IR, but they are not optimised as a whole and never reach the JIT
-    engine.  The kernel's library links them all and is optimised and
-    compiled once, as before.  Measured: the dense float32 kernel's first
-    compile 15.2 -> 11.3 s, ``warmup`` 109 -> 59 s; its outputs are
-    bit-identical to before at D = 16, 40, 64 and 160 and its speed the same
-    (the machine code has the same FMAs, and a few instructions fewer).
-    Libraries created outside an attnnb kernel's compile (a user's own
-    ``guvectorize``, whose wrapper is cached and must be compiled) are not
-    touched.
+    * While an attnnb kernel compiles (:func:`link_parfors_once` marks its
+      dispatcher), the libraries Numba creates for its parallel loops are
+      linked as IR only: their functions get the function-level passes that
+      every module gets when it is added, but they are not optimised as a
+      whole and never reach the JIT engine.  The kernel's library links them
+      all and is optimised and compiled once, as before.
+    * A shared loop's library (:func:`link_only` marks its dispatcher) is
+      optimised as before, so kernels link exactly the IR they did, but is
+      not compiled to machine code, and it is cached as that IR (a cache
+      entry of kind ``"attnnb-ir"``) instead of as machine code plus IR.
+      Such a function cannot be called from Python: its entry point raises
+      ``TypeError`` (tests call shared loops through a small ``numba.njit``
+      caller).
+    Measured (Xeon model 167, 2 processes, empty cache): ``warmup`` 109 s ->
+    56-66 s from the first change, then 57.0 -> 54.1 s (CPU time 106.5 ->
+    100.4 s, two runs each, alternating) from the second.  The dense
+    kernel's outputs are bit-identical to before at D = 16, 40, 64 and 160
+    and its speed the same (the same FMAs, a few instructions fewer); after
+    the second change the kernels link the same IR as before, and 30 outputs
+    of every kernel, forward and backward, both dtypes, were bit-identical
+    (``tests/test_determinism.py``'s cases).  Libraries
+    created outside these (a user's own ``guvectorize``, whose wrapper is
+    cached and must be compiled; any other Numba function) are not touched.
 
 Environments
     After compiling a function Numba points its environment global (the
     ``Env`` object that error paths use) at the function's ``Env``.  For a
-    link-only library that global is defined only once the kernel's library
-    is in the engine, so the assignment waits until then (Numba itself
-    would write through a null address).
+    library that never reaches the engine that global is defined only once
+    a kernel's library that links it is there, so the assignment waits until
+    then (Numba itself would write through a null address).
 
 These are Numba internals (``CPUCodeLibrary`` and the CPU codegen of Numba
 0.68); where they are missing, nothing is patched and kernels compile as
@@ -50,25 +63,91 @@ _PARFOR_LIBRARIES = (
     "<numba.np.ufunc.wrappers._GufuncWrapper",  # the array wrapper (its str())
     "parallelgufuncwrapper",  # the launcher
 )
-_MARK = "_attnnb_link_parfors"  # attribute set on a kernel's dispatcher
-_LINK_ONLY = "_attnnb_link_only"  # attribute set on a link-only library
+_KERNEL_MARK = "_attnnb_link_parfors"  # on a kernel's dispatcher
+_SHARED_MARK = "_attnnb_shared_loop"  # on a shared loop's dispatcher
+_LINK_ONLY = "_attnnb_link_only"  # on a library: never compiled to machine code
+_UNOPTIMISED = "_attnnb_unoptimised"  # on a library: not optimised as a whole
+_IR_KIND = "attnnb-ir"  # the cache format of a link-only library: its IR
 
-_state = threading.local()  # depth: attnnb kernel compiles running on this thread
+_state = threading.local()  # .stack: the dispatchers compiling on this thread, innermost last
 _pending_envs: dict = {}  # environment global name -> Env, set once a library defines it
+_not_callable: list = []  # [library, address] of the entry point of link-only functions
+
+NOT_CALLABLE_MESSAGE = (
+    "this attnnb cpu function is compiled only to be inlined into kernels and has no "
+    "machine code of its own; call it from a numba.njit function")
 
 
-def _in_kernel_compile() -> bool:
-    return getattr(_state, "depth", 0) > 0
+def _compiling() -> list:
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    return stack
+
+
+def _mark_new_library(library, name: str) -> None:
+    stack = _compiling()
+    if not stack:
+        return
+    if name.startswith(_PARFOR_LIBRARIES) and any(getattr(d, _KERNEL_MARK, False)
+                                                  for d in stack):
+        setattr(library, _LINK_ONLY, True)
+        setattr(library, _UNOPTIMISED, True)
+        return
+    innermost = stack[-1]
+    if (getattr(innermost, _SHARED_MARK, False)
+            and name == getattr(getattr(innermost, "py_func", None), "__qualname__", None)):
+        setattr(library, _LINK_ONLY, True)
+
+
+def _not_callable_address(codegen) -> int:
+    """The address of a CPython entry point that raises ``TypeError``, compiled once."""
+    if not _not_callable:
+        from numba.core.compiler_lock import global_compiler_lock
+
+        with global_compiler_lock:
+            _not_callable[:] = _build_not_callable(codegen)
+    return _not_callable[1]
+
+
+def _build_not_callable(codegen) -> list:
+    """``[library, address]`` of a function ``PyObject *f(self, args, kws)`` that sets
+    ``TypeError(NOT_CALLABLE_MESSAGE)`` and returns NULL, as a CPython wrapper does."""
+    from llvmlite import ir
+
+    library = codegen.create_library("attnnb_not_callable")
+    module = library.create_ir_module("attnnb_not_callable")
+    ptr = ir.IntType(8).as_pointer()
+    fn = ir.Function(module, ir.FunctionType(ptr, [ptr, ptr, ptr]), "attnnb_not_callable")
+    set_string = ir.Function(module, ir.FunctionType(ir.VoidType(), [ptr, ptr]),
+                             "PyErr_SetString")
+    # Numba maps the symbol PyExc_TypeError to the exception object itself
+    # (numba.core.base), so the symbol's address is the PyObject *
+    type_error = ir.GlobalVariable(module, ir.IntType(8), "PyExc_TypeError")
+    text = bytearray(NOT_CALLABLE_MESSAGE.encode() + b"\0")
+    message = ir.GlobalVariable(module, ir.ArrayType(ir.IntType(8), len(text)),
+                                "attnnb_not_callable_message")
+    message.initializer = ir.Constant(message.type.pointee, text)
+    message.global_constant = True
+    builder = ir.IRBuilder(fn.append_basic_block())
+    builder.call(set_string, [type_error, builder.bitcast(message, ptr)])
+    builder.ret(ir.Constant(ptr, None))
+    library.add_ir_module(module)
+    library.finalize()
+    return [library, library.get_pointer_to_function(fn.name)]
 
 
 def _install() -> bool:
     try:
+        from llvmlite import binding as ll
         from numba.core import codegen, event
     except ImportError:  # pragma: no cover - depends on Numba's internals
         return False
     library_class = getattr(codegen, "JITCodeLibrary", None)
     codegen_class = getattr(codegen, "JITCPUCodegen", None)
-    needed = ("_optimize_final_module", "_finalize_final_module", "_finalize_dynamic_globals")
+    needed = ("_optimize_final_module", "_finalize_final_module", "_finalize_dynamic_globals",
+              "_get_module_for_linking", "get_pointer_to_function",
+              "serialize_using_object_code", "_unserialize")
     if (library_class is None or codegen_class is None
             or not all(hasattr(library_class, name) for name in needed)
             or not hasattr(codegen_class, "create_library")
@@ -78,18 +157,20 @@ def _install() -> bool:
         return True
 
     create_library = codegen_class.create_library
+    set_env = codegen_class.set_env
     optimize_final_module = library_class._optimize_final_module
     finalize_final_module = library_class._finalize_final_module
-    set_env = codegen_class.set_env
+    get_pointer = library_class.get_pointer_to_function
+    serialize = library_class.serialize_using_object_code
+    unserialize = library_class._unserialize.__func__
 
     def create(self, name, **kwargs):
         library = create_library(self, name, **kwargs)
-        if _in_kernel_compile() and str(name).startswith(_PARFOR_LIBRARIES):
-            setattr(library, _LINK_ONLY, True)
+        _mark_new_library(library, str(name))
         return library
 
     def optimize(self):
-        if not getattr(self, _LINK_ONLY, False):
+        if not getattr(self, _UNOPTIMISED, False):
             optimize_final_module(self)
 
     def finalize(self):
@@ -103,6 +184,28 @@ def _install() -> bool:
             for name in [n for n in _pending_envs if engine.get_global_value_address(n)]:
                 set_env(self._codegen, name, _pending_envs.pop(name))
 
+    def pointer(self, name):
+        if getattr(self, _LINK_ONLY, False):
+            self._ensure_finalized()
+            return _not_callable_address(self._codegen)
+        return get_pointer(self, name)
+
+    def serialize_ir(self):
+        if getattr(self, _LINK_ONLY, False):
+            return (self.name, _IR_KIND, self._get_module_for_linking().as_bitcode())
+        return serialize(self)
+
+    def unserialize_ir(cls, codegen_, state):
+        name, kind, data = state
+        if kind != _IR_KIND:
+            return unserialize(cls, codegen_, state)
+        library = codegen_.create_library(name)
+        setattr(library, _LINK_ONLY, True)
+        library._final_module = library._shared_module = ll.parse_bitcode(data)
+        library._finalize_dynamic_globals()
+        library._finalized = True
+        return library
+
     def set_environment(self, env_name, env):
         if self._engine.get_global_value_address(env_name) == 0:
             _pending_envs[env_name] = env  # kept alive here until it is set
@@ -113,20 +216,21 @@ def _install() -> bool:
     codegen_class.set_env = set_environment
     library_class._optimize_final_module = optimize
     library_class._finalize_final_module = finalize
+    library_class.get_pointer_to_function = pointer
+    library_class.serialize_using_object_code = serialize_ir
+    library_class._unserialize = classmethod(unserialize_ir)
     library_class._attnnb_patched = True
 
-    class _KernelCompiles(event.Listener):
-        """Counts the attnnb kernel compiles running on this thread."""
+    class _Compiles(event.Listener):
+        """The dispatchers compiling on this thread."""
 
         def on_start(self, ev):
-            if getattr(ev.data.get("dispatcher"), _MARK, False):
-                _state.depth = getattr(_state, "depth", 0) + 1
+            _compiling().append(ev.data.get("dispatcher"))
 
         def on_end(self, ev):
-            if getattr(ev.data.get("dispatcher"), _MARK, False):
-                _state.depth -= 1
+            _compiling().pop()
 
-    event.register("numba:compile", _KernelCompiles())
+    event.register("numba:compile", _Compiles())
     return True
 
 
@@ -139,5 +243,15 @@ def link_parfors_once(dispatcher):
     Returns ``dispatcher``.
     """
     if ENABLED:
-        setattr(dispatcher, _MARK, True)
+        setattr(dispatcher, _KERNEL_MARK, True)
+    return dispatcher
+
+
+def link_only(dispatcher):
+    """Make ``dispatcher`` (a shared loop, always inlined) link-only, as described above.
+
+    Returns ``dispatcher``.
+    """
+    if ENABLED:
+        setattr(dispatcher, _SHARED_MARK, True)
     return dispatcher
