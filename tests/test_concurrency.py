@@ -200,8 +200,9 @@ def test_cache_stamp_covers_the_whole_package():
 def test_cache_after_an_edit_with_concurrent_writers(tmp_path):
     """Numba alone would load a stale kernel after an edit to _tiles.py (the kernel lives
     in attention.py); the package-wide stamp makes the next processes recompile.  Two of
-    them compile at once into the same cache (concurrent writers: each through a child
-    process, attnnb/cpu/_compile.py, whose save the writer then loads), then a third
+    them start at once on the same cache (concurrent writers: each compiles through a
+    child process, attnnb/cpu/_compile.py, whose save it then loads, unless the other's
+    child saved the kernel first, which a busy machine makes likely), then a third
     loads what they saved: every result equals this process's."""
     import shutil
 
@@ -220,8 +221,10 @@ def test_cache_after_an_edit_with_concurrent_writers(tmp_path):
         f.write("\n# an edit to a shared module\n")
     writers = [start(f"writer{i}.npy") for i in range(2)]
     logs = [kernel_cache_log(p) for p in writers]
-    for log in logs:  # not the stale kernel: a child compiled it, then it was loaded
-        assert COMPILED_BY_CHILD in log and any("data loaded from" in x for x in log), log
+    # not the stale kernel: a child compiled it, then it was loaded
+    assert any(COMPILED_BY_CHILD in log for log in logs), logs
+    for log in logs:
+        assert any("data loaded from" in x for x in log), log
     log = kernel_cache_log(start("loader.npy"))
     assert any("data loaded from" in x for x in log) and COMPILED_BY_CHILD not in log, log
     for name in ("before", "writer0", "writer1", "loader"):
