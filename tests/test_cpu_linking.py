@@ -111,13 +111,14 @@ import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 from attnnb.cpu._tiles import transposed_copy
+from attnnb.cpu._linking import _LINK_ONLY
 from tests.helpers import from_jit
 src = np.arange(12, dtype=np.float64).reshape(3, 4)
 dst = np.zeros((4, 3))
 from_jit(transposed_copy)(src, 0, 3, 0, 4, dst)
 (cres,) = transposed_copy.overloads.values()
 print(json.dumps([bool(np.array_equal(dst, src.T)), sum(transposed_copy.stats.cache_hits.values()),
-                  bool(getattr(cres.library, "_attnnb_link_only", False))]))
+                  bool(getattr(cres.library, _LINK_ONLY, False))]))
 """
 
 

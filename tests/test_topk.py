@@ -171,7 +171,7 @@ def run_select_row(row, top_k):
     gmax, cval, ftmp = (np.empty(w, row.dtype) for _ in range(3))
     cidx, itmp = np.empty(w, np.int64), np.empty(w, np.int64)
     thr, cut, cnt = from_jit(select_row)(row, n, top_k, gmax, cval, cidx, ftmp, itmp,
-                               np.empty(BUCKETS, np.int64))
+                                         np.empty(BUCKETS, np.int64))
     if cnt < 0:
         return thr, cut, None
     kept = cidx[:cnt].copy()

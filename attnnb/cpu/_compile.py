@@ -19,6 +19,14 @@ Why no process runs a parallel kernel it compiled itself
     process then loads it like every later process does.  Every process
     therefore runs the cached machine code, whoever compiled it.
 
+Since :mod:`._linking`
+    The loop body's stand-alone libraries are now linked as IR and never
+    compiled, so a compiling process holds no copy of the body but the
+    kernel's own, and runs what a loader runs (a float64 test of a kernel
+    compiled in the calling process, ``tests/test_determinism.py``, passes on
+    the Xeon type).  The child compile stays as a safeguard until that test
+    has passed on the Zen 5 type, where the difference was seen.
+
 Cost
     The child's start-up and imports, about 0.6 s (measured: ToMe's unmerge
     kernel, 1.24-1.34 s through a child against 0.65-0.73 s compiled here),

@@ -32,7 +32,7 @@ What this module changes
       ``TypeError`` (tests call shared loops through a small ``numba.njit``
       caller).
     Measured (Xeon model 167, 2 processes, empty cache): ``warmup`` 109 s ->
-    56-66 s from the first change, then 57.0 -> 54.1 s (CPU time 106.5 ->
+    59-68 s from the first change, then 57.0 -> 54.1 s (CPU time 106.5 ->
     100.4 s, two runs each, alternating) from the second.  The dense
     kernel's outputs are bit-identical to before at D = 16, 40, 64 and 160
     and its speed the same (the same FMAs, a few instructions fewer); after
