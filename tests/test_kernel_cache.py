@@ -3,6 +3,9 @@
 * The package stamp is a hash of the files' contents: a reinstall of the
   same files (new modification times) keeps the cache, an edit does not.
 * A read-only installation caches in the user's cache directory.
+* A process that only loads kernels never refreshes Numba's target
+  (attnnb/cpu/_compile.py, ``load_cached``), and a function of its own still
+  compiles there.
 
 Each test installs a copy of the package in a temporary directory and runs
 one small kernel (ToMe's unmerge gather, compiled in about a second) in
@@ -33,13 +36,18 @@ import numpy as np
 import attnnb
 from attnnb.cpu._compile import compiled_in_child
 from attnnb.cpu.tome import unmerge, unmerge_kernel
+from numba.core.registry import cpu_target
 out = unmerge(np.arange(12, dtype=np.float32).reshape(1, 4, 3), np.array([[0, 1, 1, 3, 2]]))
 stats = unmerge_kernel.stats
 (sig,) = unmerge_kernel.signatures
+registries = len(cpu_target.target_context._registries)  # 0: not refreshed
+import numba
+own = numba.njit(lambda x: np.sum(x * 2.0))(np.arange(4.0))  # a user's function compiles
 print(json.dumps({"file": attnnb.__file__, "path": stats.cache_path, "out": out.tolist(),
                   "hits": sum(stats.cache_hits.values()),
                   "misses": sum(stats.cache_misses.values()),
-                  "child": compiled_in_child(unmerge_kernel, sig)}))
+                  "child": compiled_in_child(unmerge_kernel, sig),
+                  "registries": registries, "own": own}))
 """
 
 
@@ -69,6 +77,7 @@ def run_kernel(site, prefix=(), **env_extra):
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["file"].startswith(str(site))  # the copy ran, not the source tree
     assert report["out"][0][2] == [3.0, 4.0, 5.0]
+    assert report["own"] == 12.0
     return report
 
 
@@ -86,6 +95,8 @@ def test_reinstalling_the_same_files_keeps_the_cache_and_an_edit_does_not(tmp_pa
         os.utime(path, (st.st_atime + 100, st.st_mtime + 100))
     again = run_kernel(site)
     assert made(again) == LOADED
+    # a loaded kernel needs none of Numba's lowering registries (_compile.load_cached)
+    assert again["registries"] == 0
     # an edit to a module the kernel does not even use still makes it stale
     with open(pkg / "cpu" / "_tiles.py", "a") as f:
         f.write("\n# an edit\n")
@@ -100,6 +111,7 @@ def test_a_process_told_to_compile_here_does_so_and_saves_it(tmp_path):
     install_copy(site)
     here = run_kernel(site, ATTNNB_COMPILE_HERE="1")
     assert made(here) == {"hits": 0, "misses": 1, "child": False}
+    assert here["registries"] > 0  # the compile refreshed Numba's target itself
     assert made(run_kernel(site)) == LOADED
 
 
