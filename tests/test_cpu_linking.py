@@ -106,6 +106,32 @@ def test_a_shared_loop_has_no_entry_point_from_python_and_runs_inside_jitted_cod
     np.testing.assert_array_equal(dst, src.T)
 
 
+def _scaled_sum(x, factor):
+    total = 0.0
+    for value in x:
+        total += value * factor
+    return total
+
+
+@pytest.mark.parametrize("decorator", ["inner", "blocks"])
+def test_only_the_products_are_optimised_alone_before_kernels_inline_them(decorator):
+    """A shared loop's library is link-only and not optimised as a whole (the caller's
+    module is); a register-blocked product's library is optimised alone too."""
+    from numba.core.caching import NullCache
+
+    from attnnb.cpu import _jit
+
+    from .helpers import from_jit
+
+    shared = getattr(_jit, decorator)(_scaled_sum)
+    shared._cache = NullCache()  # compiled here, not loaded from an earlier run's cache
+    x = np.arange(9.0)
+    assert from_jit(shared)(x, 0.5) == 18.0
+    (cres,) = shared.overloads.values()
+    assert getattr(cres.library, _linking._LINK_ONLY, False)
+    assert getattr(cres.library, _linking._UNOPTIMISED, False) == (decorator == "inner")
+
+
 _CACHED_SHARED_LOOP = """
 import json, sys
 import numpy as np

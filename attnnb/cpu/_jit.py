@@ -97,7 +97,8 @@ def blocks(fn=None, *, noalias=None):
     """``numba.njit`` for a register-blocked tile product: like :func:`inner` (always
     inlined), plus the ``noalias`` flag when available (``noalias=False`` forces it
     off, which tests use to check that the flag takes effect and the result is the same).
-    Not callable from Python either.
+    Not callable from Python either.  Unlike the other shared loops, its library is also
+    optimised on its own before kernels inline it (:mod:`._linking`: measured faster).
     """
     use = NOALIAS if noalias is None else (noalias and NOALIAS)
     opts = dict(cache=True, fastmath=FASTMATH, nogil=True, forceinline=True)
@@ -106,7 +107,7 @@ def blocks(fn=None, *, noalias=None):
     deco = numba.njit(**opts)
 
     def make(fn):
-        return link_only(deco(fn))
+        return link_only(deco(fn), optimise_alone=True)
 
     return make(fn) if fn is not None else make
 

@@ -25,9 +25,16 @@ What this module changes
       whole and never reach the JIT engine.  The kernel's library links them
       all and is optimised and compiled once, as before.
     * A shared loop's library (:func:`link_only` marks its dispatcher) is
-      optimised as before, so kernels link exactly the IR they did, but is
-      not compiled to machine code, and it is cached as that IR (a cache
-      entry of kind ``"attnnb-ir"``) instead of as machine code plus IR.
+      link-only as well: it is never compiled to machine code, and it is
+      cached as IR (a cache entry of kind ``"attnnb-ir"``) instead of as
+      machine code plus IR.  Its functions get the function-level passes;
+      the library is optimised as a whole on its own only for the
+      register-blocked products (:func:`._jit.blocks`).  Kernels inline
+      every shared loop, and the kernel's module pipeline optimises the
+      inlined body with the kernel's constants, so for the other loops a
+      separate optimisation was work done twice.  The products keep it
+      because the kernels' speed was measured to depend on it: without it
+      the differential kernel was 3 % slower (its other kernels the same).
       Such a function cannot be called from Python: its entry point raises
       ``TypeError`` (tests call shared loops through a small ``numba.njit``
       caller).
@@ -38,7 +45,12 @@ What this module changes
     and its speed the same (the same FMAs, a few instructions fewer); after
     the second change the kernels link the same IR as before, and 30 outputs
     of every kernel, forward and backward, both dtypes, were bit-identical
-    (``tests/test_determinism.py``'s cases).  Libraries
+    (``tests/test_determinism.py``'s cases).  Not optimising the shared
+    loops but the products on their own then took ``warmup`` from 61.6 to
+    45.9-52.9 s (CPU time 99.9-100.1 -> 86.1-86.9 s); the outputs of every
+    kernel tried (forward and backward, both dtypes) stayed bit-identical
+    and their speed the same within noise (docs/performance.md).
+    Libraries
     created outside these (a user's own ``guvectorize``, whose wrapper is
     cached and must be compiled; any other Numba function) are not touched.
 
@@ -65,6 +77,7 @@ _PARFOR_LIBRARIES = (
 )
 _KERNEL_MARK = "_attnnb_link_parfors"  # on a kernel's dispatcher
 _SHARED_MARK = "_attnnb_shared_loop"  # on a shared loop's dispatcher
+_OPTIMISE_ALONE = "_attnnb_optimise_alone"  # on one whose library is also optimised alone
 _LINK_ONLY = "_attnnb_link_only"  # on a library: never compiled to machine code
 _UNOPTIMISED = "_attnnb_unoptimised"  # on a library: not optimised as a whole
 _IR_KIND = "attnnb-ir"  # the cache format of a link-only library: its IR
@@ -98,6 +111,9 @@ def _mark_new_library(library, name: str) -> None:
     if (getattr(innermost, _SHARED_MARK, False)
             and name == getattr(getattr(innermost, "py_func", None), "__qualname__", None)):
         setattr(library, _LINK_ONLY, True)
+        if not getattr(innermost, _OPTIMISE_ALONE, False):
+            # only kernels run this IR, and each kernel's module is optimised as a whole
+            setattr(library, _UNOPTIMISED, True)
 
 
 def _not_callable_address(codegen) -> int:
@@ -247,11 +263,14 @@ def link_parfors_once(dispatcher):
     return dispatcher
 
 
-def link_only(dispatcher):
+def link_only(dispatcher, *, optimise_alone: bool = False):
     """Make ``dispatcher`` (a shared loop, always inlined) link-only, as described above.
 
-    Returns ``dispatcher``.
+    ``optimise_alone``: its library is also optimised as a whole on its own
+    before kernels link it (the register-blocked products: see the module
+    notes).  Returns ``dispatcher``.
     """
     if ENABLED:
         setattr(dispatcher, _SHARED_MARK, True)
+        setattr(dispatcher, _OPTIMISE_ALONE, optimise_alone)
     return dispatcher
