@@ -50,6 +50,23 @@ def test_sizes_cross_several_tiles():
             assert LQ > 2 * t.bq and LK > 2 * t.bk
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_one_row_and_two_keys_a_thread(rng, dtype):
+    """The key-tile kernel's production micro-tiles at 64 < D <= 128 (one query row and
+    two keys a thread; here with the simulator's small tiles, 4 x 6 of 1 x 2): GQA,
+    causal, a mask with an empty row, the LSE's cotangent."""
+    from attnnb.cuda import _micro
+
+    old = _micro.set_micro_tiles((4, 6, 1, 2))
+    try:
+        q, k, v = qkv(rng, hq=2, hk=1, lq=LQ, lk=LK, d=D, dv=DV, dtype=dtype)
+        mask = rng.random((LQ, LK)) > 0.3
+        mask[3] = False
+        compare(attnnb.attention, (q, k, v), dtype, mask=mask, causal=True, return_lse=True)
+    finally:
+        _micro.set_micro_tiles(old)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("normalizer", NORMALIZERS)
 def test_attention_every_option(rng, normalizer, causal):
