@@ -125,3 +125,28 @@ def test_non_finite_keys_and_values_as_the_two_sweeps(monkeypatch):
     assert np.isfinite(one["q"]).all()
     for key in ("q", "k", "v"):
         np.testing.assert_array_equal(one[key], two[key], err_msg=key)
+
+
+@pytest.mark.parametrize("threshold", [1, 10**9], ids=["one sweep", "two sweeps"])
+@pytest.mark.parametrize("name", ["mask+bias+key_size+causal+dlse", "sparse", "topk",
+                                  "unseen key tiles"])
+def test_every_gradient_element_is_written(monkeypatch, threshold, name):
+    """``dq`` (two sweeps), ``dk`` and ``dv`` start unset (``backward.written_whole``):
+    started as NaN instead, every element still comes out as with the plain buffers,
+    the keys that no query sees included (zeros)."""
+    dtype = np.float32
+    q, k, v, rng = _inputs(dtype)
+    if name == "unseen key tiles":  # keys 60 on are outside every row's set
+        allowed = np.zeros((SHAPES["Lq"], SHAPES["Lk"]), bool)
+        allowed[:, :60] = rng.random((SHAPES["Lq"], 60)) > 0.5
+        fn, extra, kwargs = attnnb.sparse_attention, (patterns.from_mask(allowed),), {}
+    else:
+        fn, extra, kwargs = _options(name, dtype, rng)
+    plain = _gradients(fn, (q, k, v, *extra), kwargs, threshold)
+    monkeypatch.setattr(backward, "written_whole", lambda shape, dt: np.full(shape, np.nan, dt))
+    poisoned = _gradients(fn, (q, k, v, *extra), kwargs, threshold)
+    for key in ("q", "k", "v"):
+        assert np.isfinite(poisoned[key]).all(), key
+        np.testing.assert_array_equal(poisoned[key], plain[key], err_msg=key)
+    if name == "unseen key tiles":
+        np.testing.assert_array_equal(poisoned["k"][:, :, 60:], 0.0)
