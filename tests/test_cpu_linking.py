@@ -48,6 +48,23 @@ def test_a_marked_kernel_links_its_loop_bodies_without_compiling_them():
     assert any(name.startswith("__numba_parfor_gufunc_") for name in names)
 
 
+def test_a_kernel_is_cached_as_machine_code_and_its_symbol_names():
+    """A kernel's own library is never linked into another, so its cache entry keeps
+    no IR (Numba's keeps the whole linked module's, parsed again at every load)."""
+    from numba.core.caching import NullCache
+
+    kernel = _linking.link_parfors_once(numba.njit(parallel=True, cache=True)(_row_sums))
+    kernel._cache = NullCache()  # compiled here, not loaded from an earlier run's cache
+    x = np.arange(35.0).reshape(7, 5)
+    out = np.zeros(7)
+    kernel(x, out)
+    (cres,) = kernel.overloads.values()
+    name, kind, (object_code, names) = cres.library.serialize_using_object_code()
+    assert kind == _linking._OBJECT_KIND
+    assert isinstance(object_code, bytes) and len(object_code) > 100
+    assert cres.fndesc.mangled_name in names, names[:5]
+
+
 def test_an_unmarked_parallel_function_compiles_as_numba_does():
     plain = numba.njit(parallel=True)(_row_sums)
     x = np.arange(12.0).reshape(3, 4)

@@ -54,6 +54,20 @@ What this module changes
     created outside these (a user's own ``guvectorize``, whose wrapper is
     cached and must be compiled; any other Numba function) are not touched.
 
+A kernel's cache entry
+    Numba caches a library as its machine code plus the bitcode of its
+    whole linked module (for libraries that others link in), and a load
+    parses that bitcode only to learn which symbols the module defines: at
+    200-300 KB per kernel, 10-15 ms each (five kernels in a first
+    ``vjp`` call).  No library links a kernel's own, so a kernel's library
+    (marked while :func:`link_parfors_once`'s dispatcher compiles) is cached
+    as its machine code and the names of the symbols it defines (a cache
+    entry of kind ``"attnnb-object"``), loaded as Numba loads machine code,
+    the engine told the names.  Measured (Xeon model 167): the first
+    ``vjp`` call in a new process, whole process, 0.554 -> 0.496 s; the
+    first ``attention`` call 0.489 -> 0.472 s (medians of 10 alternating
+    runs); the dense kernel's cache entry 381 -> 176 KB.
+
 Environments
     After compiling a function Numba points its environment global (the
     ``Env`` object that error paths use) at the function's ``Env``.  For a
@@ -81,6 +95,8 @@ _OPTIMISE_ALONE = "_attnnb_optimise_alone"  # on one whose library is also optim
 _LINK_ONLY = "_attnnb_link_only"  # on a library: never compiled to machine code
 _UNOPTIMISED = "_attnnb_unoptimised"  # on a library: not optimised as a whole
 _IR_KIND = "attnnb-ir"  # the cache format of a link-only library: its IR
+_KERNEL_LIBRARY = "_attnnb_kernel_library"  # on a library: a kernel's own, never linked
+_OBJECT_KIND = "attnnb-object"  # its cache format: machine code and defined symbol names
 
 _state = threading.local()  # .stack: the dispatchers compiling on this thread, innermost last
 _pending_envs: dict = {}  # environment global name -> Env, set once a library defines it
@@ -108,6 +124,10 @@ def _mark_new_library(library, name: str) -> None:
         setattr(library, _UNOPTIMISED, True)
         return
     innermost = stack[-1]
+    own = name == getattr(getattr(innermost, "py_func", None), "__qualname__", None)
+    if getattr(innermost, _KERNEL_MARK, False) and own:
+        setattr(library, _KERNEL_LIBRARY, True)
+        return
     if (getattr(innermost, _SHARED_MARK, False)
             and name == getattr(getattr(innermost, "py_func", None), "__qualname__", None)):
         setattr(library, _LINK_ONLY, True)
@@ -163,7 +183,8 @@ def _install() -> bool:
     codegen_class = getattr(codegen, "JITCPUCodegen", None)
     needed = ("_optimize_final_module", "_finalize_final_module", "_finalize_dynamic_globals",
               "_get_module_for_linking", "get_pointer_to_function",
-              "serialize_using_object_code", "_unserialize")
+              "serialize_using_object_code", "_unserialize", "enable_object_caching",
+              "_set_compiled_object", "_get_compiled_object")
     if (library_class is None or codegen_class is None
             or not all(hasattr(library_class, name) for name in needed)
             or not hasattr(codegen_class, "create_library")
@@ -209,10 +230,23 @@ def _install() -> bool:
     def serialize_ir(self):
         if getattr(self, _LINK_ONLY, False):
             return (self.name, _IR_KIND, self._get_module_for_linking().as_bitcode())
+        if getattr(self, _KERNEL_LIBRARY, False):
+            shared = self._get_module_for_linking()
+            names = sorted({gv.name for values in (shared.functions, shared.global_variables)
+                            for gv in values if not gv.is_declaration})
+            return (self.name, _OBJECT_KIND, (self._get_compiled_object(), names))
         return serialize(self)
 
     def unserialize_ir(cls, codegen_, state):
         name, kind, data = state
+        if kind == _OBJECT_KIND:
+            object_code, names = data
+            library = codegen_.create_library(name)
+            library.enable_object_caching()
+            library._set_compiled_object(object_code)
+            library._finalize_final_module()  # the engine takes the machine code
+            codegen_._engine._defined_symbols |= set(names)
+            return library
         if kind != _IR_KIND:
             return unserialize(cls, codegen_, state)
         library = codegen_.create_library(name)
