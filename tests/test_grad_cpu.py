@@ -146,6 +146,30 @@ def test_rectified_gqa_and_mask(dtype):
     assert_close(*both(attnnb.diff_attention, (q, k, v, 0.6), kwargs, dtype), dtype)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_rectified_writes_every_gradient_element(monkeypatch, causal):
+    """The rectified backward's ``dq``, ``dk``, ``dv``, ``d1`` and ``e`` start unset
+    (``written_whole``): started as NaN, every gradient comes out as before."""
+    import attnnb.cpu.rectified_backward as rectified
+
+    rng = np.random.default_rng(8)
+    q, k, v = (arr(rng, 2, 4, 70, 16, dtype=np.float32), arr(rng, 2, 4, 67, 16,
+               dtype=np.float32), arr(rng, 2, 2, 67, 24, dtype=np.float32))
+    dout = arr(rng, 2, 2, 70, 24, dtype=np.float32)
+    kwargs = dict(mask=rng.random((70, 67)) > 0.3, mode="rectified", causal=causal,
+                  backend="cpu")
+
+    def grads():
+        return attnnb.vjp(attnnb.diff_attention, q, k, v, 0.6, **kwargs)[1](dout)
+
+    plain = grads()
+    monkeypatch.setattr(rectified, "written_whole", lambda shape, dt: np.full(shape, np.nan, dt))
+    poisoned = grads()
+    for key in ("q", "k", "v", "lam"):
+        assert np.isfinite(poisoned[key]).all(), key
+        np.testing.assert_array_equal(poisoned[key], plain[key], err_msg=key)
+
+
 def test_concurrent_pullbacks_agree(qkv):
     q, k, v = qkv(np.float32)
     _, pullback = attnnb.vjp(attnnb.attention, q, k, v, causal=True, backend="cpu")

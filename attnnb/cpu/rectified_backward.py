@@ -30,6 +30,7 @@ from ._grad_tiles import (
     by_key_tile,
     dense_tiles,
     pair_scratch,
+    written_whole,
 )
 from ._host import score_arguments
 from ._jit import inner, kernel, launch, wide_vectors
@@ -225,13 +226,16 @@ def rectified_vjp(problem, lam, dout, dbias_shape=None):
     q, k, v = problem.q, problem.k, problem.v
     B, H2, Hk2, Lq, Lk, D, Dv = problem.shape
     H, dt = H2 // 2, q.dtype
-    dq, dk, dv = np.zeros(q.shape, dt), np.zeros(k.shape, dt), np.zeros(v.shape, dt)
+    run = bool(q.size and k.size and v.size)
+    # the two kernels write dq, d1, e and dk, dv whole; an empty problem's are zeros
+    fresh = written_whole if run else np.zeros
+    dq, dk, dv = fresh(q.shape, dt), fresh(k.shape, dt), fresh(v.shape, dt)
     has_ks = problem.log_key_size is not None
     need_bias = dbias_shape is not None
     dbias = np.zeros((B, H, Lq, Lk) if need_bias else (1, 1, 1, 1), dt)
     dlogks = np.zeros((B, Hk2 // 2, Lk) if has_ks else (1, 1, 1), dt)
-    d1, e = np.zeros((B, H, Lq), dt), np.zeros((B, H, Lq), dt)
-    if q.size and k.size and v.size:
+    d1, e = fresh((B, H, Lq), dt), fresh((B, H, Lq), dt)
+    if run:
         lse1, lse2 = stream_lses(problem)
         lam = np.ascontiguousarray(np.broadcast_to(lam, (B, H, Lq)), dt)
         dout = np.ascontiguousarray(dout, dt)
