@@ -145,3 +145,36 @@ def test_gradient_through_split_keys_matches_finite_differences(rng):
             sums.append(np.sum(attnnb.attention(moved["q"], moved["k"], v, backend="cpu") * w))
         fd = (sums[0] - sums[1]) / (2 * eps)
         assert abs(grads[name][idx] - fd) <= 1e-7 * max(1.0, abs(fd)), (name, idx, fd)
+
+
+@pytest.mark.parametrize("one_sweep", [True, False])
+@pytest.mark.parametrize("lq", [1, 5, LOCAL_TILE_ROWS])
+def test_backward_transposes_its_own_tiles_with_the_filled_tiles_bits(monkeypatch, rng, lq,
+                                                                      one_sweep):
+    """With few query rows the backward's tasks transpose each key and value tile
+    themselves instead of a prologue over all of ``k`` and ``v``: the same tiles, so
+    the same gradients bit for bit (a mask, a bias, key sizes, a non-finite key in
+    a masked-out column, GQA, the one-sweep and two-sweep kernels)."""
+    import attnnb.cpu.backward as backward
+
+    dtype = np.float32
+    q, k, v = qkv(rng, batch=(2,), hq=4, hk=2, lq=lq, lk=LK - 7, d=24, dv=20, dtype=dtype)
+    k[1, 0, 77, 3] = np.inf
+    mask = rng.random((lq, LK - 7)) > 0.2
+    mask[:, 77] = False
+    kwargs = dict(mask=mask, bias=rng.standard_normal((4, 1, LK - 7)).astype(dtype),
+                  key_size=rng.integers(1, 4, (2, LK - 7)).astype(dtype), causal=True,
+                  return_lse=True, backend="cpu")
+    dout = rng.standard_normal((2, 4, lq, 20)).astype(dtype)
+    dlse = rng.standard_normal((2, 4, lq)).astype(dtype)
+    monkeypatch.setattr(backward, "ONE_SWEEP_TASKS", 1 if one_sweep else 10**9)
+
+    def grads():
+        return attnnb.vjp(attnnb.attention, q, k, v, **kwargs)[1](dout, dlse)
+
+    local = grads()
+    monkeypatch.setattr(backward, "LOCAL_TILE_ROWS", 0)  # the filled tiles instead
+    filled = grads()
+    for name in ("q", "k", "v", "bias", "key_size"):
+        assert np.isfinite(local[name]).all(), name
+        np.testing.assert_array_equal(local[name], filled[name], err_msg=name)

@@ -59,9 +59,12 @@ def filled_key_tiles(k, v, tiles=True):
 
 
 @contextmanager
-def filled_kv_tiles(k, v):
-    """``(kt, vt, k_ok, v_ok)`` of a backward pass, filled (:func:`kv_tiles_kernel`)."""
-    with key_tile_buffers(k, v) as (kt, _), key_tile_buffers(v, v) as (vt, v_ok):
+def filled_kv_tiles(k, v, tiles=True):
+    """``(kt, vt, k_ok, v_ok)`` of a backward pass, filled (:func:`kv_tiles_kernel`);
+    with ``tiles=False`` (few query rows: each task transposes its own tiles) all four
+    have no tiles and nothing is launched."""
+    with key_tile_buffers(k, v, tiles) as (kt, _), key_tile_buffers(v, v, tiles) as (vt, v_ok):
         k_ok = np.empty(kt.shape[:3], np.bool_)
-        launch(kv_tiles_kernel, k, v, kt, vt, k_ok, v_ok)
+        if tiles:
+            launch(kv_tiles_kernel, k, v, kt, vt, k_ok, v_ok)
         yield kt, vt, k_ok, v_ok

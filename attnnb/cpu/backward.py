@@ -58,6 +58,7 @@ from ._host import score_arguments
 from ._jit import inner, kernel, launch, wide_vectors
 from ._prologue import filled_kv_tiles
 from ._sparse_tiles import csr_tile_mask
+from ._splits import LOCAL_TILE_ROWS
 from ._task import sweep_geometry
 from ._tiles import (
     TILE_K,
@@ -66,7 +67,9 @@ from ._tiles import (
     modify_logits,
     scaled_rows,
     task_rows,
+    tile_is_finite,
     tile_logits_t,
+    transpose_keys,
     transposed_values_product,
     view2d,
 )
@@ -117,8 +120,29 @@ class PairArguments(NamedTuple):
 
 
 @inner
-def pair_gradients(pair, q, kt, vt, b, h, ph, i0, nq, j0, nk, diag, csr_masked, cursor,
-                   scratch):
+def pair_tiles(k, v, kt, vt, k_ok, local, own, b, g, t):
+    """``(kth, vth, tile_j0, k_finite)``: key head ``g``'s key and value tile ``t`` for
+    the pair products (:func:`tile_logits_t` of ``kth``, ``vth`` at ``tile_j0``) and
+    whether the key tile is all finite.
+
+    From the filled buffers ``kt``, ``vt``, ``k_ok``; or, ``local`` (few query
+    rows, :data:`~attnnb.cpu._splits.LOCAL_TILE_ROWS`: the host filled none),
+    transposed and checked here, into ``own = (k tile, v tile)`` of shapes ``(1,
+    D, TILE_K)`` and ``(1, Dv, TILE_K)``, which stay in cache for the pair.  The
+    same tiles either way, so the same bits.
+    """
+    j0 = t * TILE_K
+    if local:
+        own_k, own_v = own
+        transpose_keys(k[b, g], j0, own_k[0])
+        transpose_keys(v[b, g], j0, own_v[0])
+        return own_k, own_v, 0, tile_is_finite(k[b, g], j0)
+    return kt[b, g], vt[b, g], j0, k_ok[b, g, t]
+
+
+@inner
+def pair_gradients(pair, q, kth, vth, tile_j0, b, h, ph, i0, nq, j0, nk, diag, csr_masked,
+                   cursor, scratch):
     """Weights ``W`` and logit gradients ``dS`` of one (query tile, key tile) pair.
 
     Recomputes the forward's modified logits of query head ``h``'s rows
@@ -127,18 +151,19 @@ def pair_gradients(pair, q, kt, vt, b, h, ph, i0, nq, j0, nk, diag, csr_masked, 
     ``csr_masked`` (the CSR rows of pattern head ``ph``; ``cursor`` is
     scratch of ``nq``) and, when ``pair.selected``, only the keys of the
     forward's top-k selection (:func:`attnnb.cpu.topk.topk_selection`);
-    ``scratch`` is :func:`~attnnb.cpu._grad_tiles.pair_scratch`'s.  Returns
+    ``kth``, ``vth``, ``tile_j0``: the key tile's transposed keys and values
+    (:func:`pair_tiles`); ``scratch`` is
+    :func:`~attnnb.cpu._grad_tiles.pair_scratch`'s.  Returns
     ``(W, dS, dP)``, ``(nq, nk)`` views of the scratch, with ``dP``
     overwritten by ``dP - delta`` (what ``d log key_size`` needs).  Rows
     with ``lse = -inf`` (nothing allowed) have zero weights and gradients.
     """
     q_flat, do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat, _, _ = scratch
     normalizer, indptr, indices = pair.normalizer, pair.indptr, pair.indices
-    g = h // (q.shape[1] // kt.shape[1])
     lse_bh, ratio_bh, delta_bh = pair.lse[b, h], pair.ratio[b, h], pair.delta[b, h]
     row0 = ph * q.shape[2] + i0  # CSR row of the tile's first query
     qs = scaled_rows(q[b, h], i0, nq, pair.scale, q_flat)
-    S = tile_logits_t(qs, kt[b, g], j0, nk, S_flat)
+    S = tile_logits_t(qs, kth, tile_j0, nk, S_flat)
     if csr_masked:
         # the pairs are visited in any order: find each row's first key >= j0
         for r in range(nq):
@@ -156,7 +181,7 @@ def pair_gradients(pair, q, kt, vt, b, h, ph, i0, nq, j0, nk, diag, csr_masked, 
                 if not (x > thr or (x == thr and j0 + c <= cut) or x != x):
                     S[r, c] = -np.inf
     do = scaled_rows(pair.dout[b, h], i0, nq, 1.0, do_flat)
-    dP = tile_logits_t(do, vt[b, g], j0, nk, dP_flat)
+    dP = tile_logits_t(do, vth, tile_j0, nk, dP_flat)
     W = view2d(W_flat, nq, nk)
     dS = view2d(dS_flat, nq, nk)
     for r in range(nq):
@@ -183,8 +208,9 @@ def pair_gradients(pair, q, kt, vt, b, h, ph, i0, nq, j0, nk, diag, csr_masked, 
 
 
 @inner
-def key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_full,
-                       need_dbias, own_dq, dq, dk, dv, dbias, dlogks, scratch, cursor):
+def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, own, b, g, t, col_ptr, col_qt,
+                       col_full, need_dbias, own_dq, dq, dk, dv, dbias, dlogks, scratch,
+                       cursor):
     """Every gradient term of key tile ``t`` of key head ``g``: its ``dk``, ``dv``,
     ``dbias`` columns and ``dlogks``, and with ``own_dq`` its terms of ``dq``.
 
@@ -192,12 +218,14 @@ def key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_f
     forward's tile lists read by key tile) for every query head of the GQA
     group.  ``dq`` gets ``dS @ k_tile`` added unscaled (its owner scales it
     once at the end); ``dk`` and ``dv`` of the tile are written, scaled.
+    ``kt``, ``vt``, ``k_ok``, ``local``, ``own``: as :func:`pair_tiles` takes them.
     """
     _, _, Lq, Lk, Dv, group, _, n_kt, diag = sweep_geometry(q, k, dv, TILE_Q, pair.causal)
     D = k.shape[3]
     j0 = t * TILE_K
     nk = min(TILE_K, Lk - j0)
     T_flat = scratch[8]
+    kth, vth, tile_j0, k_finite = pair_tiles(k, v, kt, vt, k_ok, local, own, b, g, t)
     dk_acc = np.zeros((nk, D), q.dtype)
     dv_acc = np.zeros((nk, Dv), q.dtype)
     for h in range(g * group, (g + 1) * group):
@@ -207,12 +235,11 @@ def key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_f
             i0 = col_qt[p] * TILE_Q
             nq = min(TILE_Q, Lq - i0)
             partial = pair.csr and not col_full[p]  # (no control flow inside a call)
-            W, dS, G = pair_gradients(pair, q, kt, vt, b, h, ph, i0, nq, j0, nk, diag,
-                                      partial, cursor, scratch)
+            W, dS, G = pair_gradients(pair, q, kth, vth, tile_j0, b, h, ph, i0, nq, j0, nk,
+                                      diag, partial, cursor, scratch)
             if own_dq:
                 # a key tile holding Inf or NaN: skip the zero weights, as the forward does
-                add_weighted_values(dS, k[b, g], j0, k_ok[b, g, t], dq[b, h, i0 : i0 + nq],
-                                    T_flat)
+                add_weighted_values(dS, k[b, g], j0, k_finite, dq[b, h, i0 : i0 + nq], T_flat)
             transposed_values_product(W, pair.dout[b, h], i0, dv_acc, T_flat)
             transposed_values_product(dS, q[b, h], i0, dk_acc, T_flat)
             if need_dbias:
@@ -231,8 +258,8 @@ def key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_f
 
 
 @kernel
-def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, pair, col_ptr, col_qt, col_full, need_dbias,
-                own_dq, dq, dk, dv, dbias, dlogks):
+def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, local, pair, col_ptr, col_qt, col_full,
+                need_dbias, own_dq, dq, dk, dv, dbias, dlogks):
     """``dk``, ``dv``, ``dbias`` columns and ``dlogks`` (per key head; summed on the
     host), and with ``own_dq`` also ``dq``.
 
@@ -245,14 +272,16 @@ def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, pair, col_ptr, col_qt, col_full, ne
     own; :func:`tiled_vjp` picks it from :data:`ONE_SWEEP_TASKS` key heads.
 
     ``kt``, ``vt``, ``k_ok``, ``v_ok``: the transposed tiles and their checks,
-    filled before by :func:`attnnb.cpu._prologue.kv_tiles_kernel`.  The
+    filled before by :func:`attnnb.cpu._prologue.kv_tiles_kernel`, or, with
+    ``local`` (few query rows), empty: each task transposes its tiles itself
+    (:func:`pair_tiles`).  The
     query tiles that see key tile ``t`` of pattern head ``ph`` are
     ``col_qt[col_ptr[ph * n_kt + t] : col_ptr[ph * n_kt + t + 1]]`` (the
     forward's tile lists read by key tile, :func:`by_key_tile`); ``col_full``
     says which need no element mask from the CSR rows (``pair.csr``).
     """
     B, Hq, Lq, D = q.shape
-    Hk, Dv, n_kt = k.shape[1], v.shape[3], kt.shape[2]
+    Hk, Dv, n_kt = k.shape[1], v.shape[3], -(-k.shape[2] // TILE_K)
     group = Hq // Hk
     per_task = n_kt if own_dq else 1
     n_ranges = n_kt // per_task
@@ -261,9 +290,11 @@ def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, pair, col_ptr, col_qt, col_full, ne
         b, g, span = task // (Hk * n_ranges), (task // n_ranges) % Hk, task % n_ranges
         scratch = pair_scratch(q.dtype, D, Dv)
         cursor = np.empty(TILE_Q, np.int64)
+        own = (np.empty((1, D, TILE_K), q.dtype), np.empty((1, Dv, TILE_K), q.dtype))
         for t in range(span * per_task, (span + 1) * per_task):
-            key_tile_gradients(pair, q, k, kt, vt, k_ok, b, g, t, col_ptr, col_qt, col_full,
-                               need_dbias, own_dq, dq, dk, dv, dbias, dlogks, scratch, cursor)
+            key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, own, b, g, t, col_ptr,
+                               col_qt, col_full, need_dbias, own_dq, dq, dk, dv, dbias, dlogks,
+                               scratch, cursor)
         if own_dq:  # dq's terms arrived in key-tile order, as in dq_kernel; now scaled
             for h in range(g * group, (g + 1) * group):
                 for r in range(Lq):
@@ -272,11 +303,11 @@ def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, pair, col_ptr, col_qt, col_full, ne
 
 
 @kernel
-def dq_kernel(q, k, v, kt, vt, k_ok, pair, row_ptr, row_kt, row_full, dq):
+def dq_kernel(q, k, v, kt, vt, k_ok, local, pair, row_ptr, row_kt, row_full, dq):
     """One task per (batch, query head, query tile): ``dq`` of its rows, over the key
     tiles ``row_kt[row_ptr[ph * n_qt + qt] : ...]`` of the forward's tile lists.
 
-    ``kt``, ``vt``, ``k_ok``: as :func:`dkdv_kernel`'s, the same filled buffers.
+    ``kt``, ``vt``, ``k_ok``, ``local``: as :func:`dkdv_kernel`'s, the same buffers.
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, pair.causal)
     D = k.shape[3]
@@ -288,15 +319,18 @@ def dq_kernel(q, k, v, kt, vt, k_ok, pair, row_ptr, row_kt, row_full, dq):
         row = ph * n_qt + qt
         scratch = pair_scratch(q.dtype, D, Dv)
         cursor = np.empty(TILE_Q, np.int64)
+        own = (np.empty((1, D, TILE_K), q.dtype), np.empty((1, Dv, TILE_K), q.dtype))
         dq_acc = np.zeros((nq, D), q.dtype)
         for p in range(row_ptr[row], row_ptr[row + 1]):
             j0 = row_kt[p] * TILE_K
             nk = min(TILE_K, Lk - j0)
             partial = pair.csr and not row_full[p]  # (no control flow inside a call)
-            _, dS, _ = pair_gradients(pair, q, kt, vt, b, h, ph, i0, nq, j0, nk, diag, partial,
-                                      cursor, scratch)
+            kth, vth, tile_j0, k_finite = pair_tiles(k, v, kt, vt, k_ok, local, own, b, g,
+                                                     row_kt[p])
+            _, dS, _ = pair_gradients(pair, q, kth, vth, tile_j0, b, h, ph, i0, nq, j0, nk,
+                                      diag, partial, cursor, scratch)
             # a key tile holding Inf or NaN: skip the zero weights, as the forward does
-            add_weighted_values(dS, k[b, g], j0, k_ok[b, g, row_kt[p]], dq_acc, scratch[8])
+            add_weighted_values(dS, k[b, g], j0, k_finite, dq_acc, scratch[8])
         for r in range(nq):
             for e in range(D):
                 dq[b, h, i0 + r, e] = pair.scale * dq_acc[r, e]
@@ -386,11 +420,14 @@ def tiled_vjp(problem, out, lse, dout, dlse, need_bias, pattern=None, selection=
         normalizer=NORMALIZER_CODES[problem.normalizer], dout=dout, lse=lse, ratio=ratio,
         delta=delta, p_heads=p_heads, indptr=indptr, indices=indices, csr=pattern is not None,
         selected=selection is not None, thr=thr, cut=cut)
-    with filled_kv_tiles(k, v) as (kt, vt, k_ok, v_ok):
-        launch(dkdv_kernel, q, k, v, kt, vt, k_ok, v_ok, pair, *cols, need_bias, one_sweep, dq,
-               dk, dv, dbias, dlogks)
+    # few query rows: each key tile serves one query tile, so a task transposes it itself
+    # instead of a prologue pass over all of k and v (the forward's rule, _splits)
+    local = Lq <= LOCAL_TILE_ROWS
+    with filled_kv_tiles(k, v, tiles=not local) as (kt, vt, k_ok, v_ok):
+        launch(dkdv_kernel, q, k, v, kt, vt, k_ok, v_ok, local, pair, *cols, need_bias,
+               one_sweep, dq, dk, dv, dbias, dlogks)
         if not one_sweep:
-            launch(dq_kernel, q, k, v, kt, vt, k_ok, pair, *rows, dq)
+            launch(dq_kernel, q, k, v, kt, vt, k_ok, local, pair, *rows, dq)
     if has_ks:
         grads["log_key_size"] = dlogks.sum(axis=1)
     return grads
