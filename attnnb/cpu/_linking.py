@@ -128,8 +128,7 @@ def _mark_new_library(library, name: str) -> None:
     if getattr(innermost, _KERNEL_MARK, False) and own:
         setattr(library, _KERNEL_LIBRARY, True)
         return
-    if (getattr(innermost, _SHARED_MARK, False)
-            and name == getattr(getattr(innermost, "py_func", None), "__qualname__", None)):
+    if getattr(innermost, _SHARED_MARK, False) and own:
         setattr(library, _LINK_ONLY, True)
         if not getattr(innermost, _OPTIMISE_ALONE, False):
             # only kernels run this IR, and each kernel's module is optimised as a whole
@@ -185,8 +184,10 @@ def _install() -> bool:
               "_get_module_for_linking", "get_pointer_to_function",
               "serialize_using_object_code", "_unserialize", "enable_object_caching",
               "_set_compiled_object", "_get_compiled_object")
+    engine_class = getattr(codegen, "JitEngine", None)  # its _defined_symbols: set per load
     if (library_class is None or codegen_class is None
             or not all(hasattr(library_class, name) for name in needed)
+            or not hasattr(engine_class, "is_symbol_defined")
             or not hasattr(codegen_class, "create_library")
             or not hasattr(codegen_class, "set_env")):  # pragma: no cover
         return False
