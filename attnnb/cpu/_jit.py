@@ -25,8 +25,10 @@ import numba
 from numba import types
 from numba.extending import intrinsic
 
+from ._cache import track_sources
 from ._compile import compile_in_child_first
 from ._linking import link_only, link_parfors_once
+from ._threading import in_forked_child, launch_lock
 
 FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
 
@@ -141,9 +143,6 @@ _SERIAL_TWINS: dict = {}
 
 def launch(kernel_fn, *args):
     """Run a parallel kernel, or its serial twin in a forked child (see _threading)."""
-    from ._cache import track_sources
-    from ._threading import in_forked_child, launch_lock
-
     track_sources()  # before anything compiles: see _cache
     if in_forked_child():
         twin = _SERIAL_TWINS.get(kernel_fn)

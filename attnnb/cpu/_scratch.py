@@ -82,7 +82,11 @@ def key_tile_buffers(k: np.ndarray, v: np.ndarray, tiles: bool = True):
     or 0 when not ``tiles`` (a kernel that transposes its tiles itself).
     """
     B, Hk, Lk, D = k.shape
-    n_kt = -(-Lk // TILE_K) if tiles else 0
+    if not tiles:  # nothing to hold: no pool, no alignment (a tenth of the cost)
+        yield (np.empty((B, Hk, 0, D, TILE_K), k.dtype),
+               np.empty((B, v.shape[1], 0), np.bool_))
+        return
+    n_kt = -(-Lk // TILE_K)
     shape = (B, Hk, n_kt, D, TILE_K)
     nbytes = math.prod(shape) * k.dtype.itemsize
     buf = _take(nbytes)

@@ -68,6 +68,7 @@ def in_forked_child() -> bool:
 
 _LAUNCH_LOCK = threading.Lock()
 _NO_LOCK = nullcontext()
+_layer = None  # Numba's threading layer, once it has chosen one
 
 
 def launch_lock():
@@ -76,10 +77,12 @@ def launch_lock():
     Until the first parallel region has run, Numba has not chosen its layer,
     so launches are serialised; afterwards only under ``workqueue``.
     """
-    import numba
+    global _layer
+    if _layer is None:
+        import numba
 
-    try:
-        layer = numba.threading_layer()
-    except ValueError:  # no parallel region has run in this process yet
-        return _LAUNCH_LOCK
-    return _LAUNCH_LOCK if layer == "workqueue" else _NO_LOCK
+        try:
+            _layer = numba.threading_layer()  # fixed once chosen: asked once
+        except ValueError:  # no parallel region has run in this process yet
+            return _LAUNCH_LOCK
+    return _LAUNCH_LOCK if _layer == "workqueue" else _NO_LOCK
