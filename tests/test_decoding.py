@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import attnnb
+from attnnb.cpu._blocks import ROWS
 from attnnb.cpu._splits import LOCAL_TILE_ROWS, key_splits
 
 from .helpers import qkv
@@ -147,30 +148,35 @@ def test_gradient_through_split_keys_matches_finite_differences(rng):
         assert abs(grads[name][idx] - fd) <= 1e-7 * max(1.0, abs(fd)), (name, idx, fd)
 
 
-@pytest.mark.parametrize("one_sweep", [True, False])
-@pytest.mark.parametrize("lq", [1, 5, LOCAL_TILE_ROWS])
-def test_backward_transposes_its_own_tiles_with_the_filled_tiles_bits(monkeypatch, rng, lq,
-                                                                      one_sweep):
-    """With few query rows the backward's tasks transpose each key and value tile
-    themselves instead of a prologue over all of ``k`` and ``v``: the same tiles, so
-    the same gradients bit for bit (a mask, a bias, key sizes, a non-finite key in
-    a masked-out column, GQA, the one-sweep and two-sweep kernels)."""
-    import attnnb.cpu.backward as backward
-
-    dtype = np.float32
+def _few_rows_problem(rng, lq, dtype):
+    """A decoding-shaped backward with everything that can go wrong: a mask, a bias, key
+    sizes, a non-finite key in a masked-out column, GQA, ``Lk`` not a whole tile."""
     q, k, v = qkv(rng, batch=(2,), hq=4, hk=2, lq=lq, lk=LK - 7, d=24, dv=20, dtype=dtype)
     k[1, 0, 77, 3] = np.inf
     mask = rng.random((lq, LK - 7)) > 0.2
     mask[:, 77] = False
     kwargs = dict(mask=mask, bias=rng.standard_normal((4, 1, LK - 7)).astype(dtype),
                   key_size=rng.integers(1, 4, (2, LK - 7)).astype(dtype), causal=True,
-                  return_lse=True, backend="cpu")
+                  return_lse=True)
     dout = rng.standard_normal((2, 4, lq, 20)).astype(dtype)
     dlse = rng.standard_normal((2, 4, lq)).astype(dtype)
+    return (q, k, v), kwargs, (dout, dlse)
+
+
+@pytest.mark.parametrize("one_sweep", [True, False])
+@pytest.mark.parametrize("lq", [ROWS, 5, LOCAL_TILE_ROWS])
+def test_backward_transposes_its_own_tiles_with_the_filled_tiles_bits(monkeypatch, rng, lq,
+                                                                      one_sweep):
+    """With few query rows the backward's tasks transpose each key and value tile
+    themselves instead of a prologue over all of ``k`` and ``v``: the same tiles, so
+    the same gradients bit for bit (the one-sweep and two-sweep kernels)."""
+    import attnnb.cpu.backward as backward
+
+    (q, k, v), kwargs, (dout, dlse) = _few_rows_problem(rng, lq, np.float32)
     monkeypatch.setattr(backward, "ONE_SWEEP_TASKS", 1 if one_sweep else 10**9)
 
     def grads():
-        return attnnb.vjp(attnnb.attention, q, k, v, **kwargs)[1](dout, dlse)
+        return attnnb.vjp(attnnb.attention, q, k, v, backend="cpu", **kwargs)[1](dout, dlse)
 
     local = grads()
     monkeypatch.setattr(backward, "LOCAL_TILE_ROWS", 0)  # the filled tiles instead
@@ -178,3 +184,28 @@ def test_backward_transposes_its_own_tiles_with_the_filled_tiles_bits(monkeypatc
     for name in ("q", "k", "v", "bias", "key_size"):
         assert np.isfinite(local[name]).all(), name
         np.testing.assert_array_equal(local[name], filled[name], err_msg=name)
+
+
+@pytest.mark.parametrize("one_sweep", [True, False])
+@pytest.mark.parametrize("lq", [1, ROWS - 1])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_backward_of_fewer_rows_than_a_block_reads_keys_as_stored(monkeypatch, rng, lq, dtype,
+                                                                 one_sweep):
+    """Below ``ROWS`` query rows the backward forms ``q k^T`` and ``dout v^T`` by dot
+    products on the keys and values as stored (no transposed tiles), as the forward
+    does: the float64 reference's gradients, and float32 within its precision."""
+    import attnnb.cpu.backward as backward
+
+    (q, k, v), kwargs, (dout, dlse) = _few_rows_problem(rng, lq, dtype)
+    monkeypatch.setattr(backward, "ONE_SWEEP_TASKS", 1 if one_sweep else 10**9)
+    got = attnnb.vjp(attnnb.attention, q, k, v, backend="cpu", **kwargs)[1](dout, dlse)
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    want = attnnb.vjp(attnnb.attention, *wide, backend="reference",
+                      **{**kwargs, "bias": kwargs["bias"].astype(np.float64),
+                         "key_size": kwargs["key_size"].astype(np.float64)})[1](
+        dout.astype(np.float64), dlse.astype(np.float64))
+    rtol = 1e-12 if dtype == np.float64 else 2e-5
+    for name in ("q", "k", "v", "bias", "key_size"):
+        assert np.isfinite(got[name]).all(), name
+        err = np.abs(got[name] - want[name]).max() / np.abs(want[name]).max()
+        assert err <= rtol, (name, err)

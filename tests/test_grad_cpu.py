@@ -118,10 +118,22 @@ def test_sparse_patterns(qkv, dtype, per_head):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
-def test_topk_selection_held_fixed(qkv, dtype, causal):
-    q, k, v = qkv(dtype)
+@pytest.mark.parametrize("lq", [70, 1, 3])
+def test_topk_selection_held_fixed(qkv, dtype, causal, lq):
+    """Also with fewer query rows than a register block (decoding), where the dense
+    backward forms its logits differently: the selection's threshold key must stay in."""
+    q, k, v = qkv(dtype, Lq=lq)
     kwargs = dict(causal=causal, return_lse=True)
     assert_close(*both(attnnb.topk_attention, (q, k, v, 9), kwargs, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lq", [1, 3])
+def test_sparse_with_few_query_rows(qkv, dtype, lq):
+    q, k, v = qkv(dtype, Lq=lq)
+    pattern = patterns.local((lq, 131), 40) | patterns.longformer((lq, 131), 0, [0, 99])
+    kwargs = dict(return_lse=True)
+    assert_close(*both(attnnb.sparse_attention, (q, k, v, pattern), kwargs, dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

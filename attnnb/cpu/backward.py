@@ -28,7 +28,9 @@ so sparse attention's backward also costs in proportion to the allowed
 pairs.  All five matrix
 products are the forward's register-blocked ones: ``q k^T`` and
 ``dout v^T`` read keys and values transposed tile by tile
-(:func:`~attnnb.cpu._tiles.prepare_key_tile`), the three others are
+(:func:`~attnnb.cpu._tiles.prepare_key_tile`; with fewer than ``ROWS``
+query rows, as stored, one dot product per key: :func:`pair_tiles`), the
+three others are
 :func:`~attnnb.cpu._tiles.values_product` and
 :func:`~attnnb.cpu._tiles.transposed_values_product`, which reads a weight
 tile's columns as its rows (no transposed copy).
@@ -46,6 +48,7 @@ import numpy as np
 from numba import prange
 
 from .._codes import NORMALIZER_CODES, RELU_EXPM1
+from ._blocks import ROWS
 from ._exp import exp_shifted
 from ._grad_tiles import (
     by_key_tile,
@@ -68,6 +71,7 @@ from ._tiles import (
     scaled_rows,
     task_rows,
     tile_is_finite,
+    tile_logits_rows,
     tile_logits_t,
     transpose_keys,
     transposed_values_product,
@@ -120,7 +124,17 @@ class PairArguments(NamedTuple):
 
 
 @inner
-def pair_tiles(k, v, kt, vt, k_ok, local, own, b, g, t):
+def few_rows(local, Lq, selected):
+    """Whether the pair products read keys and values as stored (:func:`pair_tiles`):
+    with the local tiles and fewer than ``ROWS`` query rows, but not for a top-k
+    selection, whose forward formed its logits from transposed tiles: the selection
+    held fixed compares recomputed logits with the forward's threshold, so they must
+    be the forward's bit for bit."""
+    return local and Lq < ROWS and not selected
+
+
+@inner
+def pair_tiles(k, v, kt, vt, k_ok, local, by_rows, own, b, g, t):
     """``(kth, vth, tile_j0, k_finite)``: key head ``g``'s key and value tile ``t`` for
     the pair products (:func:`tile_logits_t` of ``kth``, ``vth`` at ``tile_j0``) and
     whether the key tile is all finite.
@@ -129,20 +143,24 @@ def pair_tiles(k, v, kt, vt, k_ok, local, own, b, g, t):
     rows, :data:`~attnnb.cpu._splits.LOCAL_TILE_ROWS`: the host filled none),
     transposed and checked here, into ``own = (k tile, v tile)`` of shapes ``(1,
     D, TILE_K)`` and ``(1, Dv, TILE_K)``, which stay in cache for the pair.  The
-    same tiles either way, so the same bits.
+    same tiles either way, so the same bits.  With ``by_rows`` (:func:`few_rows`)
+    nothing is transposed: the pair products then read the keys and values as
+    stored (:func:`pair_gradients`), as the forward's do, since two transposed
+    copies a tile cost more than the dot products of one to three rows.
     """
     j0 = t * TILE_K
     if local:
         own_k, own_v = own
-        transpose_keys(k[b, g], j0, own_k[0])
-        transpose_keys(v[b, g], j0, own_v[0])
+        if not by_rows:
+            transpose_keys(k[b, g], j0, own_k[0])
+            transpose_keys(v[b, g], j0, own_v[0])
         return own_k, own_v, 0, tile_is_finite(k[b, g], j0)
     return kt[b, g], vt[b, g], j0, k_ok[b, g, t]
 
 
 @inner
-def pair_gradients(pair, q, kth, vth, tile_j0, b, h, ph, i0, nq, j0, nk, diag, csr_masked,
-                   cursor, scratch):
+def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, b, h, ph, i0, nq, j0, nk,
+                   diag, csr_masked, cursor, scratch):
     """Weights ``W`` and logit gradients ``dS`` of one (query tile, key tile) pair.
 
     Recomputes the forward's modified logits of query head ``h``'s rows
@@ -152,7 +170,9 @@ def pair_gradients(pair, q, kth, vth, tile_j0, b, h, ph, i0, nq, j0, nk, diag, c
     scratch of ``nq``) and, when ``pair.selected``, only the keys of the
     forward's top-k selection (:func:`attnnb.cpu.topk.topk_selection`);
     ``kth``, ``vth``, ``tile_j0``: the key tile's transposed keys and values
-    (:func:`pair_tiles`); ``scratch`` is
+    (:func:`pair_tiles`), or with ``by_rows`` the key head's keys and values
+    ``kh``, ``vh`` as stored, one dot product per (row, key) (the dense
+    forward's logits of so few rows, the same bits); ``scratch`` is
     :func:`~attnnb.cpu._grad_tiles.pair_scratch`'s.  Returns
     ``(W, dS, dP)``, ``(nq, nk)`` views of the scratch, with ``dP``
     overwritten by ``dP - delta`` (what ``d log key_size`` needs).  Rows
@@ -163,7 +183,10 @@ def pair_gradients(pair, q, kth, vth, tile_j0, b, h, ph, i0, nq, j0, nk, diag, c
     lse_bh, ratio_bh, delta_bh = pair.lse[b, h], pair.ratio[b, h], pair.delta[b, h]
     row0 = ph * q.shape[2] + i0  # CSR row of the tile's first query
     qs = scaled_rows(q[b, h], i0, nq, pair.scale, q_flat)
-    S = tile_logits_t(qs, kth, tile_j0, nk, S_flat)
+    if by_rows:
+        S = tile_logits_rows(qs, kh, j0, nk, S_flat)
+    else:
+        S = tile_logits_t(qs, kth, tile_j0, nk, S_flat)
     if csr_masked:
         # the pairs are visited in any order: find each row's first key >= j0
         for r in range(nq):
@@ -181,7 +204,10 @@ def pair_gradients(pair, q, kth, vth, tile_j0, b, h, ph, i0, nq, j0, nk, diag, c
                 if not (x > thr or (x == thr and j0 + c <= cut) or x != x):
                     S[r, c] = -np.inf
     do = scaled_rows(pair.dout[b, h], i0, nq, 1.0, do_flat)
-    dP = tile_logits_t(do, vth, tile_j0, nk, dP_flat)
+    if by_rows:
+        dP = tile_logits_rows(do, vh, j0, nk, dP_flat)
+    else:
+        dP = tile_logits_t(do, vth, tile_j0, nk, dP_flat)
     W = view2d(W_flat, nq, nk)
     dS = view2d(dS_flat, nq, nk)
     for r in range(nq):
@@ -208,9 +234,9 @@ def pair_gradients(pair, q, kth, vth, tile_j0, b, h, ph, i0, nq, j0, nk, diag, c
 
 
 @inner
-def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, own, b, g, t, col_ptr, col_qt,
-                       col_full, need_dbias, own_dq, dq, dk, dv, dbias, dlogks, scratch,
-                       cursor):
+def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, own, b, g, t, col_ptr,
+                       col_qt, col_full, need_dbias, own_dq, dq, dk, dv, dbias, dlogks,
+                       scratch, cursor):
     """Every gradient term of key tile ``t`` of key head ``g``: its ``dk``, ``dv``,
     ``dbias`` columns and ``dlogks``, and with ``own_dq`` its terms of ``dq``.
 
@@ -218,14 +244,16 @@ def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, own, b, g, t, col_ptr
     forward's tile lists read by key tile) for every query head of the GQA
     group.  ``dq`` gets ``dS @ k_tile`` added unscaled (its owner scales it
     once at the end); ``dk`` and ``dv`` of the tile are written, scaled.
-    ``kt``, ``vt``, ``k_ok``, ``local``, ``own``: as :func:`pair_tiles` takes them.
+    ``kt``, ``vt``, ``k_ok``, ``local``, ``by_rows``, ``own``: as :func:`pair_tiles`
+    takes them.
     """
     _, _, Lq, Lk, Dv, group, _, n_kt, diag = sweep_geometry(q, k, dv, TILE_Q, pair.causal)
     D = k.shape[3]
     j0 = t * TILE_K
     nk = min(TILE_K, Lk - j0)
     T_flat = scratch[8]
-    kth, vth, tile_j0, k_finite = pair_tiles(k, v, kt, vt, k_ok, local, own, b, g, t)
+    kth, vth, tile_j0, k_finite = pair_tiles(k, v, kt, vt, k_ok, local, by_rows, own, b, g,
+                                             t)
     dk_acc = np.zeros((nk, D), q.dtype)
     dv_acc = np.zeros((nk, Dv), q.dtype)
     for h in range(g * group, (g + 1) * group):
@@ -235,8 +263,9 @@ def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, own, b, g, t, col_ptr
             i0 = col_qt[p] * TILE_Q
             nq = min(TILE_Q, Lq - i0)
             partial = pair.csr and not col_full[p]  # (no control flow inside a call)
-            W, dS, G = pair_gradients(pair, q, kth, vth, tile_j0, b, h, ph, i0, nq, j0, nk,
-                                      diag, partial, cursor, scratch)
+            W, dS, G = pair_gradients(pair, q, kth, vth, tile_j0, k[b, g], v[b, g], by_rows,
+                                      b, h, ph, i0, nq, j0, nk, diag, partial, cursor,
+                                      scratch)
             if own_dq:
                 # a key tile holding Inf or NaN: skip the zero weights, as the forward does
                 add_weighted_values(dS, k[b, g], j0, k_finite, dq[b, h, i0 : i0 + nq], T_flat)
@@ -285,6 +314,7 @@ def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, local, pair, col_ptr, col_qt, col_f
     group = Hq // Hk
     per_task = n_kt if own_dq else 1
     n_ranges = n_kt // per_task
+    by_rows = few_rows(local, Lq, pair.selected)
     for task in prange(B * Hk * n_ranges):
         wide_vectors()
         b, g, span = task // (Hk * n_ranges), (task // n_ranges) % Hk, task % n_ranges
@@ -292,9 +322,9 @@ def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, local, pair, col_ptr, col_qt, col_f
         cursor = np.empty(TILE_Q, np.int64)
         own = (np.empty((1, D, TILE_K), q.dtype), np.empty((1, Dv, TILE_K), q.dtype))
         for t in range(span * per_task, (span + 1) * per_task):
-            key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, own, b, g, t, col_ptr,
-                               col_qt, col_full, need_dbias, own_dq, dq, dk, dv, dbias, dlogks,
-                               scratch, cursor)
+            key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, own, b, g, t,
+                               col_ptr, col_qt, col_full, need_dbias, own_dq, dq, dk, dv, dbias,
+                               dlogks, scratch, cursor)
         if own_dq:  # dq's terms arrived in key-tile order, as in dq_kernel; now scaled
             for h in range(g * group, (g + 1) * group):
                 for r in range(Lq):
@@ -311,6 +341,7 @@ def dq_kernel(q, k, v, kt, vt, k_ok, local, pair, row_ptr, row_kt, row_full, dq)
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, pair.causal)
     D = k.shape[3]
+    by_rows = few_rows(local, Lq, pair.selected)
     for task in prange(B * Hq * n_qt):
         wide_vectors()
         b, h, qt, i0, nq = task_rows(task, Hq, n_qt, TILE_Q, Lq)
@@ -325,10 +356,10 @@ def dq_kernel(q, k, v, kt, vt, k_ok, local, pair, row_ptr, row_kt, row_full, dq)
             j0 = row_kt[p] * TILE_K
             nk = min(TILE_K, Lk - j0)
             partial = pair.csr and not row_full[p]  # (no control flow inside a call)
-            kth, vth, tile_j0, k_finite = pair_tiles(k, v, kt, vt, k_ok, local, own, b, g,
-                                                     row_kt[p])
-            _, dS, _ = pair_gradients(pair, q, kth, vth, tile_j0, b, h, ph, i0, nq, j0, nk,
-                                      diag, partial, cursor, scratch)
+            kth, vth, tile_j0, k_finite = pair_tiles(k, v, kt, vt, k_ok, local, by_rows, own,
+                                                     b, g, row_kt[p])
+            _, dS, _ = pair_gradients(pair, q, kth, vth, tile_j0, k[b, g], v[b, g], by_rows, b,
+                                      h, ph, i0, nq, j0, nk, diag, partial, cursor, scratch)
             # a key tile holding Inf or NaN: skip the zero weights, as the forward does
             add_weighted_values(dS, k[b, g], j0, k_finite, dq_acc, scratch[8])
         for r in range(nq):
