@@ -78,6 +78,89 @@ def test_bias_shapes(qkv, dtype, bias_shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_shape", [(70, 131), (2, 1, 70, 131), (4, 1, 131),
+                                        (2, 1, 1, 131)])
+@pytest.mark.parametrize("chunk", ["batch", "heads"])
+def test_broadcast_bias_gradient_in_chunks(monkeypatch, qkv, dtype, bias_shape, chunk):
+    """A broadcast bias whose full-size gradient buffer would be too large: the backward
+    runs in chunks (whole batch elements, or key heads of one batch element) and sums
+    them to the bias's shape; the same gradients, every one, with a mask, key sizes,
+    GQA and an LSE cotangent."""
+    import attnnb.cpu.backward as backward
+    from attnnb.cpu import _bias_chunks
+
+    q, k, v = qkv(dtype)
+    one_batch = 4 * 70 * 131 * np.dtype(dtype).itemsize  # Hq query heads' rows
+    monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", one_batch if chunk == "batch" else 1)
+    monkeypatch.setattr(backward, "ONE_SWEEP_TASKS", 1)  # chunks of one key head allowed
+    rng = np.random.default_rng(6)
+    kwargs = dict(bias=arr(rng, *bias_shape, dtype=dtype), mask=rng.random((70, 131)) > 0.2,
+                  key_size=rng.integers(1, 4, (2, 131)).astype(dtype), causal=True,
+                  return_lse=True)
+    shape = (2, 4, 2, 70, 131, 24, 40)
+    pieces = _bias_chunks.bias_chunks(shape, np.dtype(dtype).itemsize, (1, 1, 70, 131))
+    assert len(pieces) == (2 if chunk == "batch" else 4)
+    assert_close(*both(attnnb.attention, (q, k, v), kwargs, dtype), dtype)
+
+
+def test_broadcast_bias_gradient_in_chunks_matches_finite_differences(monkeypatch, qkv):
+    """The chunked bias gradient (one key head a chunk) against central differences of
+    the float64 reference forward, at entries the batch and heads all contribute to."""
+    import attnnb.cpu.backward as backward
+    from attnnb.cpu import _bias_chunks
+
+    monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(backward, "ONE_SWEEP_TASKS", 1)
+    q, k, v = qkv(np.float64)
+    rng = np.random.default_rng(8)
+    bias = arr(rng, 70, 131)
+    w = arr(rng, 2, 4, 70, 40)
+    grads = attnnb.vjp(attnnb.attention, q, k, v, bias=bias, causal=True, backend="cpu")[1](w)
+    eps = 1e-6
+    for idx in [(0, 0), (69, 130), (35, 17), (69, 0)]:
+        sums = []
+        for step in (eps, -eps):
+            moved = bias.copy()
+            moved[idx] += step
+            out = attnnb.attention(q, k, v, bias=moved, causal=True, backend="reference")
+            sums.append(np.sum(out * w))
+        fd = (sums[0] - sums[1]) / (2 * eps)
+        assert abs(grads["bias"][idx] - fd) <= 1e-7 * max(1.0, abs(fd)), (idx, fd)
+
+
+def test_broadcast_bias_gradient_memory(monkeypatch):
+    """The pullback's peak allocation stays below the full (B, H, Lq, Lk) buffer that a
+    shared (Lq, Lk) bias would otherwise need (16 MiB here, the bias 0.25 MiB)."""
+    import tracemalloc
+
+    import attnnb.cpu.backward as backward
+    from attnnb.cpu import _bias_chunks
+
+    monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", 2**20)
+    monkeypatch.setattr(backward, "ONE_SWEEP_TASKS", 1)  # chunks of 1 MiB, whatever form
+    rng = np.random.default_rng(7)
+    B, H, L, D = 4, 16, 256, 16
+    q, k, v = (arr(rng, B, H, L, D, dtype=np.float32) for _ in range(3))
+    bias = arr(rng, L, L, dtype=np.float32)
+    out, pull = attnnb.vjp(attnnb.attention, q, k, v, bias=bias, backend="cpu")
+    dout = arr(rng, *out.shape, dtype=np.float32)
+    pull(dout)  # compiled and warm
+    tracemalloc.start()
+    try:
+        grads = pull(dout)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    full = B * H * L * L * 4
+    assert peak < full / 2, (peak, full)
+    want = attnnb.vjp(attnnb.attention, *(x.astype(np.float64) for x in (q, k, v)),
+                      bias=bias.astype(np.float64), backend="reference")[1](
+        dout.astype(np.float64))
+    err = np.abs(grads["bias"] - want["bias"]).max() / np.abs(want["bias"]).max()
+    assert err <= RTOL[np.float32], err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_two_dimensional_one_head_and_empty_rows(dtype):
     rng = np.random.default_rng(4)
     q, k, v = arr(rng, 5, 8, dtype=dtype), arr(rng, 67, 8, dtype=dtype), arr(rng, 67, 3,

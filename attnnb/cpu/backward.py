@@ -48,6 +48,7 @@ import numpy as np
 from numba import prange
 
 from .._codes import NORMALIZER_CODES, RELU_EXPM1
+from ._bias_chunks import bias_chunks, chunked_vjp
 from ._blocks import ROWS
 from ._exp import exp_shifted
 from ._grad_tiles import (
@@ -475,8 +476,18 @@ def attention_vjp(problem, out, lse, dout, dlse, dbias_shape=None):
 
     The bias gradient is formed full size, ``(B, Hq, Lq, Lk)``, then summed
     to ``dbias_shape``: each key-tile task owns its columns, so there are
-    no write races, at the cost of that buffer for a broadcast bias.
+    no write races.  For a broadcast bias whose full-size buffer would pass
+    :data:`~attnnb.cpu._bias_chunks.CHUNK_BYTES` the backward runs in chunks
+    of batch elements or key heads instead (:mod:`attnnb.cpu._bias_chunks`).
     """
+    chunks = bias_chunks(problem.shape, problem.q.dtype.itemsize, dbias_shape,
+                         min_heads=ONE_SWEEP_TASKS)
+    if chunks is not None:
+        def run(part, out_c, lse_c, dout_c, dlse_c):
+            g = tiled_vjp(part, out_c, lse_c, dout_c, dlse_c, True)
+            return g["q"], g["k"], g["v"], g["bias"], g["log_key_size"]
+
+        return chunked_vjp(run, problem, (out, lse, dout, dlse), chunks, dbias_shape)
     g = tiled_vjp(problem, out, lse, dout, dlse, dbias_shape is not None)
     dbias = None if dbias_shape is None else _sum_to(g["bias"], tuple(dbias_shape))
     return g["q"], g["k"], g["v"], dbias, g["log_key_size"]

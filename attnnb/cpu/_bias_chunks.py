@@ -1,0 +1,112 @@
+"""A broadcast bias's gradient without a ``(B, Hq, Lq, Lk)`` buffer: the backward in chunks.
+
+The backward kernels write the bias gradient element by element into a
+buffer of the full ``(B, Hq, Lq, Lk)`` shape (each key-tile task owns its
+columns, so there are no write races and no atomics), which the host then
+sums to the bias's own shape.  For a bias that broadcasts (a shared ``(Lq,
+Lk)`` bias, one per head, a key-padding bias) that buffer is ``B * Hq`` (or
+``B``, or ``Hq``) times the bias: 17 GB for an ``(Lq, Lk)`` bias at ``B =
+8, H = 32, L = 4096`` in float32, where the contract allows only the
+gradients themselves (docs/contract.md §5.4).
+
+So when the buffer would exceed :data:`CHUNK_BYTES` and the bias is not
+full size, the problem is cut into chunks of whole batch elements, or of
+one batch element's key heads (with their GQA groups of query heads),
+each small enough (:func:`bias_chunks`); each chunk's backward runs on its own and its bias
+gradient is summed into the bias's shape, chunk by chunk in index order.
+The chunks are a function of the shape alone, so the result is the same
+on every run and with any thread count; it differs from the one-piece sum
+only in the order of the additions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+# Largest full-size bias gradient buffer formed at once (bytes), unless one chunk of
+# ``min_heads`` key heads is larger (see bias_chunks).
+CHUNK_BYTES = 256 * 2**20
+
+
+def bias_chunks(shape, itemsize, dbias_shape, min_heads=1):
+    """``[(b0, b1, g0, g1)]``: batch elements ``b0:b1`` and key heads ``g0:g1`` per chunk,
+    or None when the backward runs in one piece.
+
+    ``shape`` is the problem's ``(B, Hq, Hk, Lq, Lk, D, Dv)``; one piece when no bias
+    gradient is asked for (``dbias_shape`` None), when the bias is full size, or when the
+    full buffer fits in :data:`CHUNK_BYTES`.  A chunk holds at least ``min_heads`` key
+    heads (counted over its batch elements) where the problem has them, so that it
+    keeps the backward's one-sweep form (``ONE_SWEEP_TASKS`` in
+    :mod:`attnnb.cpu.backward`; measured: chunks of 4 key heads in the two-sweep form
+    took the backward of a shared bias from 254 to 386 ms at B = 1, H = 8, N = 2048).
+    The buffer is then at most ``CHUNK_BYTES`` or ``min_heads`` key heads' rows.
+    """
+    B, Hq, Hk, Lq, Lk = shape[:5]
+    if dbias_shape is None or tuple(dbias_shape) == (B, Hq, Lq, Lk) or not Hk:
+        return None
+    per_key_head = (Hq // Hk) * Lq * Lk * itemsize  # one key head's query heads
+    if B * Hk * per_key_head <= CHUNK_BYTES:
+        return None
+    heads = max(min_heads, CHUNK_BYTES // per_key_head, 1)  # key heads per chunk
+    if heads >= Hk:  # whole batch elements
+        n = heads // Hk
+        return [(b0, min(B, b0 + n), 0, Hk) for b0 in range(0, B, n)]
+    return [(b, b + 1, g0, min(Hk, g0 + heads)) for b in range(B) for g0 in range(0, Hk, heads)]
+
+
+def chunk_problem(problem, b0, b1, g0, g1):
+    """The part of a canonical problem with batch elements ``b0:b1`` and key heads
+    ``g0:g1`` (query heads of their GQA groups): views, contiguous where the whole is,
+    since a chunk is whole batch elements or heads of one batch element."""
+    group = problem.q.shape[1] // problem.k.shape[1]
+    h0, h1 = g0 * group, g1 * group
+
+    def part(x, heads):
+        return None if x is None else x[b0:b1, heads[0]:heads[1]]
+
+    return dataclasses.replace(
+        problem, q=part(problem.q, (h0, h1)), k=part(problem.k, (g0, g1)),
+        v=part(problem.v, (g0, g1)), mask=part(problem.mask, (h0, h1)),
+        bias=part(problem.bias, (h0, h1)),
+        log_key_size=None if problem.log_key_size is None else problem.log_key_size[b0:b1])
+
+
+def add_bias_part(dbias, part, b0, b1, h0, h1):
+    """``dbias`` (the bias's own 4-D shape) += the chunk's full-size gradient ``part``
+    ``(b1 - b0, h1 - h0, Lq, Lk)``, summed over the axes the bias broadcasts along."""
+    rows = slice(b0, b1) if dbias.shape[0] > 1 else slice(None)
+    heads = slice(h0, h1) if dbias.shape[1] > 1 else slice(None)
+    target = dbias[rows, heads]
+    axes = tuple(a for a, (n, m) in enumerate(zip(part.shape, target.shape))
+                 if m == 1 and n != 1)
+    target += part.sum(axis=axes, keepdims=True) if axes else part
+
+
+def chunked_vjp(run, problem, per_row, chunks, dbias_shape):
+    """Gradients of a problem, chunk by chunk (:func:`bias_chunks`).
+
+    ``run(sub_problem, *sub_rows)`` returns the backward's ``(dq, dk, dv, dbias_full,
+    dlog_key_size)`` of one chunk; ``per_row`` are the arrays with the forward's
+    ``(B, Hq, Lq, ...)`` leading axes (``out``, ``lse``, ``dout``, ``dlse``; None
+    passes through), sliced with it.  Returns the same five for the whole problem,
+    the bias gradient in ``dbias_shape``.
+    """
+    q, k, v = problem.q, problem.k, problem.v
+    dt = q.dtype
+    group = q.shape[1] // k.shape[1]
+    dq, dk, dv = np.empty(q.shape, dt), np.empty(k.shape, dt), np.empty(v.shape, dt)
+    dbias = np.zeros(tuple(dbias_shape), dt)
+    dlks = None if problem.log_key_size is None else np.zeros(problem.log_key_size.shape, dt)
+    for b0, b1, g0, g1 in chunks:
+        h0, h1 = g0 * group, g1 * group
+        rows = [None if x is None else x[b0:b1, h0:h1] for x in per_row]
+        gq, gk, gv, gbias, glks = run(chunk_problem(problem, b0, b1, g0, g1), *rows)
+        dq[b0:b1, h0:h1] = gq
+        dk[b0:b1, g0:g1] = gk
+        dv[b0:b1, g0:g1] = gv
+        add_bias_part(dbias, gbias, b0, b1, h0, h1)
+        if dlks is not None:
+            dlks[b0:b1] += glks
+    return dq, dk, dv, dbias, dlks
