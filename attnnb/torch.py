@@ -29,6 +29,10 @@ What they do with tensors
   differential forward keeps no LSE and its backward recomputes the two
   streams', as :func:`attnnb.vjp` does).  Cotangents of outputs that were
   not used arrive as None and cost nothing.
+* **Backend.** ``backend=None`` is resolved when the function is called
+  (:func:`attnnb.use_backend` of the calling thread, then ``ATTNNB_BACKEND``,
+  then ``"auto"``; under ``torch.compile``, when it is traced) and the backward
+  runs on the same backend, as :func:`attnnb.vjp`'s pullback does.
 * **torch.compile** sees each call as one operator (fake-tensor rules are
   registered, so it traces without running the kernels and without a graph
   break), and ``torch.library.opcheck`` passes on all eight.
@@ -65,7 +69,7 @@ if "torch" not in sys.modules:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from . import _bridge  # noqa: E402
+from . import _bridge, _dispatch  # noqa: E402
 from ._validate import check_bool  # noqa: E402
 from .attention import attention as _np_attention  # noqa: E402
 from .diff import diff_attention as _np_diff_attention  # noqa: E402
@@ -355,6 +359,14 @@ def _scale(scale):
     return None if scale is None else float(scale)
 
 
+def _chosen(backend):
+    """``backend``, with None resolved now (:func:`attnnb.use_backend` of this thread,
+    then ``ATTNNB_BACKEND``, then ``"auto"``): the operator and its backward then
+    carry the name, so the backward runs where the forward ran, whatever thread
+    autograd runs it on and whatever context is active then."""
+    return _dispatch.requested_backend(backend)
+
+
 def _finish(out, lse, result_dtype, return_lse):
     out = out.to(result_dtype)
     return (out, lse) if return_lse else out
@@ -384,7 +396,7 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         q, k, v, _optional("mask", mask, q.device, floating=False),
         _optional("bias", bias, q.device, floating=True),
         _optional("key_size", key_size, q.device, floating=True),
-        check_bool("causal", causal), _scale(scale), normalizer, backend)
+        check_bool("causal", causal), _scale(scale), normalizer, _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 
@@ -413,7 +425,7 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     out, lse = _OPS["sparse_attention"](
         q, k, v, indptr, indices, heads,
         _optional("key_size", key_size, q.device, floating=True), _scale(scale), normalizer,
-        backend)
+        _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 
@@ -431,7 +443,7 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     out, lse = _OPS["topk_attention"](
         q, k, v, int(top_k.__index__()), _optional("mask", mask, q.device, floating=False),
         check_bool("causal", causal), _optional("key_size", key_size, q.device, floating=True),
-        _scale(scale), backend)
+        _scale(scale), _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 
@@ -450,7 +462,7 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         q, k, v, lam, _optional("mask", mask, q.device, floating=False),
         _optional("bias", bias, q.device, floating=True),
         _optional("key_size", key_size, q.device, floating=True),
-        check_bool("causal", causal), _scale(scale), mode, backend)
+        check_bool("causal", causal), _scale(scale), mode, _chosen(backend))
     return out.to(result)
 
 
@@ -477,7 +489,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Notes
     -----
     A row with no allowed key gives zeros, as PyTorch's CPU kernels give
-    them (checked against torch 2.13); its gradients are zeros too.
+    them (checked against torch 2.13); its gradients are zeros too.  Batch
+    axes (before the heads, 4-D and up) broadcast against each other as in
+    PyTorch: a key of batch 1 serves every query batch (expanded, so the
+    kernels read one contiguous copy of it per query batch).
     """
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0.0: attnnb has no dropout; got {dropout_p}")
@@ -490,6 +505,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             and not enable_gqa:
         raise ValueError(f"query has {query.shape[-3]} heads and key {key.shape[-3]}: pass "
                          "enable_gqa=True for grouped-query attention")
+    if query.dim() >= 4 and key.dim() == value.dim() == query.dim():
+        # PyTorch broadcasts the batch axes (those before the heads) of q, k and v
+        # against each other; attnnb's functions want them equal, so expand (views; the
+        # kernels copy a broadcast input once, and autograd sums its gradient back)
+        batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+        query, key, value = (x if x.shape[:-3] == batch else x.expand(*batch, *x.shape[-3:])
+                             for x in (query, key, value))
     mask = bias = None
     causal = False
     if attn_mask is not None:

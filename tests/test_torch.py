@@ -279,6 +279,25 @@ def test_sdpa_drop_in_forward_and_backward(case):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("shared", ["kv", "q"])
+def test_sdpa_drop_in_broadcasts_batch_axes(shared):
+    """As PyTorch's: keys and values of batch 1 against queries of batch 2 (or the other
+    way), with 5-D inputs (two batch axes); the broadcast input's gradient is summed."""
+    rng = np.random.default_rng(13)
+    qb, kb = ((2, 3), (1, 3)) if shared == "kv" else ((1, 3), (2, 1))
+    q = _t(rng, qb + (2, 5, 8), torch.float64)
+    k, v = _t(rng, kb + (2, 6, 8), torch.float64), _t(rng, kb + (2, 6, 4), torch.float64)
+    results = []
+    for fn in (F.scaled_dot_product_attention, at.scaled_dot_product_attention):
+        out = fn(q, k, v, is_causal=True)
+        results.append((out, torch.autograd.grad(out.square().sum(), (q, k, v))))
+    (ref, ref_grads), (out, grads) = results
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        assert g.shape == r.shape
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
 def test_sdpa_refusals():
     q = torch.zeros(1, 2, 3, 4)
     with pytest.raises(ValueError, match="dropout_p"):
@@ -317,3 +336,26 @@ def test_passive_openmp_wait_policy_only_before_torch_loads(torch_first):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout.split()[-1]
     assert out == ("unset" if torch_first else "PASSIVE")
+
+
+def test_backward_runs_on_the_forward_backend(monkeypatch):
+    """A forward under ``use_backend("reference")`` gets its backward there too, even
+    when ``backward()`` runs after the context has ended (or on autograd's thread)."""
+    from attnnb import _dispatch
+
+    seen = []
+    original = _dispatch.implementation
+
+    def spy(operation, backend):
+        seen.append((operation, backend))
+        return original(operation, backend)
+
+    monkeypatch.setattr(_dispatch, "implementation", spy)
+    rng = np.random.default_rng(0)
+    q, k, v = _qkv(rng)
+    with attnnb.use_backend("reference"):
+        out = at.attention(q, k, v)
+    out.sum().backward()
+    assert ("attention", "reference") in seen
+    assert ("attention_vjp", "reference") in seen
+    assert not any(backend != "reference" for _, backend in seen), seen
