@@ -65,11 +65,15 @@ def broadcast_pairwise(name, x, batch_shape, squeeze, B, Hq, Lq, Lk, dtype):
     """Broadcast a mask or bias to the canonical ``(B, Hq, Lq, Lk)`` as a view.
 
     The cast to ``dtype`` happens on the user's (unbroadcast) shape, so a
-    ``(Lk,)`` key-padding mask never grows to ``Lq * Lk``.
+    ``(Lk,)`` key-padding mask never grows to ``Lq * Lk``.  With several batch
+    axes that the array broadcasts along only in part (a ``(B1, 1, 1, Lq,
+    Lk)`` bias for ``(B1, B2, ...)`` queries), merging them into one axis is
+    not a view: then only the batch axes are copied out (``B1 * B2`` times the
+    user's trailing three axes), never the heads or rows it broadcasts along.
     """
     if x is None:
         return None
-    arr = np.asarray(x)
+    arr = as_named_array(name, x)
     if dtype == np.bool_:
         if arr.dtype != np.bool_:
             raise TypeError(f"{name} must be a boolean array (True = may attend); "
@@ -86,7 +90,34 @@ def broadcast_pairwise(name, x, batch_shape, squeeze, B, Hq, Lq, Lk, dtype):
             f"{name} of shape {arr.shape} cannot be broadcast to {full} "
             "(batch..., heads, queries, keys)"
         ) from None
-    return view.reshape(B, Hq, Lq, Lk) if view.size else np.zeros((B, Hq, Lq, Lk), arr.dtype)
+    if not view.size:
+        return np.zeros((B, Hq, Lq, Lk), arr.dtype)
+    try:
+        return np.reshape(view, (B, Hq, Lq, Lk), copy=False)
+    except ValueError:  # the batch axes do not merge as a view: copy them alone
+        padded = arr.reshape((1,) * (len(full) - arr.ndim) + arr.shape)
+        tail = padded.shape[-3:]  # the user's heads, rows, keys (1 where broadcast)
+        merged = np.ascontiguousarray(np.broadcast_to(padded, batch_shape + tail))
+        merged = merged.reshape((B,) + tail)
+        return np.broadcast_to(merged, (B, Hq, Lq, Lk))
+
+
+def as_named_array(name, x):
+    """``np.asarray(x)``, with an error that names the argument (ragged lists).
+
+    A ``numpy.ma`` masked array with masked entries is refused: ``np.asarray``
+    would drop its mask and the masked data would be used as they are (pass
+    ``x.filled(...)``, or for keys a ``mask=``).  One with no masked entry is
+    taken as its data.
+    """
+    if isinstance(x, np.ma.MaskedArray) and np.ma.getmaskarray(x).any():
+        raise TypeError(f"{name} is a masked array with masked entries, which attnnb would "
+                        "read as they are; pass x.filled(value), or say which keys to leave "
+                        "out with mask=")
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as exc:
+        raise TypeError(f"{name} could not be read as a NumPy array: {exc}") from exc
 
 
 def _check_key_size_values(arr: np.ndarray) -> None:
@@ -119,7 +150,7 @@ def log_key_sizes(key_size, batch_shape, squeeze, B, Lk, dtype):
     """
     if key_size is None:
         return None
-    user = np.asarray(key_size)
+    user = as_named_array("key_size", key_size)
     if user.dtype.kind not in "fiu" or user.dtype == np.bool_:
         raise TypeError(f"key_size must be a real numeric array; got dtype {user.dtype}")
     arr = user

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import broadcast_pairwise, is_device_array, log_key_sizes
+from ._checks import as_named_array, broadcast_pairwise, is_device_array, log_key_sizes
 
 # The checks the device path shares live in a leaf module, so that _device
 # (imported lazily below, as it needs numba-cuda) never imports this one.
@@ -40,10 +40,7 @@ def host_float_array(name: str, x: Any) -> np.ndarray:
     """``np.asarray(x)``, rejecting integer, bool, complex and object data."""
     if x is None:
         raise TypeError(f"{name} must be an array, got None")
-    try:
-        arr = np.asarray(x)
-    except Exception as exc:  # e.g. ragged lists
-        raise TypeError(f"{name} could not be read as a NumPy array: {exc}") from exc
+    arr = as_named_array(name, x)  # e.g. ragged lists, masked arrays
     float_dtype_of(name, arr.dtype)
     return arr
 

@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from . import _dispatch
-from ._checks import where_first
+from ._checks import as_named_array, where_first
 from ._codes import DIFF_MODE_CODES
 from ._dask import any_dask
 from ._validate import attention_problem, compute_dtypes, float_dtype_of, is_device_array
@@ -133,7 +133,7 @@ def lambda_rows(lam, batch_shape, B, H, Lq, dtype):
         from numba import cuda
 
         lam = (lam if hasattr(lam, "copy_to_host") else cuda.as_cuda_array(lam)).copy_to_host()
-    arr = np.asarray(lam)
+    arr = as_named_array("lam", lam)
     if arr.dtype.kind not in "fiu":
         raise TypeError(f"lam must be a real number or a real array; got dtype {arr.dtype}")
     full = tuple(batch_shape) + (H, Lq)
@@ -154,7 +154,7 @@ def lambda_rows(lam, batch_shape, B, H, Lq, dtype):
 
 def _real(name, x):
     """``np.asarray(x)`` for real numeric (not bool, not complex) input."""
-    arr = np.asarray(x)
+    arr = as_named_array(name, x)
     if arr.dtype.kind not in "fiu":
         raise TypeError(f"{name} must be real numbers; got dtype {arr.dtype}")
     return arr
@@ -229,7 +229,7 @@ def subln(x, weight=None, *, lambda_init, eps=1e-5):
     ----------
     x : array ``(..., C)``
         Typically the output of :func:`diff_attention`, ``(*batch, H, L, 2d)``.
-    weight : array ``(C,)`` (or broadcastable to ``x``), optional
+    weight : array ``(C,)`` (or broadcastable to ``x`` without growing it), optional
         The RMSNorm gain; None means ones.
     lambda_init : float
     eps : float
@@ -245,7 +245,10 @@ def subln(x, weight=None, *, lambda_init, eps=1e-5):
     if x.ndim == 0:
         raise ValueError("x must have at least one axis (..., C); got a scalar")
     comp, _ = compute_dtypes(out_dtype)
-    init = float(_real("lambda_init", lambda_init))
+    init = _real("lambda_init", lambda_init)
+    if init.ndim:
+        raise TypeError(f"lambda_init must be a number; got an array of shape {init.shape}")
+    init = float(init)
     eps_v = float(_real("eps", eps))
     if not (math.isfinite(eps_v) and eps_v >= 0):
         raise ValueError(f"eps must be finite and >= 0; got {eps_v}")
@@ -254,9 +257,11 @@ def subln(x, weight=None, *, lambda_init, eps=1e-5):
     if weight is not None:
         w = _real("weight", weight).astype(comp, copy=False)
         try:
-            np.broadcast_shapes(w.shape, x.shape)
+            grows = np.broadcast_shapes(w.shape, x.shape) != x.shape
         except ValueError:
+            grows = True
+        if grows:  # the result keeps x's shape
             raise ValueError(f"weight of shape {w.shape} cannot be broadcast to x's {x.shape}; "
-                             f"expected ({x.shape[-1]},)") from None
+                             f"expected ({x.shape[-1]},)")
         y = y * w
     return (y * comp.type(1.0 - init)).astype(out_dtype, copy=False)

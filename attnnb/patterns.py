@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import as_named_array
+
 __all__ = [
     "BlockLayout",
     "Pattern",
@@ -124,12 +126,16 @@ class Pattern:
         if Lq < 0 or Lk < 0 or n_heads < 1:
             raise ValueError(f"shape must be non-negative and n_heads >= 1; got shape {shape}, "
                              f"n_heads {n_heads}")
+        given = (indptr, indices)
         indptr = np.ascontiguousarray(indptr, dtype=np.int64)
         indices = np.ascontiguousarray(indices)
         if indices.size == 0:
             indices = indices.astype(np.int32)
         if indices.dtype.kind not in "iu":
             raise TypeError(f"indices must be integers; got dtype {indices.dtype}")
+        # the range before the cast to int32, which would wrap keys of 2**31 and more
+        if indices.size and (indices.min() < 0 or indices.max() >= Lk):
+            raise ValueError(f"indices must lie in [0, Lk) = [0, {Lk})")
         indices = indices.astype(np.int32, copy=False)
         rows = n_heads * Lq
         if indptr.shape != (rows + 1,):
@@ -139,8 +145,6 @@ class Pattern:
             raise ValueError("indptr must start at 0, be non-decreasing and end at "
                              f"len(indices) = {indices.size}")
         if indices.size:
-            if indices.min() < 0 or indices.max() >= Lk:
-                raise ValueError(f"indices must lie in [0, Lk) = [0, {Lk})")
             step = np.diff(indices.astype(np.int64))
             starts = indptr[1:-1]
             starts = starts[(starts > 0) & (starts < indices.size)]
@@ -148,6 +152,10 @@ class Pattern:
             ok[starts - 1] = True  # a new row may start anywhere
             if not ok.all():
                 raise ValueError("indices must be strictly increasing within each row")
+        # read-only from here on, but never the caller's own arrays (inputs are not
+        # written to, their flags included): those are copied first
+        indptr, indices = (a.copy() if a.flags.writeable and np.may_share_memory(a, g) else a
+                           for a, g in zip((indptr, indices), given))
         indptr.flags.writeable = False
         indices.flags.writeable = False
         self.indptr = indptr
@@ -400,6 +408,25 @@ def _count(name, x, minimum=0):
     return int(x)
 
 
+def _flag(name, x):
+    """``x`` as a bool: True or False only (``None`` or ``1`` are errors, as in
+    :func:`attnnb.attention`)."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False; got {x!r}")
+    return bool(x)
+
+
+def _positions(name, x):
+    """Sorted unique integer positions from a sequence of integers: not booleans (a
+    mask is not a list of positions), not floats (no silent truncation)."""
+    arr = as_named_array(name, x)
+    if arr.size and (arr.dtype == np.bool_ or arr.dtype.kind not in "iu"):
+        raise TypeError(f"{name} must be a sequence of integer positions; got dtype "
+                        f"{arr.dtype}" + (" (for a boolean mask pass np.flatnonzero(mask))"
+                                          if arr.dtype == np.bool_ else ""))
+    return np.unique(arr.astype(np.int64).ravel())
+
+
 def _ranges(shape, lo, hi) -> Pattern:
     """Row ``i`` allows the keys ``lo[i] <= j <= hi[i]`` (clipped to ``[0, Lk)``)."""
     Lk = shape[1]
@@ -459,6 +486,7 @@ def local(n, window: int, *, causal: bool = False) -> Pattern:
     causal : bool
     """
     shape, pos = _grid(n)
+    causal = _flag("causal", causal)
     window = _count("window", window)
     return _ranges(shape, pos - window, pos if causal else pos + window)
 
@@ -488,6 +516,7 @@ def strided(n, stride: int, *, causal: bool = True) -> Pattern:
     causal : bool, default True
     """
     shape, pos = _grid(n)
+    causal = _flag("causal", causal)
     stride = _count("stride", stride, 1)
     last = pos if causal else np.full_like(pos, shape[1] - 1)
     return _progression(shape, pos % stride, last, stride)
@@ -520,6 +549,7 @@ def fixed(n, block: int, summary: int, *, causal: bool = True) -> Pattern:
     causal : bool, default True
     """
     shape, pos = _grid(n)
+    causal = _flag("causal", causal)
     block = _count("block", block, 1)
     summary = _count("summary", summary)
     if summary > block:
@@ -569,6 +599,7 @@ def dilated(n, window: int, dilation: int, *, causal: bool = False) -> Pattern:
     causal : bool
     """
     shape, pos = _grid(n)
+    causal = _flag("causal", causal)
     window = _count("window", window)
     dilation = _count("dilation", dilation, 1)
     reach = window * dilation
@@ -605,7 +636,7 @@ def longformer(n, window: int, global_tokens) -> Pattern:
     shape, pos = _grid(n)
     window = _count("window", window)
     Lk = shape[1]
-    g = np.unique(np.asarray(global_tokens, dtype=np.int64).ravel())
+    g = _positions("global_tokens", global_tokens)
     if g.size and (g[0] < 0 or g[-1] >= Lk):
         raise ValueError(f"global_tokens must lie in [0, {Lk}); got {g[0]}..{g[-1]}")
     is_global = np.isin(pos, g)
@@ -666,7 +697,11 @@ def bigbird(n: int, block: int, num_global: int, num_window: int, num_random: in
     num_window = _count("num_window", num_window)
     num_random = _count("num_random", num_random)
     nb = -(-shape[0] // block)
-    rng = np.random.default_rng(seed)
+    try:
+        rng = np.random.default_rng(seed)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"seed must be None, an integer, a SeedSequence or a Generator; "
+                        f"got {seed!r} ({exc})") from exc
     bi = np.arange(nb)[:, None]
     bj = np.arange(nb)[None, :]
     layout = (bi < num_global) | (bj < num_global) | (np.abs(bi - bj) <= num_window // 2)

@@ -75,6 +75,7 @@ from collections.abc import Callable
 import numpy as np
 
 from . import _dispatch
+from ._checks import as_named_array
 from ._codes import MERGE_MODE_CODES
 from ._validate import (
     check_bool,
@@ -584,6 +585,8 @@ def merge_wavg(matching, x, size=None):
     x : array ``(B, N, C)``
     size : array ``(B, N, 1)``, optional
         How many original tokens every token stands for; ones when None.
+        Integer counts are taken as ``x``'s floating dtype (as ``attention``'s
+        ``key_size`` takes them); booleans are refused.
 
     Returns
     -------
@@ -601,6 +604,9 @@ def merge_wavg(matching, x, size=None):
     if size is None:
         size = np.ones(x.shape[:2] + (1,), x.dtype)
     else:
+        size = as_named_array("size", size)
+        if size.dtype.kind in "iu":  # token counts
+            size = size.astype(x.dtype)
         size = host_float_array("size", size)
         if size.shape != x.shape[:2] + (1,):
             raise ValueError(f"size must have shape {x.shape[:2] + (1,)} (B, N, 1); "

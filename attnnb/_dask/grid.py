@@ -198,6 +198,14 @@ class Extra:
         return (self.array.name, *(index[r] if r else 0 for r in self.axes))
 
 
+def known_sizes(name, x):
+    """Refuse a Dask array whose chunk sizes are unknown (NaN, after boolean indexing):
+    the grid is built from them before anything is computed."""
+    if any_dask(x) and any(n != n for n in x.shape):
+        raise ValueError(f"{name} has chunks of unknown size (shape {x.shape}); call "
+                         f"{name}.compute_chunk_sizes() (or give the sizes) first")
+
+
 def _as_dask(name, x):
     """``x`` itself when it is a Dask array, else one chunk holding it (checked first)."""
     if any_dask(x):

@@ -31,7 +31,7 @@ from ..diff import check_mode, lambda_rows
 from ..sparse import _check_pattern, _check_top_k
 from . import any_dask, blocks, select
 from .graph import Graph
-from .grid import make_grid, spans
+from .grid import known_sizes, make_grid, spans
 from .visible import dense_blocks, pattern_blocks
 
 ROLES = {"mask": ("h", "q", "k"), "bias": ("h", "q", "k"), "key_size": ("k",), "lam": ("h", "q")}
@@ -47,6 +47,9 @@ class Call:
 
     def __init__(self, op, q, k, v, *, mask=None, bias=None, key_size=None, lam=None,
                  scale=None, backend=None, pairs=False, params=()):
+        for name, x in (("q", q), ("k", k), ("v", v), ("mask", mask), ("bias", bias),
+                        ("key_size", key_size), ("lam", lam)):
+            known_sizes(name, x)
         self.grid = g = make_grid(q, k, v, pairs=pairs)
         self.scale = check_scale(scale, g.shape[4])
         self.backend = requested_backend(backend)
