@@ -48,6 +48,20 @@ def assert_close(got, want, dtype):
         assert err <= RTOL[dtype], (name, err)
 
 
+def traced_peak(pull, dout):
+    """``(gradients, peak bytes allocated)`` of one pullback call, after a first call
+    that compiles (or loads) its kernels."""
+    import tracemalloc
+
+    pull(dout)
+    tracemalloc.start()
+    try:
+        grads = pull(dout)
+        return grads, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 @pytest.fixture
 def qkv():
     def make(dtype, B=2, Hq=4, Hk=2, Lq=70, Lk=131, D=24, Dv=40, seed=1):
@@ -131,8 +145,6 @@ def test_broadcast_bias_gradient_in_chunks_matches_finite_differences(monkeypatc
 def test_broadcast_bias_gradient_memory(monkeypatch):
     """The pullback's peak allocation stays below the full (B, H, Lq, Lk) buffer that a
     shared (Lq, Lk) bias would otherwise need (16 MiB here, the bias 0.25 MiB)."""
-    import tracemalloc
-
     import attnnb.cpu.backward as backward
     from attnnb.cpu import _bias_chunks
 
@@ -144,13 +156,7 @@ def test_broadcast_bias_gradient_memory(monkeypatch):
     bias = arr(rng, L, L, dtype=np.float32)
     out, pull = attnnb.vjp(attnnb.attention, q, k, v, bias=bias, backend="cpu")
     dout = arr(rng, *out.shape, dtype=np.float32)
-    pull(dout)  # compiled and warm
-    tracemalloc.start()
-    try:
-        grads = pull(dout)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    grads, peak = traced_peak(pull, dout)
     full = B * H * L * L * 4
     assert peak < full / 2, (peak, full)
     want = attnnb.vjp(attnnb.attention, *(x.astype(np.float64) for x in (q, k, v)),
@@ -239,6 +245,55 @@ def test_rectified_gqa_and_mask(dtype):
                arr(rng, 2, 2, 67, 24, dtype=dtype))
     kwargs = dict(mask=rng.random((70, 67)) > 0.3, mode="rectified")
     assert_close(*both(attnnb.diff_attention, (q, k, v, 0.6), kwargs, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_shape", [(70, 67), (2, 1, 70, 67), (4, 1, 67)])
+@pytest.mark.parametrize("chunk", ["batch", "heads"])
+def test_rectified_broadcast_bias_gradient_in_chunks(monkeypatch, dtype, bias_shape, chunk):
+    """The rectified backward of a broadcast bias whose full-size buffer would be too
+    large: in chunks of batch elements, or of value heads (each with its GQA group of
+    heads and both streams), every gradient as in one piece, ``lam`` per row included."""
+    from attnnb.cpu import _bias_chunks
+
+    rng = np.random.default_rng(9)
+    q, k, v = (arr(rng, 2, 8, 70, 16, dtype=dtype), arr(rng, 2, 4, 67, 16, dtype=dtype),
+               arr(rng, 2, 2, 67, 24, dtype=dtype))
+    one_batch = 4 * 70 * 67 * np.dtype(dtype).itemsize  # the H = 4 heads' rows
+    monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", one_batch if chunk == "batch" else 1)
+    pieces = _bias_chunks.bias_chunks((2, 4, 2, 70, 67), np.dtype(dtype).itemsize,
+                                      (1, 1, 70, 67))
+    assert len(pieces) == (2 if chunk == "batch" else 4)
+    lam = 0.3 + 0.2 * rng.random((2, 4, 70))
+    kwargs = dict(bias=arr(rng, *bias_shape, dtype=dtype), mask=rng.random((70, 67)) > 0.3,
+                  key_size=rng.integers(1, 4, (2, 67)).astype(dtype), causal=True,
+                  mode="rectified")
+    assert_close(*both(attnnb.diff_attention, (q, k, v, lam), kwargs, dtype), dtype)
+
+
+def test_rectified_broadcast_bias_gradient_memory(monkeypatch):
+    """The rectified pullback's peak allocation stays below the full (B, H, Lq, Lk)
+    buffer of a shared (Lq, Lk) bias (16 MiB here, chunks of 1 MiB)."""
+    from attnnb.cpu import _bias_chunks
+
+    monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", 2**20)
+    rng = np.random.default_rng(10)
+    B, H, L, D = 2, 8, 512, 16
+    q, k = arr(rng, B, 2 * H, L, D, dtype=np.float32), arr(rng, B, 2 * H, L, D, dtype=np.float32)
+    v = arr(rng, B, H, L, D, dtype=np.float32)
+    bias = arr(rng, L, L, dtype=np.float32)
+    out, pull = attnnb.vjp(attnnb.diff_attention, q, k, v, 0.4, bias=bias, mode="rectified",
+                           backend="cpu")
+    dout = arr(rng, *out.shape, dtype=np.float32)
+    grads, peak = traced_peak(pull, dout)
+    full = B * H * L * L * 4
+    assert peak < full / 2, (peak, full)
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    want = attnnb.vjp(attnnb.diff_attention, *wide, 0.4, bias=bias.astype(np.float64),
+                      mode="rectified", backend="reference")[1](dout.astype(np.float64))
+    for name in ("q", "k", "v", "bias", "lam"):
+        err = np.abs(grads[name] - want[name]).max() / np.abs(want[name]).max()
+        assert err <= RTOL[np.float32], (name, err)
 
 
 @pytest.mark.parametrize("causal", [False, True])

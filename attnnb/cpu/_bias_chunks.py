@@ -14,6 +14,9 @@ full size, the problem is cut into chunks of whole batch elements, or of
 one batch element's key heads (with their GQA groups of query heads),
 each small enough (:func:`bias_chunks`); each chunk's backward runs on its own and its bias
 gradient is summed into the bias's shape, chunk by chunk in index order.
+The dense backward (:func:`attnnb.cpu.backward.attention_vjp`) and the
+rectified differential one (:func:`attnnb.cpu.rectified_backward.rectified_vjp`,
+whose query and key heads hold two streams each: ``streams=2``) share it.
 The chunks are a function of the shape alone, so the result is the same
 on every run and with any thread count; it differs from the one-piece sum
 only in the order of the additions.
@@ -56,20 +59,25 @@ def bias_chunks(shape, itemsize, dbias_shape, min_heads=1):
     return [(b, b + 1, g0, min(Hk, g0 + heads)) for b in range(B) for g0 in range(0, Hk, heads)]
 
 
-def chunk_problem(problem, b0, b1, g0, g1):
-    """The part of a canonical problem with batch elements ``b0:b1`` and key heads
-    ``g0:g1`` (query heads of their GQA groups): views, contiguous where the whole is,
-    since a chunk is whole batch elements or heads of one batch element."""
-    group = problem.q.shape[1] // problem.k.shape[1]
+def chunk_problem(problem, b0, b1, g0, g1, streams=1):
+    """The part of a canonical problem with batch elements ``b0:b1`` and value heads
+    ``g0:g1`` (with the query heads of their GQA groups): views, contiguous where the
+    whole is, since a chunk is whole batch elements or heads of one batch element.
+
+    ``streams`` query and key heads per head: 1, or 2 for the rectified differential
+    problem, whose ``q`` and ``k`` hold each head's two streams side by side (``2 H``
+    and ``2 Hk`` heads against ``Hk`` value heads and ``H`` heads of mask and bias).
+    """
+    group = problem.q.shape[1] // streams // problem.v.shape[1]
     h0, h1 = g0 * group, g1 * group
 
-    def part(x, heads):
-        return None if x is None else x[b0:b1, heads[0]:heads[1]]
+    def part(x, first, last):
+        return None if x is None else x[b0:b1, first:last]
 
     return dataclasses.replace(
-        problem, q=part(problem.q, (h0, h1)), k=part(problem.k, (g0, g1)),
-        v=part(problem.v, (g0, g1)), mask=part(problem.mask, (h0, h1)),
-        bias=part(problem.bias, (h0, h1)),
+        problem, q=part(problem.q, streams * h0, streams * h1),
+        k=part(problem.k, streams * g0, streams * g1), v=part(problem.v, g0, g1),
+        mask=part(problem.mask, h0, h1), bias=part(problem.bias, h0, h1),
         log_key_size=None if problem.log_key_size is None else problem.log_key_size[b0:b1])
 
 
@@ -84,29 +92,38 @@ def add_bias_part(dbias, part, b0, b1, h0, h1):
     target += part.sum(axis=axes, keepdims=True) if axes else part
 
 
-def chunked_vjp(run, problem, per_row, chunks, dbias_shape):
+def chunked_vjp(run, problem, per_row, chunks, dbias_shape, streams=1):
     """Gradients of a problem, chunk by chunk (:func:`bias_chunks`).
 
     ``run(sub_problem, *sub_rows)`` returns the backward's ``(dq, dk, dv, dbias_full,
-    dlog_key_size)`` of one chunk; ``per_row`` are the arrays with the forward's
-    ``(B, Hq, Lq, ...)`` leading axes (``out``, ``lse``, ``dout``, ``dlse``; None
-    passes through), sliced with it.  Returns the same five for the whole problem,
-    the bias gradient in ``dbias_shape``.
+    dlog_key_size, *more)`` of one chunk, where each of ``more`` has the leading ``(B,
+    H)`` axes of the heads (the rectified backward's ``dlam``); ``per_row`` are the
+    arrays with those leading axes (``out``, ``lse``, ``dout``, ``dlse``, ``lam``; None
+    passes through), sliced with it; ``streams`` as :func:`chunk_problem` takes it.
+    Returns the same outputs for the whole problem, the bias gradient in
+    ``dbias_shape``.
     """
     q, k, v = problem.q, problem.k, problem.v
     dt = q.dtype
-    group = q.shape[1] // k.shape[1]
+    group = q.shape[1] // streams // v.shape[1]
     dq, dk, dv = np.empty(q.shape, dt), np.empty(k.shape, dt), np.empty(v.shape, dt)
     dbias = np.zeros(tuple(dbias_shape), dt)
     dlks = None if problem.log_key_size is None else np.zeros(problem.log_key_size.shape, dt)
+    more = None
+    B, H = q.shape[0], q.shape[1] // streams
     for b0, b1, g0, g1 in chunks:
         h0, h1 = g0 * group, g1 * group
         rows = [None if x is None else x[b0:b1, h0:h1] for x in per_row]
-        gq, gk, gv, gbias, glks = run(chunk_problem(problem, b0, b1, g0, g1), *rows)
-        dq[b0:b1, h0:h1] = gq
-        dk[b0:b1, g0:g1] = gk
+        gq, gk, gv, gbias, glks, *gmore = run(
+            chunk_problem(problem, b0, b1, g0, g1, streams), *rows)
+        dq[b0:b1, streams * h0:streams * h1] = gq
+        dk[b0:b1, streams * g0:streams * g1] = gk
         dv[b0:b1, g0:g1] = gv
         add_bias_part(dbias, gbias, b0, b1, h0, h1)
         if dlks is not None:
             dlks[b0:b1] += glks
-    return dq, dk, dv, dbias, dlks
+        if more is None:
+            more = [np.empty((B, H) + x.shape[2:], x.dtype) for x in gmore]
+        for whole, x in zip(more, gmore):
+            whole[b0:b1, h0:h1] = x
+    return (dq, dk, dv, dbias, dlks, *more)

@@ -25,6 +25,7 @@ import numpy as np
 from numba import prange
 
 from .._codes import SOFTMAX
+from ._bias_chunks import bias_chunks, chunked_vjp
 from ._exp import exp_shifted
 from ._grad_tiles import (
     by_key_tile,
@@ -221,8 +222,31 @@ def rectified_vjp(problem, lam, dout, dbias_shape=None):
 
     The interface of :func:`attnnb.cpu.backward.diff_attention_vjp`: returns
     ``(dq, dk, dv, dbias, dlog_key_size, dlam)``.  The bias gradient is
-    formed full size and summed to ``dbias_shape``.
+    formed full size, ``(B, H, Lq, Lk)``, and summed to ``dbias_shape``; for a
+    broadcast bias whose buffer would pass
+    :data:`~attnnb.cpu._bias_chunks.CHUNK_BYTES`, chunk by chunk of batch
+    elements or value heads (:mod:`attnnb.cpu._bias_chunks`; every chunk size
+    keeps all the kernels' tasks, one per key tile).
     """
+    B, H2, _, Lq, Lk = problem.shape[:5]
+    Hv = problem.v.shape[1]
+    chunks = bias_chunks((B, H2 // 2, Hv, Lq, Lk), problem.q.dtype.itemsize, dbias_shape)
+    if chunks is None:
+        dq, dk, dv, dbias, dlks, dlam = tiled_rectified_vjp(problem, lam, dout,
+                                                            dbias_shape is not None)
+        if dbias_shape is not None:
+            axes = tuple(a for a, m in enumerate(dbias_shape)
+                         if m == 1 and dbias.shape[a] != 1)
+            dbias = dbias.sum(axis=axes, keepdims=True).reshape(dbias_shape)
+        return dq, dk, dv, dbias, dlks, dlam
+    lam = np.broadcast_to(lam, (B, H2 // 2, Lq))
+    return chunked_vjp(lambda part, lam_c, dout_c: tiled_rectified_vjp(part, lam_c, dout_c, True),
+                       problem, (lam, dout), chunks, dbias_shape, streams=2)
+
+
+def tiled_rectified_vjp(problem, lam, dout, need_bias):
+    """:func:`rectified_vjp` in one piece: ``(dq, dk, dv, dbias, dlog_key_size, dlam)``
+    with ``dbias`` full size, ``(B, H, Lq, Lk)``, when ``need_bias`` (else None)."""
     q, k, v = problem.q, problem.k, problem.v
     B, H2, Hk2, Lq, Lk, D, Dv = problem.shape
     H, dt = H2 // 2, q.dtype
@@ -231,7 +255,6 @@ def rectified_vjp(problem, lam, dout, dbias_shape=None):
     fresh = written_whole if run else np.zeros
     dq, dk, dv = fresh(q.shape, dt), fresh(k.shape, dt), fresh(v.shape, dt)
     has_ks = problem.log_key_size is not None
-    need_bias = dbias_shape is not None
     dbias = np.zeros((B, H, Lq, Lk) if need_bias else (1, 1, 1, 1), dt)
     dlogks = np.zeros((B, Hk2 // 2, Lk) if has_ks else (1, 1, 1), dt)
     d1, e = fresh((B, H, Lq), dt), fresh((B, H, Lq), dt)
@@ -250,8 +273,5 @@ def rectified_vjp(problem, lam, dout, dbias_shape=None):
             launch(rect_dq_kernel, *bufs, *common, d1, e, dq)  # first: it forms d1 and e
             launch(rect_dkdv_kernel, *bufs, *common, d1, e, col_ptr, col_qt, need_bias, dk,
                    dv, dbias, dlogks)
-    if need_bias:
-        axes = tuple(a for a, m in enumerate(dbias_shape) if m == 1 and dbias.shape[a] != 1)
-        dbias = dbias.sum(axis=axes, keepdims=True).reshape(dbias_shape)
     return (dq, dk, dv, dbias if need_bias else None,
             dlogks.sum(axis=1) if has_ks else None, -e)
