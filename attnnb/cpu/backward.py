@@ -47,8 +47,8 @@ from typing import NamedTuple
 import numpy as np
 from numba import prange
 
+from .._bias_chunks import bias_chunks, chunked_vjp
 from .._codes import NORMALIZER_CODES, RELU_EXPM1
-from ._bias_chunks import bias_chunks, chunked_vjp
 from ._blocks import ROWS
 from ._exp import exp_shifted
 from ._grad_tiles import (
@@ -477,8 +477,8 @@ def attention_vjp(problem, out, lse, dout, dlse, dbias_shape=None):
     The bias gradient is formed full size, ``(B, Hq, Lq, Lk)``, then summed
     to ``dbias_shape``: each key-tile task owns its columns, so there are
     no write races.  For a broadcast bias whose full-size buffer would pass
-    :data:`~attnnb.cpu._bias_chunks.CHUNK_BYTES` the backward runs in chunks
-    of batch elements or key heads instead (:mod:`attnnb.cpu._bias_chunks`).
+    :data:`~attnnb._bias_chunks.CHUNK_BYTES` the backward runs in chunks
+    of batch elements or key heads instead (:mod:`attnnb._bias_chunks`).
     """
     chunks = bias_chunks(problem.shape, problem.q.dtype.itemsize, dbias_shape,
                          min_heads=ONE_SWEEP_TASKS)

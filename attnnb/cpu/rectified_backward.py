@@ -24,8 +24,8 @@ import dataclasses
 import numpy as np
 from numba import prange
 
+from .._bias_chunks import bias_chunks, chunked_vjp
 from .._codes import SOFTMAX
-from ._bias_chunks import bias_chunks, chunked_vjp
 from ._exp import exp_shifted
 from ._grad_tiles import (
     by_key_tile,
@@ -224,8 +224,8 @@ def rectified_vjp(problem, lam, dout, dbias_shape=None):
     ``(dq, dk, dv, dbias, dlog_key_size, dlam)``.  The bias gradient is
     formed full size, ``(B, H, Lq, Lk)``, and summed to ``dbias_shape``; for a
     broadcast bias whose buffer would pass
-    :data:`~attnnb.cpu._bias_chunks.CHUNK_BYTES`, chunk by chunk of batch
-    elements or value heads (:mod:`attnnb.cpu._bias_chunks`; every chunk size
+    :data:`~attnnb._bias_chunks.CHUNK_BYTES`, chunk by chunk of batch
+    elements or value heads (:mod:`attnnb._bias_chunks`; every chunk size
     keeps all the kernels' tasks, one per key tile).
     """
     B, H2, _, Lq, Lk = problem.shape[:5]

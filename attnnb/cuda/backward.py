@@ -64,6 +64,7 @@ import numpy as np
 from numba import cuda
 from numba.np.numpy_support import from_dtype as numba_type
 
+from .._bias_chunks import bias_chunks, chunked_vjp
 from .._checks import is_device_array
 from .._codes import NORMALIZER_CODES, RELU_EXPM1, SOFTMAX, SOFTMAX1
 from .._device import device_view
@@ -704,8 +705,53 @@ def _zeros(problem, dtype, dbias_shape, extra=()):
     return tuple(z)
 
 
+def _chunk_bias_shape(part, dbias_shape, streams):
+    """A chunk's bias gradient shape: ``dbias_shape``'s broadcast axes, the chunk's
+    batch elements and heads where the bias has them."""
+    B, Hx, _, Lq, Lk = part.shape[:5]
+    return (1 if dbias_shape[0] == 1 else B, 1 if dbias_shape[1] == 1 else Hx // streams,
+            Lq, Lk)
+
+
+def _host(x):
+    return x.copy_to_host() if is_device_array(x) else np.asarray(x)
+
+
+def _in_chunks(problem, per_row, dbias_shape, run, streams=1):
+    """The backward of a broadcast bias whose full-size gradient buffer would pass
+    :data:`~attnnb._bias_chunks.CHUNK_BYTES`, chunk by chunk (:mod:`attnnb._bias_chunks`),
+    or None when it fits.  ``run(part, *rows, part_dbias_shape)`` is the one-piece
+    backward of a chunk.  The chunks' gradients are gathered on the host (they are
+    the gradients' own size), then copied to the device for a device problem."""
+    B, Hx, Hkx, Lq, Lk = problem.shape[:5]
+    itemsize = np.dtype(problem.compute_dtype).itemsize
+    chunks = bias_chunks((B, Hx // streams, problem.v.shape[1], Lq, Lk), itemsize,
+                         dbias_shape)
+    if chunks is None:
+        return None
+    per_row = [None if x is None else _host(x) for x in per_row]
+
+    def one_chunk(part, *rows):
+        return run(part, *rows, _chunk_bias_shape(part, dbias_shape, streams))
+
+    grads = chunked_vjp(one_chunk, problem, per_row, chunks, dbias_shape, streams=streams,
+                        host=_host)
+    if problem.on_device:
+        return tuple(None if g is None else cuda.to_device(g) for g in grads)
+    return grads
+
+
 def _single(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_k=None):
     """Gradients of one stream (dense, sparse or top-k); the interface's 5-tuple."""
+    if dbias_shape is not None:  # (sparse and top-k take no bias)
+        chunked = _in_chunks(problem, (out, lse, dout, dlse), dbias_shape, _single_piece)
+        if chunked is not None:
+            return chunked
+    return _single_piece(problem, out, lse, dout, dlse, dbias_shape, pattern, top_k)
+
+
+def _single_piece(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_k=None):
+    """:func:`_single` with the bias gradient formed full size, in one piece."""
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
     a = device_problem(problem)
     dt = a.dtype
@@ -740,7 +786,10 @@ def attention_vjp(problem, out, lse, dout, dlse=None, dbias_shape=None):
     (and device ``out``, ``lse``, ``dout``) device gradients.  The bias
     gradient is formed full size, ``(B, Hq, Lq, Lk)``, each element by the
     one block that owns its key tile, then summed to ``dbias_shape`` on the
-    device in index order.
+    device in index order.  For a broadcast bias whose full-size buffer would
+    pass :data:`~attnnb._bias_chunks.CHUNK_BYTES`, chunk by chunk of batch
+    elements or key heads instead (:mod:`attnnb._bias_chunks`), the chunks'
+    gradients gathered on the host and, for a device problem, copied back.
     """
     return _single(problem, out, lse, dout, dlse, dbias_shape)
 
@@ -761,18 +810,32 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
 
     Both streams' LSEs come from the differential forward kernel (run again;
     its output is dropped); the query-tile kernel forms ``d1`` and ``e``,
-    and ``dlam = -e``.
+    and ``dlam = -e``.  A broadcast bias's gradient is formed as in
+    :func:`attention_vjp`.
     """
+    if dbias_shape is not None:
+        B, H2, _, Lq = problem.shape[:4]
+        lam_rows = np.broadcast_to(_host(lam), (B, H2 // 2, Lq))
+        chunked = _in_chunks(problem, (lam_rows, out, dout), dbias_shape,
+                             lambda part, lam_c, *rest: _diff_piece(part, lam_c, mode, *rest),
+                             streams=2)
+        if chunked is not None:
+            return chunked
+    return _diff_piece(problem, lam, mode, out, dout, dbias_shape)
+
+
+def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
+    """:func:`diff_attention_vjp` with the bias gradient formed full size, in one piece."""
     from .._codes import DIFF_MODE_CODES, RECTIFIED
     from .diff import diff_forward
 
     B, H2, _, Lq, Lk, D, Dv = problem.shape
     H = H2 // 2
+    lam_h = _host(lam)
     a = device_problem(problem)
     dt = a.dtype
     if not (B * H and Lq and Lk):
         return _zeros(problem, dt, dbias_shape, extra=[(B, H, Lq)])
-    lam_h = lam.copy_to_host() if is_device_array(lam) else np.asarray(lam)
     host_rows = np.zeros((B, H, 5, Lq), dt)
     host_rows[:, :, 4] = np.broadcast_to(lam_h, (B, H, Lq))
     rowv = cuda.to_device(host_rows)

@@ -181,6 +181,47 @@ def test_device_diff_gradients(rng):
         assert_close(host(g), want[name], np.float32, what=f"d{name}")
 
 
+@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize("bias_shape", [(LQ, LK), (2, 1, 1, LK), (4, 1, LK)])
+def test_broadcast_bias_gradient_in_chunks(monkeypatch, rng, on_device, bias_shape):
+    """A broadcast bias whose full-size gradient buffer would pass ``CHUNK_BYTES``: one
+    key head of one batch element a chunk (here 4), host or device inputs, a mask and
+    key sizes; every gradient as the reference's, device gradients for device inputs."""
+    from attnnb import _bias_chunks
+    from attnnb._validate import is_device_array
+
+    monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", 1)
+    q, k, v = qkv(rng, batch=(2,), hq=4, hk=2, lq=LQ, lk=LK, d=D, dv=DV)
+    kw = dict(bias=randn(rng, bias_shape, np.float64), mask=rng.random((LQ, LK)) > 0.3,
+              key_size=rng.integers(1, 4, (2, LK)).astype(np.float64), causal=True,
+              return_lse=True)
+    assert len(_bias_chunks.bias_chunks((2, 4, 2, LQ, LK), 8, (1, 1, LQ, LK))) == 4
+    want = gradients(attnnb.attention, (q, k, v), kw, "reference")
+    if on_device:
+        kw["bias"], kw["key_size"] = to_device(kw["bias"], kw["key_size"])
+        got = gradients(attnnb.attention, to_device(q, k, v), kw, "cuda")
+        assert all(is_device_array(g) for g in got.values())
+    else:
+        got = gradients(attnnb.attention, (q, k, v), kw, "cuda")
+    for name in want:
+        assert_close(host(got[name]), want[name], np.float64, what=f"d{name}")
+
+
+@pytest.mark.parametrize("mode", ["difference", "rectified"])
+def test_diff_broadcast_bias_gradient_in_chunks(monkeypatch, rng, mode):
+    """The same for differential attention (both streams of each head in its chunk),
+    ``lam`` per head and row: its gradient too."""
+    from attnnb import _bias_chunks
+
+    monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", 1)
+    q = randn(rng, (2, 4, LQ, D), np.float64)
+    k = randn(rng, (2, 2, LK, D), np.float64)
+    v = randn(rng, (2, 1, LK, DV), np.float64)
+    lam = rng.uniform(0.2, 0.9, (2, 2, LQ))
+    kw = dict(bias=randn(rng, (LQ, LK), np.float64), causal=True, mode=mode)
+    compare(attnnb.diff_attention, (q, k, v, lam), np.float64, **kw)
+
+
 def test_device_float16_gradients_and_empty_axes(rng):
     """float16 device inputs: float16 device gradients (computed in float32); an empty key
     or query axis: zero gradients of the right shapes."""
