@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from . import _dispatch
+from . import _eager
 from ._dask import any_dask
-from ._validate import attention_problem, check_bool
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
@@ -59,9 +58,6 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
 
         return lazy(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                     scale=scale, normalizer=normalizer, return_lse=return_lse, backend=backend)
-    return_lse = check_bool("return_lse", return_lse)
-    problem = attention_problem(q, k, v, mask=mask, bias=bias, key_size=key_size,
-                                causal=causal, scale=scale, normalizer=normalizer)
-    out, lse = _dispatch.call("attention", backend, problem.on_device, problem)
-    out, lse = problem.restore(out, lse)
-    return (out, lse) if return_lse else out
+    return _eager.attention(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
+                            scale=scale, normalizer=normalizer, return_lse=return_lse,
+                            backend=backend)

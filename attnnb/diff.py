@@ -21,13 +21,11 @@ import math
 
 import numpy as np
 
-from . import _dispatch
-from ._checks import as_named_array, where_first
-from ._codes import DIFF_MODE_CODES
+from . import _eager
+from ._checks import as_named_array
 from ._dask import any_dask
-from ._validate import attention_problem, compute_dtypes, float_dtype_of, is_device_array
-
-MODES = tuple(DIFF_MODE_CODES)  # the public names; the kernels see the codes
+from ._function_args import MODES
+from ._validate import compute_dtypes, float_dtype_of
 
 __all__ = ["diff_attention", "lambda_init", "reparam_lambda", "subln", "MODES"]
 
@@ -96,60 +94,8 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
 
         return lazy(q, k, v, lam, mask=mask, bias=bias, key_size=key_size, causal=causal,
                     scale=scale, mode=mode, backend=backend)
-    check_mode(mode)
-    problem = attention_problem(q, k, v, mask=mask, bias=bias, key_size=key_size,
-                                causal=causal, scale=scale, head_pairs=True)
-    check_head_axis(problem.squeeze_head, np.shape(problem.q)[2:])
-    B, H2, _, Lq, _, _, Dv = problem.shape
-    H = H2 // 2
-    comp = compute_dtypes(problem.q.dtype, problem.k.dtype, problem.v.dtype)[0]  # device too
-    lam_b = lambda_rows(lam, problem.batch_shape, B, H, Lq, comp)
-    out = _dispatch.call("diff_attention", backend, problem.on_device, problem, lam_b, mode)
-    out = out.reshape(problem.batch_shape + (H, Lq, Dv))
-    if not problem.on_device:
-        out = out.astype(problem.out_dtype, copy=False)
-    return out
-
-
-def check_mode(mode):
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
-
-
-def check_head_axis(squeeze: bool, q_shape) -> None:
-    """Differential attention needs a head axis (it carries the pairs): no 2-D input."""
-    if squeeze:
-        raise ValueError(
-            "q, k and v must have a head axis: (*batch, 2H, L, d), (*batch, 2Hk, L, d) and "
-            f"(*batch, Hk, L, Dv); got 2-D q of shape {tuple(q_shape)}"
-        )
-
-
-def lambda_rows(lam, batch_shape, B, H, Lq, dtype):
-    """Check ``lam`` and return it as a C-contiguous ``(B, H, Lq)`` host array in ``dtype``."""
-    if lam is None:
-        raise TypeError("lam must be a real number or an array; got None")
-    if is_device_array(lam):
-        from numba import cuda
-
-        lam = (lam if hasattr(lam, "copy_to_host") else cuda.as_cuda_array(lam)).copy_to_host()
-    arr = as_named_array("lam", lam)
-    if arr.dtype.kind not in "fiu":
-        raise TypeError(f"lam must be a real number or a real array; got dtype {arr.dtype}")
-    full = tuple(batch_shape) + (H, Lq)
-    try:
-        view = np.broadcast_to(arr, full)
-    except ValueError:
-        raise ValueError(
-            f"lam of shape {arr.shape} cannot be broadcast to {full} (batch..., pairs, queries); "
-            "pass per-head values as shape (H, 1)"
-        ) from None
-    bad = ~np.isfinite(arr)
-    if bad.any():
-        # say where: a NaN lam usually comes from one diverged head of a reparam_lambda
-        value = arr[bad][0] if arr.ndim else arr[()]
-        raise ValueError(f"lam must be finite everywhere; got {value} {where_first(bad)}")
-    return np.ascontiguousarray(view.astype(dtype).reshape(B, H, Lq))
+    return _eager.diff_attention(q, k, v, lam, mask=mask, bias=bias, key_size=key_size,
+                                 causal=causal, scale=scale, mode=mode, backend=backend)
 
 
 def _real(name, x):

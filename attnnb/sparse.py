@@ -2,39 +2,8 @@
 
 from __future__ import annotations
 
-from . import _dispatch
+from . import _eager
 from ._dask import any_dask
-from ._validate import attention_problem, check_bool
-from .patterns import Pattern
-
-
-def _check_pattern(pattern, Lq: int, Lk: int, Hq: int) -> Pattern:
-    if not isinstance(pattern, Pattern):
-        raise TypeError("pattern must be an attnnb.patterns.Pattern (build one with "
-                        "attnnb.patterns.local, ..., from_mask or from_scipy); got "
-                        f"{type(pattern).__name__}")
-    if pattern.shape != (Lq, Lk):
-        raise ValueError(f"pattern has shape {pattern.shape} but q and k give "
-                         f"(Lq, Lk) = {(Lq, Lk)}")
-    if pattern.n_heads not in (1, Hq):
-        raise ValueError(f"pattern has {pattern.n_heads} heads; expected 1 (shared) or the "
-                         f"number of query heads, {Hq}")
-    return pattern
-
-
-def _check_top_k(top_k) -> int:
-    """``top_k`` as a Python int >= 0: an int, a NumPy integer or a 0-d integer array."""
-    if isinstance(top_k, bool) or not hasattr(top_k, "__index__"):
-        raise TypeError(f"top_k must be an integer; got {type(top_k).__name__} {top_k!r}")
-    shape = tuple(getattr(top_k, "shape", ()))
-    if shape:  # a 1-element array has __index__ but NumPy refuses to convert it
-        raise TypeError(f"top_k must be an integer (an int or a 0-d integer array); got "
-                        f"{type(top_k).__name__} of shape {shape} and dtype "
-                        f"{getattr(top_k, 'dtype', '?')}")
-    top_k = int(top_k.__index__())
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0; got {top_k}")
-    return top_k
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
@@ -90,13 +59,9 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
 
         return lazy(q, k, v, pattern, key_size=key_size, scale=scale, normalizer=normalizer,
                     return_lse=return_lse, backend=backend)
-    return_lse = check_bool("return_lse", return_lse)
-    problem = attention_problem(q, k, v, key_size=key_size, scale=scale, normalizer=normalizer)
-    B, Hq, _, Lq, Lk, _, _ = problem.shape
-    _check_pattern(pattern, Lq, Lk, Hq)
-    out, lse = _dispatch.call("sparse_attention", backend, problem.on_device, problem, pattern)
-    out, lse = problem.restore(out, lse)
-    return (out, lse) if return_lse else out
+    return _eager.sparse_attention(q, k, v, pattern, key_size=key_size, scale=scale,
+                                   normalizer=normalizer, return_lse=return_lse,
+                                   backend=backend)
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
@@ -140,10 +105,5 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
 
         return lazy(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size, scale=scale,
                     return_lse=return_lse, backend=backend)
-    return_lse = check_bool("return_lse", return_lse)
-    top_k = _check_top_k(top_k)
-    problem = attention_problem(q, k, v, mask=mask, key_size=key_size, causal=causal,
-                                scale=scale)
-    out, lse = _dispatch.call("topk_attention", backend, problem.on_device, problem, top_k)
-    out, lse = problem.restore(out, lse)
-    return (out, lse) if return_lse else out
+    return _eager.topk_attention(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size,
+                                 scale=scale, return_lse=return_lse, backend=backend)

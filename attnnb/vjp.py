@@ -87,6 +87,7 @@ from typing import Any
 import numpy as np
 
 from . import _dispatch
+from ._function_args import check_mode, check_pattern, check_top_k, lambda_rows
 from ._validate import (
     attention_problem,
     check_bool,
@@ -96,8 +97,8 @@ from ._validate import (
     is_device_array,
 )
 from .attention import attention
-from .diff import MODES, diff_attention, lambda_rows
-from .sparse import _check_pattern, _check_top_k, sparse_attention, topk_attention
+from .diff import diff_attention
+from .sparse import sparse_attention, topk_attention
 
 __all__ = ["vjp"]
 
@@ -505,13 +506,13 @@ def _sparse_attention(a, forward):
     problem = attention_problem(a["q"], a["k"], a["v"], key_size=a["key_size"],
                                 scale=a["scale"], normalizer=a["normalizer"])
     _, Hq, _, Lq, Lk, _, _ = problem.shape
-    pattern = _check_pattern(a["pattern"], Lq, Lk, Hq)
+    pattern = check_pattern(a["pattern"], Lq, Lk, Hq)
     return _lse_function("sparse_attention", a, forward, problem, (pattern,), return_lse)
 
 
 def _topk_attention(a, forward):
     return_lse = check_bool("return_lse", a["return_lse"])
-    top_k = _check_top_k(a["top_k"])
+    top_k = check_top_k(a["top_k"])
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"])
     return _lse_function("topk_attention", a, forward, problem, (top_k,), return_lse)
@@ -519,8 +520,7 @@ def _topk_attention(a, forward):
 
 def _diff_attention(a, forward):
     mode = a["mode"]
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    check_mode(mode)
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"], bias=a["bias"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
                                 head_pairs=True)

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..attention import attention
+from .._eager import attention, diff_attention, sparse_attention, topk_attention
+from .._function_args import lambda_rows
 from ..combine import finish_softmax1, merge_parts
-from ..diff import diff_attention, lambda_rows
-from ..sparse import sparse_attention, topk_attention
 from .visible import sub_pattern
 
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import dask.array as da
 import numpy as np
 
+from .._function_args import check_head_axis
 from .._validate import check_qkv, host_float_array
-from ..diff import check_head_axis
 from . import any_dask
 
 

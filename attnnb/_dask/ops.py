@@ -26,9 +26,8 @@ import numpy as np
 
 from .._checks import broadcast_pairwise, log_key_sizes
 from .._dispatch import requested_backend
+from .._function_args import check_mode, check_pattern, check_top_k, lambda_rows
 from .._validate import check_bool, check_normalizer, check_scale, lse_dtype
-from ..diff import check_mode, lambda_rows
-from ..sparse import _check_pattern, _check_top_k
 from . import any_dask, blocks, select
 from .graph import Graph
 from .grid import known_sizes, make_grid, spans
@@ -221,7 +220,7 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
                      getattr(pattern, "indices", None)))
     g = c.grid
     Hq, _, Lq, Lk, _, _ = g.shape
-    _check_pattern(pattern, Lq, Lk, Hq)
+    check_pattern(pattern, Lq, Lk, Hq)
     touched = pattern_blocks(pattern, g.heads.rows, g.q_edges, g.k_edges)
     stored = c.graph.add("pattern", (), pattern)  # one copy, sent to the workers that need it
     head_spans, q_spans, k_spans = spans(g.heads.rows), spans(g.q_edges), spans(g.k_edges)
@@ -242,7 +241,7 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
                    return_lse=False, backend=None):
     """:func:`attnnb.topk_attention` on Dask arrays: an exact, global selection."""
     return_lse = check_bool("return_lse", return_lse)
-    top_k = _check_top_k(top_k)
+    top_k = check_top_k(top_k)
     causal = check_bool("causal", causal)
     c = Call("topk", q, k, v, mask=mask, key_size=key_size, scale=scale, backend=backend,
              params=(top_k, causal))

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..attention import attention
+from .._eager import attention
 from .blocks import key_heads, namespace, native
 
 
