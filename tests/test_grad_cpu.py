@@ -296,6 +296,30 @@ def test_rectified_broadcast_bias_gradient_memory(monkeypatch):
         assert err <= RTOL[np.float32], (name, err)
 
 
+@pytest.mark.parametrize("lq, lk", [(70, 131), (1, 3000)])
+def test_rectified_stream_lses_are_the_forwards_bits(lq, lk):
+    """The rectified backward takes each stream's LSE from the dense forward run on
+    values of width zero: the full forward's LSE bit for bit (decoding's split keys
+    included), with a mask, a bias and key sizes."""
+    import dataclasses
+
+    from attnnb._validate import attention_problem
+    from attnnb.cpu.attention import attention as forward
+    from attnnb.cpu.rectified_backward import stream_lses
+
+    rng = np.random.default_rng(11)
+    q, k = arr(rng, 2, 4, lq, 16, dtype=np.float32), arr(rng, 2, 4, lk, 16, dtype=np.float32)
+    v = arr(rng, 2, 2, lk, 32, dtype=np.float32)
+    problem = attention_problem(q, k, v, mask=rng.random((lq, lk)) > 0.2,
+                                bias=arr(rng, lq, lk, dtype=np.float32),
+                                key_size=rng.integers(1, 4, (2, lk)).astype(np.float32),
+                                causal=lq > 1, head_pairs=True)
+    for c, lse in enumerate(stream_lses(problem)):
+        stream = dataclasses.replace(problem, q=np.ascontiguousarray(problem.q[:, c::2]),
+                                     k=np.ascontiguousarray(problem.k[:, c::2]))
+        np.testing.assert_array_equal(lse, forward(stream)[1])
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_rectified_writes_every_gradient_element(monkeypatch, causal):
     """The rectified backward's ``dq``, ``dk``, ``dv``, ``d1`` and ``e`` start unset

@@ -208,11 +208,18 @@ def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has
 
 
 def stream_lses(problem):
-    """Each stream's LSE ``(B, H, Lq)`` from the dense forward (its output is dropped)."""
+    """Each stream's LSE ``(B, H, Lq)`` from the dense forward.
+
+    The forward runs on values of width zero: the same kernel (the same types),
+    the same logits and so the same LSE bit for bit, without the value
+    product, which at ``Dv = 2d`` is two thirds of the forward's work (one
+    stream at H = 8, N = 2048, causal: 13 ms against 29 ms).
+    """
     lses = []
+    no_values = np.ascontiguousarray(problem.v[..., :0])
     for c in range(2):
         stream = dataclasses.replace(problem, q=np.ascontiguousarray(problem.q[:, c::2]),
-                                     k=np.ascontiguousarray(problem.k[:, c::2]))
+                                     k=np.ascontiguousarray(problem.k[:, c::2]), v=no_values)
         lses.append(attention_forward(stream)[1])
     return lses
 
