@@ -56,13 +56,19 @@ def sgemm_gflops(n: int = 2048, repeats: int = 5) -> float:
 
 
 def discover(only: str | None = None) -> list[tuple[str, object]]:
-    """``(name, module)`` for every module of :mod:`attnnb.benches` (``only``: that one)."""
+    """``(name, module)`` for every module of :mod:`attnnb.benches` (``only``: that one).
+
+    Raises
+    ------
+    LookupError
+        ``only`` names no module (the command line exits with status 2).
+    """
     import attnnb.benches as pkg
 
     names = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__))
     if only is not None:
         if only not in names:
-            raise SystemExit(f"error: no benchmark module {only!r}; available: {', '.join(names)}")
+            raise LookupError(f"no benchmark module {only!r}; available: {', '.join(names)}")
         names = [only]
     return [(name, importlib.import_module(f"attnnb.benches.{name}")) for name in names]
 
@@ -168,8 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
     budget = args.budget if args.budget is not None else (0.0 if args.quick else DEFAULT_BUDGET_S)
 
+    try:
+        modules = discover(args.only)
+    except LookupError as exc:  # a usage error, as check's and warmup's (contract §4.1)
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return 2
     all_cases = []
-    for name, module in discover(args.only):
+    for name, module in modules:
         try:
             all_cases.extend(module.cases(args.quick))
         except ImportError as exc:

@@ -97,3 +97,9 @@ def test_python_dash_m():
     proc = subprocess.run([sys.executable, "-m", "attnnb", "--help"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0 and "check" in proc.stdout
+
+
+def test_bench_only_without_a_match_is_a_usage_error(capsys):
+    assert cli.main(["bench", "--only", "no_such_module"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_module" in err and "available" in err
