@@ -113,10 +113,12 @@ def backends() -> dict[str, tuple[bool, str]]:
 def use_backend(name: str) -> Iterator[str]:
     """Context manager: calls with ``backend=None`` inside use ``name``.
 
-    The setting is per thread.  ``name`` may be ``"auto"``.
+    The setting is per thread.  ``name`` may be ``"auto"``; any other name
+    than a backend's is a ``ValueError`` naming ``use_backend()`` (raised on
+    entry, before any call inside runs).
     """
     if name not in BACKENDS + ("auto",):
-        raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}; got {name!r}")
+        raise ValueError(f"use_backend() must be one of {BACKENDS + ('auto',)}; got {name!r}")
     stack = getattr(_CONTEXT, "stack", None)
     if stack is None:
         stack = _CONTEXT.stack = []

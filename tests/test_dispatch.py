@@ -113,7 +113,7 @@ def test_use_backend_is_per_thread(spy, data):
 
 @pytest.mark.parametrize("name", ["gpu", "numpy", None, ""])
 def test_use_backend_rejects_unknown(name):
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match=r"use_backend\(\) must be one of"):
         with attnnb.use_backend(name):
             pass
 
