@@ -55,13 +55,14 @@ def _simulator_array_class():
     return SimulatorArray
 
 
-def device_view(x, *, need_reshape=True):
+def device_view(x, *, name="array", need_reshape=True):
     """``x`` as a Numba device array, without a copy.
 
     Numba device arrays are used as they are; other objects exposing
     ``__cuda_array_interface__`` (CuPy, PyTorch) are wrapped.  With
     ``need_reshape`` (q, k, v), an array that is not 4-D must be C-contiguous
-    so that it can be viewed as 4-D (a ``ValueError`` says so).
+    so that it can be viewed as 4-D (a ``ValueError`` naming the argument
+    ``name`` says so).
     """
     from numba import cuda
 
@@ -73,9 +74,9 @@ def device_view(x, *, need_reshape=True):
         # (B, H, L, D) views of any strides are read in place; other ranks must be
         # reshaped to 4-D, which Numba refuses to do without a copy
         raise ValueError(
-            f"a non-contiguous CUDA device array of shape {tuple(x.shape)} cannot be used in "
-            "place; pass a contiguous one (tensor.contiguous(), cupy.ascontiguousarray) or a "
-            "4-D (batch, heads, length, dim) view"
+            f"{name} is a non-contiguous CUDA device array of shape {tuple(x.shape)}, which "
+            "cannot be used in place; pass a contiguous one (tensor.contiguous(), "
+            "cupy.ascontiguousarray) or a 4-D (batch, heads, length, dim) view"
         )
     return x
 

@@ -208,7 +208,7 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
 
         # Numba device arrays (also the simulator's) are used as they are; other
         # objects exposing __cuda_array_interface__ are wrapped without a copy.
-        arrs = [device_view(x) for x in (q, k, v)]
+        arrs = [device_view(x, name=n) for n, x in zip((q_name, k_name, v_name), (q, k, v))]
     else:
         arrs = [host_float_array(n, x) for n, x in zip((q_name, k_name, v_name), (q, k, v))]
     qa, ka, va = arrs

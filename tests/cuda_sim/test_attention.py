@@ -197,8 +197,10 @@ def test_strided_device_views(rng):
     ref = attnnb.attention(q[..., ::2, :], k[..., ::3, :], v[..., ::3, :], backend="reference")
     out = attnnb.attention(dq[..., ::2, :], dk[..., ::3, :], dv[..., ::3, :])
     assert_close(host(out), ref, np.float32)
-    with pytest.raises(ValueError, match="non-contiguous CUDA device array"):
+    with pytest.raises(ValueError, match="^q is a non-contiguous CUDA device array"):
         attnnb.attention(dq[0, :, ::2], dk[0], dv[0])
+    with pytest.raises(ValueError, match="^v is a non-contiguous CUDA device array"):
+        attnnb.attention(dq[0], dk[0], dv[0, :, ::3])
 
 
 def test_strided_device_mask_and_bias(rng):
