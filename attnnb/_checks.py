@@ -36,13 +36,18 @@ def is_device_array(x: Any) -> bool:
     return bool(getattr(x, "__cuda_ndarray__", False))
 
 
-def where_first(bad: np.ndarray) -> str:
+def where_first(bad: np.ndarray, offset: tuple = (), shape: tuple | None = None) -> str:
     """Where the first True entry of ``bad`` sits, for an error message.
 
     Parameters
     ----------
     bad : bool array
         Must hold at least one True entry.
+    offset : tuple of int, optional
+        Where ``bad``'s first entry sits in a larger array (one chunk of a
+        Dask array); added to the index.
+    shape : tuple of int, optional
+        That larger array's shape (default ``bad.shape``).
 
     Returns
     -------
@@ -53,8 +58,9 @@ def where_first(bad: np.ndarray) -> str:
     if bad.ndim == 0:
         return "(scalar)"
     flat = int(np.flatnonzero(bad.reshape(-1))[0])
-    index = tuple(int(i) for i in np.unravel_index(flat, bad.shape))
-    return f"at index {index} of shape {bad.shape}"
+    local = np.unravel_index(flat, bad.shape)
+    index = tuple(int(i) + int(o) for i, o in zip(local, offset or (0,) * bad.ndim))
+    return f"at index {index} of shape {tuple(bad.shape if shape is None else shape)}"
 
 
 def _user_full_shape(batch_shape, squeeze, Hq, Lq, Lk):
@@ -120,18 +126,20 @@ def as_named_array(name, x):
         raise TypeError(f"{name} could not be read as a NumPy array: {exc}") from exc
 
 
-def _check_key_size_values(arr: np.ndarray) -> None:
+def check_key_size_values(arr: np.ndarray, offset: tuple = (), shape: tuple | None = None):
     """Reject a ``key_size`` holding NaN, an infinity, zero or a negative entry.
 
     A size of ``+inf`` would give ``log(key_size) = inf`` logits, on which
     the backends' running maxima disagree, so it is refused with the rest.
-    The message reports the first offending entry, in the user's shape.
+    The message reports the first offending entry, in the user's shape;
+    ``offset`` and ``shape`` (:func:`where_first`) place a chunk of a larger
+    array in it.
     """
     with np.errstate(invalid="ignore"):
         bad = ~((arr > 0) & (arr < np.inf))  # NaN fails both comparisons
     if not np.any(bad):
         return
-    where = where_first(bad)
+    where = where_first(bad, offset, shape)
     value = arr[bad][0] if arr.ndim else arr[()]
     if np.isnan(value):
         raise ValueError("key_size must be finite and positive everywhere; it holds NaN "
@@ -163,6 +171,6 @@ def log_key_sizes(key_size, batch_shape, squeeze, B, Lk, dtype):
         raise ValueError(
             f"key_size of shape {arr.shape} cannot be broadcast to {full} (batch..., keys)"
         ) from None
-    _check_key_size_values(user)  # on the user's array, so the index is in its shape
+    check_key_size_values(user)  # on the user's array, so the index is in its shape
     logs = np.log(view.astype(np.float64)).astype(dtype)
     return np.ascontiguousarray(logs.reshape(B, Lk))

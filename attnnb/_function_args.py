@@ -59,6 +59,18 @@ def check_head_axis(squeeze: bool, q_shape) -> None:
         )
 
 
+def check_lam_values(arr: np.ndarray, offset: tuple = (), shape: tuple | None = None):
+    """Reject a ``lam`` holding NaN or an infinity, naming the first such entry in the
+    user's shape (``offset``, ``shape``: a chunk's place in it, see
+    :func:`~attnnb._checks.where_first`)."""
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        # say where: a NaN lam usually comes from one diverged head of a reparam_lambda
+        value = arr[bad][0] if arr.ndim else arr[()]
+        raise ValueError(f"lam must be finite everywhere; got {value} "
+                         f"{where_first(bad, offset, shape)}")
+
+
 def lambda_rows(lam, batch_shape, B, H, Lq, dtype):
     """Check ``lam`` and return it as a C-contiguous ``(B, H, Lq)`` host array in ``dtype``."""
     if lam is None:
@@ -78,9 +90,5 @@ def lambda_rows(lam, batch_shape, B, H, Lq, dtype):
             f"lam of shape {arr.shape} cannot be broadcast to {full} (batch..., pairs, queries); "
             "pass per-head values as shape (H, 1)"
         ) from None
-    bad = ~np.isfinite(arr)
-    if bad.any():
-        # say where: a NaN lam usually comes from one diverged head of a reparam_lambda
-        value = arr[bad][0] if arr.ndim else arr[()]
-        raise ValueError(f"lam must be finite everywhere; got {value} {where_first(bad)}")
+    check_lam_values(arr)
     return np.ascontiguousarray(view.astype(dtype).reshape(B, H, Lq))

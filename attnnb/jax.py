@@ -43,10 +43,13 @@ the host and back.
   ``jax.jit`` at the first call, and it then stays for that compiled
   function.
 * **Errors.** Shapes, dtypes and static arguments are checked at trace time
-  with attnnb's own messages.  Checks of values (positive, finite
-  ``key_size``; finite ``lam``) happen when the callback runs; under
-  ``jax.jit`` such an error surfaces as JAX's runtime error carrying
-  attnnb's message.
+  with attnnb's own messages.  Values (positive, finite ``key_size``;
+  finite ``lam``) are checked before the call when they are known (outside
+  ``jax.jit``): the NumPy call's ``ValueError``.  Under ``jax.jit`` they are
+  checked when the callback runs, and such an error surfaces as JAX's
+  runtime error carrying attnnb's message; both name the offending entry in
+  the argument's own shape (but for an argument that ``vmap`` batched, whose
+  shape inside the callback has the added axes).
 * **Precision.** As in attnnb: float32 in, float32 out; float64 (with
   ``jax_enable_x64``) in, float64 out; float16 computed in float32, the
   output rounded from the float32 residual (bit for bit attnnb's on cpu;
@@ -74,6 +77,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _bridge
+from ._checks import check_key_size_values
+from ._function_args import check_lam_values
 
 __all__ = ["attention", "diff_attention", "sparse_attention", "topk_attention"]
 
@@ -194,6 +199,7 @@ class _Call:
     grads: dict  # differentiable argument -> jax.ShapeDtypeStruct of its gradient
     return_lse: bool
     key: tuple  # equal for calls that can share one custom_vjp function (see _function)
+    given: dict  # argument -> its shape as given (for the value checks' messages)
 
     @classmethod
     def of(cls, name, arrays, static, sig):
@@ -207,7 +213,8 @@ class _Call:
         key = (name, tuple((n, _hashable(x)) for n, x in sorted(static.items())),
                tuple((a, tuple(x.shape), np.dtype(x.dtype).str) for a, x in arrays.items()))
         return cls(name, static, shapes, residuals, np.dtype(sig.residual_dtype), grads,
-                   bool(static.get("return_lse", False)), key)
+                   bool(static.get("return_lse", False)), key,
+                   {a: tuple(x.shape) for a, x in arrays.items()})
 
 
 def _hashable(x):
@@ -237,8 +244,30 @@ def _full_rank(arrays) -> dict:
     return {a: (1,) * max(rank[a] - x.ndim, 0) + tuple(x.shape) for a, x in arrays.items()}
 
 
+# arguments whose values (not only shapes) are checked, and how
+_VALUE_CHECKS = {"key_size": check_key_size_values, "lam": check_lam_values}
+
+
+def _check_values(arrays, given=None):
+    """The value checks of ``key_size`` and ``lam``, in the shapes the user gave them.
+
+    ``given``: the shapes as given, for arrays reshaped since (inside a
+    callback); an array that ``vmap`` batched, whose size differs, is checked
+    in its own shape.  Traced arrays (under ``jax.jit``) are left to the
+    callback.
+    """
+    for name, check in _VALUE_CHECKS.items():
+        x = arrays.get(name)
+        if x is None or isinstance(x, jax.core.Tracer):
+            continue
+        x = np.asarray(x)
+        shape = (given or {}).get(name, x.shape)
+        check(x.reshape(shape) if x.size == int(np.prod(shape)) else x)
+
+
 def _call(name, arrays, static):
     arrays = {a: jnp.asarray(x) for a, x in arrays.items() if x is not None}
+    _check_values(arrays)  # known values: NumPy's ValueError, before anything is traced
     sig = _bridge.signature(name, {a: (x.shape, x.dtype) for a, x in arrays.items()}, static)
     call = _Call.of(name, arrays, dict(static, backend=sig.backend), sig)
     res = _function(call)({a: x.reshape(call.shapes[a]) for a, x in arrays.items()})
@@ -296,6 +325,7 @@ def _build(call: _Call):
 
 
 def _host_forward(call: _Call, arrays):
+    _check_values(arrays, call.given)
     arrays, lead = _broadcast(call, arrays)
     _, residuals = _bridge.forward(call.name, arrays, call.static)
     return tuple(np.asarray(r).reshape(lead + s) for r, s in zip(residuals, call.residuals))

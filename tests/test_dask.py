@@ -282,11 +282,15 @@ def test_bad_arguments_are_refused_before_any_work(rng):
     never = da.from_delayed(dask.delayed(boom)(), SHAPES["q"], dtype=np.float64)
     out = attnnb.attention(never, k, v, causal=True, return_lse=True)
     assert all(isinstance(a, da.Array) for a in out)
-    # values of Dask arguments are checked by the tasks, when computed
-    with pytest.raises(ValueError, match="key_size must be positive"):
-        lazy(attnnb.attention(q, k, v, key_size=da.zeros(23, chunks=5)))
-    lam = da.from_array(np.array([[1.0], [np.inf], [0.0], [0.0]]))
-    with pytest.raises(ValueError, match="lam must be finite"):
+    # values of Dask arguments are checked chunk by chunk when computed, and reported at
+    # their index in the argument as given (not in a chunk of it)
+    sizes = np.ones(23)
+    sizes[17] = 0.0
+    with pytest.raises(ValueError, match=re.escape("got 0.0 at index (17,) of shape (23,)")):
+        lazy(attnnb.attention(q, k, v, key_size=da.from_array(sizes, chunks=5)))
+    lam = da.from_array(np.array([[1.0], [0.5], [0.0], [np.inf]]), chunks=(2, 1))
+    with pytest.raises(ValueError, match=re.escape("lam must be finite everywhere; got inf at "
+                                                   "index (3, 0) of shape (4, 1)")):
         lazy(attnnb.diff_attention(
             *chunked(data(rng, DIFF_SHAPES), DIFF_CHUNKINGS["keys"]).values(), lam))
 

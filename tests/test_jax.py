@@ -247,9 +247,23 @@ def test_errors(rng):
         ajax.attention(jnp.asarray(q, jnp.bfloat16), k, v, backend=REF)
     with pytest.raises(TypeError, match="scale must be a real number"):
         jax.jit(lambda s: ajax.attention(q, k, v, scale=s, backend=REF))(1.0)
-    # values are checked when the callback runs: JAX's runtime error carries the message
-    with pytest.raises(Exception, match="key_size must be positive"):
-        jax.jit(lambda s: ajax.attention(q, k, v, key_size=s, backend=REF))(-np.ones(Lk))
+    # values are checked when the callback runs: JAX's runtime error carries the message,
+    # the entry named in the argument's own shape (not the rank the callback gives it)
+    where = re.escape(f"got -1.0 at index (0,) of shape ({Lk},)")
+    qb, kb, vb = (x[None] for x in (q, k, v))  # a batch axis: the callback sees (1, Lk)
+    with pytest.raises(Exception, match="key_size must be positive.*" + where):
+        jax.jit(lambda s: ajax.attention(qb, kb, vb, key_size=s, backend=REF))(-np.ones(Lk))
+    # known values are checked before the call: NumPy's ValueError
+    sizes = np.ones(Lk)
+    sizes[Lk - 1] = np.nan
+    with pytest.raises(ValueError, match=re.escape(f"NaN at index ({Lk - 1},) of shape ({Lk},)")):
+        ajax.attention(q, k, v, key_size=jnp.asarray(sizes), backend=REF)
+    lam = np.array([[0.5], [np.inf]])
+    qd, kd, vd = randn(rng, 4, Lq, D), randn(rng, 4, Lk, D), randn(rng, 2, Lk, 6)
+    with pytest.raises(ValueError, match=re.escape("got inf at index (1, 0) of shape (2, 1)")):
+        ajax.diff_attention(qd, kd, vd, jnp.asarray(lam), backend=REF)
+    with pytest.raises(Exception, match=re.escape("got inf at index (1, 0) of shape (2, 1)")):
+        jax.jit(lambda lam: ajax.diff_attention(qd, kd, vd, lam, backend=REF))(lam)
 
 
 def test_import_attnnb_does_not_import_jax():

@@ -24,9 +24,9 @@ from functools import partial
 
 import numpy as np
 
-from .._checks import broadcast_pairwise, log_key_sizes
+from .._checks import broadcast_pairwise, check_key_size_values, log_key_sizes
 from .._dispatch import requested_backend
-from .._function_args import check_mode, check_pattern, check_top_k, lambda_rows
+from .._function_args import check_lam_values, check_mode, check_pattern, check_top_k, lambda_rows
 from .._validate import check_bool, check_normalizer, check_scale, lse_dtype
 from . import any_dask, blocks, select
 from .graph import Graph
@@ -39,6 +39,18 @@ ROLES = {"mask": ("h", "q", "k"), "bias": ("h", "q", "k"), "key_size": ("k",), "
 def _stand_in(x, dtype=None):
     """A zero-stride NumPy array of ``x``'s shape (and ``dtype``): shape checks, no memory."""
     return np.broadcast_to(np.zeros((), x.dtype if dtype is None else dtype), x.shape)
+
+
+def _checked_chunks(x, check_values):
+    """Dask ``x`` whose chunks pass ``check_values(chunk, offset, shape)`` as they are
+    computed, so that a bad value is reported at its index in ``x`` (the user's array),
+    not in the chunk or the grid's block that a task reads."""
+    def checked(chunk, block_info=None):
+        location = block_info[0]["array-location"] if block_info else ()
+        check_values(np.asarray(chunk), tuple(lo for lo, _ in location), x.shape)
+        return chunk
+
+    return x.map_blocks(checked, dtype=x.dtype, meta=np.empty((0,) * x.ndim, x.dtype))
 
 
 class Call:
@@ -82,8 +94,9 @@ class Call:
         return np.asarray(x)
 
     def _sizes(self, key_size):
-        """Check ``key_size`` (values too, when NumPy; a Dask one's values are checked per
-        chunk by the tasks); drop ToMe's trailing axis of one."""
+        """Check ``key_size`` (values too, when NumPy; a Dask one's values chunk by chunk
+        as they are computed, reported in its own shape); drop ToMe's trailing axis of
+        one."""
         if key_size is None:
             return None
         batch, squeeze, B = self._facts()
@@ -91,13 +104,16 @@ class Call:
         x = key_size if any_dask(key_size) else np.asarray(key_size)
         probe = np.broadcast_to(np.ones((), x.dtype), x.shape) if any_dask(x) else x
         log_key_sizes(probe, batch, squeeze, B, Lk, self.grid.compute_dtype)
+        if any_dask(x):
+            x = _checked_chunks(x, check_key_size_values)
         if x.ndim >= 1 and x.shape[-1] == 1 and x.ndim == len(batch) + 2:
             x = x[..., 0]
         return x
 
     def _lam(self, lam):
         """``lam`` of differential attention: checked and broadcast when NumPy (or a
-        number); a Dask one's shape and dtype now, its values per chunk by the tasks."""
+        number); a Dask one's shape and dtype now, its values chunk by chunk as they are
+        computed (reported in its own shape)."""
         if not self.grid.pairs:
             return None
         batch, _, B = self._facts()
@@ -107,7 +123,7 @@ class Call:
         if any_dask(lam):
             lambda_rows(np.ones((), lam.dtype), batch, B, H, Lq, comp)
             lambda_rows(_stand_in(lam, comp), batch, B, H, Lq, comp)
-            return lam
+            return _checked_chunks(lam, check_lam_values)
         return lambda_rows(lam, batch, B, H, Lq, comp).reshape(batch + (H, Lq))
 
     # -- tasks ------------------------------------------------------------------------------
