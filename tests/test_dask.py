@@ -378,3 +378,25 @@ def test_readme_dask_block_runs():
     assert namespace["out"].shape == (1, 4, 8192, 64)
     qn, kn, vn = namespace["qn"], namespace["kn"], namespace["vn"]
     assert_close(namespace["merged"], attnnb.attention(qn, kn, vn), rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_topk_equal_keys_in_blocks_of_other_widths(seed):
+    """Equal keys get equal ranking logits whatever the width of their key block, so
+    the lower index wins their tie as in one call (float32: a product's rounding
+    depends on its shape)."""
+    rng = np.random.default_rng(seed)
+    d, lk = 40, 150
+    q = rng.standard_normal((1, 3, 30, d)).astype(np.float32)
+    k = rng.standard_normal((1, 1, lk, d)).astype(np.float32)
+    v = rng.standard_normal((1, 1, lk, 7)).astype(np.float32)
+    for r in range(8):  # key r (block 0, 17 wide) equals key 90 + 7 r (block 2, 72 wide)
+        k[0, 0, r] = k[0, 0, 90 + 7 * r] = 4.0 * q[0, 0, r]  # query r of head 0 ranks it first
+    expected = attnnb.topk_attention(q, k, v, 1, return_lse=True)
+    chunks = {"q": (1, 3, 30, d), "k": ((1,), (1,), (17, 61, 72), (d,)),
+              "v": ((1,), (1,), (17, 61, 72), (7,))}
+    res = attnnb.topk_attention(*chunked({"q": q, "k": k, "v": v}, chunks).values(), 1,
+                                return_lse=True)
+    out, lse = lazy(res)
+    assert_close(out, expected[0], np.float32)
+    assert_close(lse, expected[1], np.float32)

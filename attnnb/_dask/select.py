@@ -20,7 +20,13 @@ are among the ``top_k`` best of each block, so:
 
 The ranking logits are computed here with NumPy in the compute dtype
 (``(q * scale) @ k^T + log key_size``), block by block (an ``(nq, nk)``
-array per head of the block); the weights are the backend's.  A row with
+array per head of the block); the weights are the backend's.  The product
+runs over panels of :data:`PANEL` keys (the last one padded with zero
+keys): a BLAS product's rounding depends on its shape (OpenBLAS takes
+other kernels for narrow matrices), so a product over the whole block
+could give two equal keys in blocks of different widths logits one unit
+in the last place apart, and the lower index would then not win the tie.
+With every product of one shape, equal keys get equal logits.  A row with
 a NaN among its allowed logits keeps its whole allowed set, so that the
 NaN reaches it, as in one call.
 """
@@ -31,6 +37,23 @@ import numpy as np
 
 from .._eager import attention
 from .blocks import key_heads, namespace, native
+
+PANEL = 64  # keys per product in ranking_logits (one shape for every block: one rounding)
+
+
+def _panel_product(xp, a, b):
+    """``a @ b`` (``(..., m, d) @ (..., d, n)``) as products of ``PANEL`` columns of ``b``
+    each, the last padded with zero columns: each column's value does not depend on ``n``."""
+    n = b.shape[-1]
+    if n == 0:
+        return xp.matmul(a, b)
+    padded = -(-n // PANEL) * PANEL
+    if padded != n:
+        wide = xp.zeros(b.shape[:-1] + (padded,), b.dtype)
+        wide[..., :n] = b
+        b = wide
+    parts = [xp.matmul(a, b[..., s:s + PANEL]) for s in range(0, padded, PANEL)]
+    return xp.concatenate(parts, axis=-1)[..., :n]
 
 
 def ranking_logits(q, k, mask, key_size, limit, scale):
@@ -44,7 +67,8 @@ def ranking_logits(q, k, mask, key_size, limit, scale):
     *batch, hq, nq, d = q.shape
     hk, nk = k.shape[-3], k.shape[-2]
     qs = (q * q.dtype.type(scale)).reshape(*batch, hk, hq // hk, nq, d)
-    x = xp.matmul(qs, xp.swapaxes(k, -1, -2)[..., :, None, :, :]).reshape(*batch, hq, nq, nk)
+    x = _panel_product(xp, qs, xp.swapaxes(k, -1, -2)[..., :, None, :, :])
+    x = x.reshape(*batch, hq, nq, nk)
     if key_size is not None:
         logs = xp.log(xp.asarray(key_size).astype(np.float64)).astype(q.dtype)
         x = x + xp.broadcast_to(logs, (*batch, nk))[..., None, None, :]
