@@ -89,6 +89,14 @@ def chunk_problem(problem, b0, b1, g0, g1, streams=1):
         log_key_size=part(problem.log_key_size, None))
 
 
+def sum_to_shape(g, shape):
+    """``g`` summed over the axes where ``shape`` has 1 and ``g`` does not (both 4-D): the
+    gradient of a bias of ``shape`` broadcast to ``g``'s shape; ``g`` itself when there
+    are none."""
+    axes = tuple(a for a, (n, m) in enumerate(zip(g.shape, shape)) if m == 1 and n != 1)
+    return g.sum(axis=axes, keepdims=True).reshape(tuple(shape)) if axes else g
+
+
 def add_bias_part(dbias, part, b0, b1, h0, h1):
     """``dbias`` (the bias's own 4-D shape) += the chunk's gradient ``part``, ``(b1 - b0,
     h1 - h0, Lq, Lk)`` or already summed along some axes the bias broadcasts along,
@@ -96,9 +104,7 @@ def add_bias_part(dbias, part, b0, b1, h0, h1):
     rows = slice(b0, b1) if dbias.shape[0] > 1 else slice(None)
     heads = slice(h0, h1) if dbias.shape[1] > 1 else slice(None)
     target = dbias[rows, heads]
-    axes = tuple(a for a, (n, m) in enumerate(zip(part.shape, target.shape))
-                 if m == 1 and n != 1)
-    target += part.sum(axis=axes, keepdims=True) if axes else part
+    target += sum_to_shape(part, target.shape)
 
 
 def chunked_vjp(run, problem, per_row, chunks, dbias_shape, streams=1, host=np.asarray):

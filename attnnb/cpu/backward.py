@@ -47,7 +47,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import prange
 
-from .._bias_chunks import bias_chunks, chunked_vjp
+from .._bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
 from .._codes import NORMALIZER_CODES, RELU_EXPM1
 from ._blocks import ROWS
 from ._exp import exp_shifted
@@ -465,12 +465,6 @@ def tiled_vjp(problem, out, lse, dout, dlse, need_bias, pattern=None, selection=
     return grads
 
 
-def _sum_to(g, shape):
-    """``g (B, Hq, Lq, Lk)`` summed over the axes where ``shape`` has 1."""
-    axes = tuple(a for a, (n, m) in enumerate(zip(g.shape, shape)) if m == 1 and n != 1)
-    return g.sum(axis=axes, keepdims=True).reshape(shape) if axes else g
-
-
 def attention_vjp(problem, out, lse, dout, dlse, dbias_shape=None):
     """Gradients of :func:`attnnb.attention` (the interface of :mod:`attnnb.vjp`).
 
@@ -489,7 +483,7 @@ def attention_vjp(problem, out, lse, dout, dlse, dbias_shape=None):
 
         return chunked_vjp(run, problem, (out, lse, dout, dlse), chunks, dbias_shape)
     g = tiled_vjp(problem, out, lse, dout, dlse, dbias_shape is not None)
-    dbias = None if dbias_shape is None else _sum_to(g["bias"], tuple(dbias_shape))
+    dbias = None if dbias_shape is None else sum_to_shape(g["bias"], dbias_shape)
     return g["q"], g["k"], g["v"], dbias, g["log_key_size"]
 
 

@@ -24,7 +24,7 @@ import dataclasses
 import numpy as np
 from numba import prange
 
-from .._bias_chunks import bias_chunks, chunked_vjp
+from .._bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
 from .._codes import SOFTMAX
 from ._exp import exp_shifted
 from ._grad_tiles import (
@@ -242,9 +242,7 @@ def rectified_vjp(problem, lam, dout, dbias_shape=None):
         dq, dk, dv, dbias, dlks, dlam = tiled_rectified_vjp(problem, lam, dout,
                                                             dbias_shape is not None)
         if dbias_shape is not None:
-            axes = tuple(a for a, m in enumerate(dbias_shape)
-                         if m == 1 and dbias.shape[a] != 1)
-            dbias = dbias.sum(axis=axes, keepdims=True).reshape(dbias_shape)
+            dbias = sum_to_shape(dbias, dbias_shape)
         return dq, dk, dv, dbias, dlks, dlam
     lam = np.broadcast_to(lam, (B, H2 // 2, Lq))
     return chunked_vjp(lambda part, lam_c, dout_c: tiled_rectified_vjp(part, lam_c, dout_c, True),
