@@ -4,7 +4,9 @@
   swept in ``TILE_A x 64`` tiles with the attention kernels' register-blocked
   product (:func:`~attnnb.cpu._tiles.tile_logits_t`) and a running row
   maximum, so no ``Ta x Tb`` matrix exists (Stable Diffusion's 2048 x 2048
-  per image included); then a stable descending sort of the row maxima.
+  per image included); then a stable descending sort of the row maxima
+  (NumPy's, on the host: a sort inside the kernel was a sixth of its
+  compile time, and sorting ``B x Ta`` keys is no work).
 * :func:`merge`: a segmented reduction; each output token gathers its
   members from a per-batch counting sort of ``slot``, so threads never
   write to the same row and the result does not depend on scheduling.
@@ -144,7 +146,7 @@ def _settle_nan(a_nan, b_nan, class_token, distill_token, node_max, node_idx):
 
 
 @kernel
-def match_kernel(metric, a_idx, b_idx, class_token, distill_token, node_max, node_idx, order):
+def match_kernel(metric, a_idx, b_idx, class_token, distill_token, node_max, node_idx):
     B, _, C = metric.shape
     Ta, Tb = a_idx.shape[1], b_idx.shape[1]
     a_shared, b_shared = a_idx.shape[0] == 1, b_idx.shape[0] == 1
@@ -188,14 +190,9 @@ def match_kernel(metric, a_idx, b_idx, class_token, distill_token, node_max, nod
             S = tile_logits_t(at, ubt[b], t * tb, tb, S_flat)
             nb = min(tb, Tb - t * tb)
             _fold_tile(S, na, nb, i0, t * tb, class_token, distill_token, mx, ix)
-    # 3. NaN rows, then the edges best first: a stable sort of -max (NaN first, -inf last)
+    # 3. NaN rows (the order of the edges is sorted on the host)
     for b in prange(B):
         _settle_nan(a_nan[b], b_nan[b], class_token, distill_token, node_max[b], node_idx[b])
-        key = np.empty(Ta, node_max.dtype)
-        for i in range(Ta):
-            v = node_max[b, i]
-            key[i] = -np.inf if v != v else -v
-        order[b] = np.argsort(key, kind="mergesort")
 
 
 def match(metric, a_idx, b_idx, class_token, distill_token):
@@ -204,10 +201,12 @@ def match(metric, a_idx, b_idx, class_token, distill_token):
     Ta = a_idx.shape[1]
     node_max = np.empty((B, Ta), metric.dtype)
     node_idx = np.empty((B, Ta), np.int64)
-    order = np.empty((B, Ta), np.int64)
     launch(match_kernel, metric, np.ascontiguousarray(a_idx, np.int64),
            np.ascontiguousarray(b_idx, np.int64), bool(class_token), bool(distill_token),
-           node_max, node_idx, order)
+           node_max, node_idx)
+    # the edges best first: a stable sort of -max, NaN first (as -inf), -inf last
+    key = np.where(np.isnan(node_max), -np.inf, -node_max)
+    order = np.argsort(key, axis=-1, kind="stable").astype(np.int64, copy=False)
     return node_max, node_idx, order
 
 
