@@ -38,12 +38,16 @@ import numpy as np
 from .._eager import attention
 from .blocks import key_heads, namespace, native
 
-PANEL = 64  # keys per product in ranking_logits (one shape for every block: one rounding)
+PANEL = 256  # keys per product in ranking_logits (one shape for every block: one rounding)
 
 
 def _panel_product(xp, a, b):
     """``a @ b`` (``(..., m, d) @ (..., d, n)``) as products of ``PANEL`` columns of ``b``
-    each, the last padded with zero columns: each column's value does not depend on ``n``."""
+    each, the last padded with zero columns: each column's value does not depend on ``n``.
+
+    Each panel is written into its place in one output (no concatenation); the
+    result is a view of that output, ``n`` columns wide.
+    """
     n = b.shape[-1]
     if n == 0:
         return xp.matmul(a, b)
@@ -52,8 +56,11 @@ def _panel_product(xp, a, b):
         wide = xp.zeros(b.shape[:-1] + (padded,), b.dtype)
         wide[..., :n] = b
         b = wide
-    parts = [xp.matmul(a, b[..., s:s + PANEL]) for s in range(0, padded, PANEL)]
-    return xp.concatenate(parts, axis=-1)[..., :n]
+    shape = np.broadcast_shapes(a.shape[:-1] + (1,), b.shape[:-2] + (1, padded))
+    out = xp.empty(shape, np.result_type(a.dtype, b.dtype))
+    for s in range(0, padded, PANEL):
+        xp.matmul(a, b[..., s:s + PANEL], out=out[..., s:s + PANEL])
+    return out[..., :n]
 
 
 def ranking_logits(q, k, mask, key_size, limit, scale):
