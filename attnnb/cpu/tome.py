@@ -6,7 +6,7 @@
   maximum, so no ``Ta x Tb`` matrix exists (Stable Diffusion's 2048 x 2048
   per image included); then a stable descending sort of the row maxima
   on the host (:func:`attnnb._tome_order.descending_order`, as the cuda
-  backend: a sort inside the kernel was a third of its compile time, and
+  backend: a sort inside the kernel was about 40 % of its compile time, and
   sorting ``B x Ta`` keys is no work).
 * :func:`merge`: a segmented reduction; each output token gathers its
   members from a per-batch counting sort of ``slot``, so threads never
