@@ -44,12 +44,14 @@ the host and back.
   function.
 * **Errors.** Shapes, dtypes and static arguments are checked at trace time
   with attnnb's own messages.  Values (positive, finite ``key_size``;
-  finite ``lam``) are checked before the call when they are known (outside
-  ``jax.jit``): the NumPy call's ``ValueError``.  Under ``jax.jit`` they are
-  checked when the callback runs, and such an error surfaces as JAX's
-  runtime error carrying attnnb's message; both name the offending entry in
-  the argument's own shape (but for an argument that ``vmap`` batched, whose
-  shape inside the callback has the added axes).
+  finite ``lam``) are checked after them, before the call, when they are
+  concrete arrays: the NumPy call's ``ValueError``.  Traced values (under
+  ``jax.jit``, ``jax.grad`` or ``jax.vmap``) are checked when the callback
+  runs, and such an error surfaces as JAX's runtime error carrying attnnb's
+  message.  Both name the offending entry in the argument's own shape, but
+  for an argument that ``vmap`` batched: that one is named in the shape the
+  callback sees (the mapped axes first, then the argument given the full
+  problem's rank).
 * **Precision.** As in attnnb: float32 in, float32 out; float64 (with
   ``jax_enable_x64``) in, float64 out; float16 computed in float32, the
   output rounded from the float32 residual (bit for bit attnnb's on cpu;
@@ -248,27 +250,29 @@ def _full_rank(arrays) -> dict:
 _VALUE_CHECKS = {"key_size": check_key_size_values, "lam": check_lam_values}
 
 
-def _check_values(arrays, given=None):
+def _check_values(arrays, call=None):
     """The value checks of ``key_size`` and ``lam``, in the shapes the user gave them.
 
-    ``given``: the shapes as given, for arrays reshaped since (inside a
-    callback); an array that ``vmap`` batched, whose size differs, is checked
-    in its own shape.  Traced arrays (under ``jax.jit``) are left to the
-    callback.
+    Outside a callback (``call`` None) only concrete arrays are checked:
+    traced ones (under ``jax.jit``, ``jax.grad``, ``jax.vmap``) are left to
+    the callback.  Inside one, an array in the rank :func:`_full_rank` gave it
+    is checked in its given shape (``call.given``); one that ``vmap`` added
+    axes to is checked in the shape the callback sees.
     """
     for name, check in _VALUE_CHECKS.items():
         x = arrays.get(name)
         if x is None or isinstance(x, jax.core.Tracer):
             continue
         x = np.asarray(x)
-        shape = (given or {}).get(name, x.shape)
-        check(x.reshape(shape) if x.size == int(np.prod(shape)) else x)
+        if call is not None and x.ndim == len(call.shapes[name]):
+            x = x.reshape(call.given[name])
+        check(x)
 
 
 def _call(name, arrays, static):
     arrays = {a: jnp.asarray(x) for a, x in arrays.items() if x is not None}
-    _check_values(arrays)  # known values: NumPy's ValueError, before anything is traced
     sig = _bridge.signature(name, {a: (x.shape, x.dtype) for a, x in arrays.items()}, static)
+    _check_values(arrays)  # known values: after the dtype and shape checks, as in NumPy
     call = _Call.of(name, arrays, dict(static, backend=sig.backend), sig)
     res = _function(call)({a: x.reshape(call.shapes[a]) for a, x in arrays.items()})
     out = res[0].astype(sig.out_dtype).reshape(sig.out_shape)
@@ -325,7 +329,7 @@ def _build(call: _Call):
 
 
 def _host_forward(call: _Call, arrays):
-    _check_values(arrays, call.given)
+    _check_values(arrays, call)
     arrays, lead = _broadcast(call, arrays)
     _, residuals = _bridge.forward(call.name, arrays, call.static)
     return tuple(np.asarray(r).reshape(lead + s) for r, s in zip(residuals, call.residuals))

@@ -258,6 +258,11 @@ def test_errors(rng):
     sizes[Lk - 1] = np.nan
     with pytest.raises(ValueError, match=re.escape(f"NaN at index ({Lk - 1},) of shape ({Lk},)")):
         ajax.attention(q, k, v, key_size=jnp.asarray(sizes), backend=REF)
+    # ... after the dtype and shape checks, as in the NumPy call
+    with pytest.raises(TypeError, match="key_size must be a real numeric array"):
+        ajax.attention(q, k, v, key_size=jnp.zeros(Lk, bool), backend=REF)
+    with pytest.raises(ValueError, match="cannot be broadcast"):
+        ajax.attention(q, k, v, key_size=jnp.zeros(Lk + 1), backend=REF)
     lam = np.array([[0.5], [np.inf]])
     qd, kd, vd = randn(rng, 4, Lq, D), randn(rng, 4, Lk, D), randn(rng, 2, Lk, 6)
     with pytest.raises(ValueError, match=re.escape("got inf at index (1, 0) of shape (2, 1)")):
