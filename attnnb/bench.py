@@ -55,12 +55,16 @@ def sgemm_gflops(n: int = 2048, repeats: int = 5) -> float:
     return 2.0 * n**3 / float(np.median(times)) / 1e9
 
 
+class UnknownBenchmark(LookupError):
+    """``--only`` names no module of :mod:`attnnb.benches` (a usage error: exit status 2)."""
+
+
 def discover(only: str | None = None) -> list[tuple[str, object]]:
     """``(name, module)`` for every module of :mod:`attnnb.benches` (``only``: that one).
 
     Raises
     ------
-    LookupError
+    UnknownBenchmark
         ``only`` names no module (the command line exits with status 2).
     """
     import attnnb.benches as pkg
@@ -68,7 +72,7 @@ def discover(only: str | None = None) -> list[tuple[str, object]]:
     names = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__))
     if only is not None:
         if only not in names:
-            raise LookupError(f"no benchmark module {only!r}; available: {', '.join(names)}")
+            raise UnknownBenchmark(f"no benchmark module {only!r}; available: {', '.join(names)}")
         names = [only]
     return [(name, importlib.import_module(f"attnnb.benches.{name}")) for name in names]
 
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         modules = discover(args.only)
-    except LookupError as exc:  # a usage error, as check's and warmup's (contract §4.1)
+    except UnknownBenchmark as exc:  # a usage error, as check's and warmup's (contract §4.1)
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return 2
     all_cases = []
