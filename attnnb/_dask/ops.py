@@ -24,7 +24,7 @@ from functools import partial
 
 import numpy as np
 
-from .._checks import broadcast_pairwise, check_key_size_values, log_key_sizes
+from .._checks import broadcast_pairwise, check_key_size_values, is_device_array, log_key_sizes
 from .._dispatch import requested_backend
 from .._function_args import check_lam_values, check_mode, check_pattern, check_top_k, lambda_rows
 from .._validate import check_bool, check_normalizer, check_scale, lse_dtype
@@ -41,16 +41,27 @@ def _stand_in(x, dtype=None):
     return np.broadcast_to(np.zeros((), x.dtype if dtype is None else dtype), x.shape)
 
 
+def host_values(chunk):
+    """A chunk's values as a NumPy array (a device chunk copied to the host: the
+    checks read a few values, the chunk itself stays where it is)."""
+    if is_device_array(chunk):
+        from numba import cuda
+
+        view = chunk if hasattr(chunk, "copy_to_host") else cuda.as_cuda_array(chunk)
+        return view.copy_to_host()
+    return np.asarray(chunk)
+
+
 def _checked_chunks(x, check_values):
     """Dask ``x`` whose chunks pass ``check_values(chunk, offset, shape)`` as they are
     computed, so that a bad value is reported at its index in ``x`` (the user's array),
     not in the chunk or the grid's block that a task reads."""
     def checked(chunk, block_info=None):
         location = block_info[0]["array-location"] if block_info else ()
-        check_values(np.asarray(chunk), tuple(lo for lo, _ in location), x.shape)
+        check_values(host_values(chunk), tuple(lo for lo, _ in location), x.shape)
         return chunk
 
-    return x.map_blocks(checked, dtype=x.dtype, meta=np.empty((0,) * x.ndim, x.dtype))
+    return x.map_blocks(checked, dtype=x.dtype, meta=x._meta)  # device chunks stay so
 
 
 class Call:
