@@ -76,9 +76,9 @@ def lambda_rows(lam, batch_shape, B, H, Lq, dtype):
     if lam is None:
         raise TypeError("lam must be a real number or an array; got None")
     if is_device_array(lam):
-        from numba import cuda
+        from ._device import device_view  # imports numba.cuda: device arrays only
 
-        lam = (lam if hasattr(lam, "copy_to_host") else cuda.as_cuda_array(lam)).copy_to_host()
+        lam = device_view(lam, need_reshape=False).copy_to_host()
     arr = as_named_array("lam", lam)
     if arr.dtype.kind not in "fiu":
         raise TypeError(f"lam must be a real number or a real array; got dtype {arr.dtype}")

@@ -45,10 +45,9 @@ def host_values(chunk):
     """A chunk's values as a NumPy array (a device chunk copied to the host: the
     checks read a few values, the chunk itself stays where it is)."""
     if is_device_array(chunk):
-        from numba import cuda
+        from .._device import device_view  # imports numba.cuda: device chunks only
 
-        view = chunk if hasattr(chunk, "copy_to_host") else cuda.as_cuda_array(chunk)
-        return view.copy_to_host()
+        return device_view(chunk, need_reshape=False).copy_to_host()
     return np.asarray(chunk)
 
 
