@@ -20,7 +20,15 @@ rectified, else ``G = dp``)::
     ds1 = A1 (G - d1)   ds2 = -lam A2 (G - e)   dV += W^T dO
 
 (in ``"difference"`` mode ``d1 = dO . o1`` and ``e = dO . o2``; summing
-them over the keys needs no second forward output).
+them over the keys needs no second forward output).  Only the rectified
+mode runs the two-stream kernels: the difference mode's gradient is two
+one-stream backwards (:func:`pair_stream`), stream 1's with row ratio
+``r = -lam`` (its ``p = -lam A2``, so ``ds2`` and ``W``'s second term come
+out of :func:`pair_functions`' one-stream path), each query-tile kernel
+first sweeping for its stream's ``delta`` (``d1``, ``e``), stream 1's
+key-tile kernel adding to stream 0's ``dV`` and bias gradient.  Their
+builds meet the register-tiling gate at ``d = 64, Dv = 128``; the
+two-stream ones do not (``KNOWN_GATE_FAILURES``).
 
 Two kernels, as FlashAttention-2, for one or two score streams
 (``Tiling.streams``):
@@ -97,8 +105,22 @@ def dq_parts(t: Tiling) -> tuple[int, ...]:
             _up4(t.bq * g["NX"]), _up4(t.bq), 4)
 
 
+def key_tile_layout(t: Tiling) -> Tiling:
+    """The tiling the key-tile kernel is laid out with: one stream's ``d < Dv <= 128`` as
+    ``d = Dv`` (the score depth and the ``dK`` columns padded with zeros).
+
+    At ``d = 64, Dv = 128`` every tiling of the unpadded kernel needs 142 registers or
+    more, the padded one 125 (gpu/RESULTS.md): the padding's flops buy the register
+    tiling.
+    """
+    if t.streams == 1 and t.d < t.dv <= 128:
+        return t._replace(d=t.dv)
+    return t
+
+
 def dkdv_parts(t: Tiling) -> tuple[int, ...]:
     """Shared lengths of the key-tile kernel: ``Kt, Vt, QQ, OO, Wt, dS, X``."""
+    t = key_tile_layout(t)
     g = geometry(t)
     s = t.streams
     qq = _up4(max(t.dp * t.bq, t.bq * g["DKP"]))
@@ -117,16 +139,20 @@ _PRODUCTION = {
     "dq": ((64, (32, 64, 2, 4)), (128, (32, 32, 2, 1))),
     "dkdv": ((64, (64, 32, 4, 1)), (128, (16, 32, 1, 2))),
 }
-# two score streams (differential attention): no tiling of the key-tile kernel meets the
+# one stream with d < Dv (the differential pair's streams: d = 64, Dv = 128): the query-tile
+# kernel's 32 x 16 of 2 x 2 takes 127 registers there (128 with the pair's delta sweep)
+# against 168 for the D <= 128 tiles
+_PRODUCTION_NARROW_D = dict(_PRODUCTION, dq=((64, (32, 64, 2, 4)), (128, (32, 16, 2, 2))))
+# two score streams (rectified differential attention): no tiling of the key-tile kernel meets the
 # gate at d = 64, Dv = 128 (16 x 16 of 1 x 2: 213 registers), so it keeps 32 x 8 of 2 x 1
 _PRODUCTION_TWO_STREAMS = dict(_PRODUCTION, dkdv=((64, (64, 32, 4, 1)), (128, (32, 32, 2, 1))))
 # float32 kernels that do not meet the register-tiling gate yet, and why (the gate reports
 # them as known failures; gpu/RESULTS.md has their figures)
 KNOWN_GATE_FAILURES = {
-    "backward diff dq float32 d=64": "more than 128 registers and fewer than 4 FMA per shared "
-                                     "load: two score streams",
-    "backward diff dkdv float32 d=64": "more than 128 registers and fewer than 4 FMA per "
-                                       "shared load: two score streams, Dv = 128",
+    "backward rectified dq float32 d=64": "more than 128 registers and fewer than 4 FMA per "
+                                          "shared load: two score streams",
+    "backward rectified dkdv float32 d=64": "more than 128 registers and fewer than 4 FMA "
+                                            "per shared load: two score streams, Dv = 128",
 }
 _PARTS = {"dq": dq_parts, "dkdv": dkdv_parts}
 
@@ -135,7 +161,8 @@ def backward_tiling(dtype, d: int, dv: int, streams: int = 1, kernel: str = "dq"
     """The tiling of one backward kernel (``"dq"`` or ``"dkdv"``) for a compute dtype and
     head sizes."""
     parts = _PARTS[kernel]
-    production = (_PRODUCTION if streams == 1 else _PRODUCTION_TWO_STREAMS)[kernel]
+    production = (_PRODUCTION_TWO_STREAMS if streams == 2 else
+                  _PRODUCTION_NARROW_D if d < dv else _PRODUCTION)[kernel]
     return tiling_for(dtype, d, dv, streams, elements=lambda t: sum(parts(t)),
                       production=production)
 
@@ -146,6 +173,14 @@ def _offsets(parts):
         out.append(at)
         at += n
     return out, at
+
+
+def pair_stream(streams: int, variant: str) -> tuple[int, int, bool]:
+    """``(head step, head offset, one stream of a pair)`` of a kernel build: stream ``c``
+    of score stream pair ``h`` is query head ``2h + c`` (key head ``2g + c``)."""
+    if variant in ("stream0", "stream1"):
+        return 2, int(variant[-1]), True
+    return streams, 0, False
 
 
 def pair_functions(dtype, tiling: Tiling):
@@ -286,6 +321,9 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
     ``variant`` (``"dense"``, ``"sparse"``, ``"topk"``; two streams: any)
     fixes the ``csr`` and ``selected`` flags at compile time, so that a
     dense kernel carries neither the CSR mask nor the selection (registers).
+    ``"stream0"`` / ``"stream1"``: one stream of a differential pair
+    (:func:`pair_stream`); the kernel sweeps the key tiles twice, first for
+    the rows' ``delta`` (written to ``rowv``), then for ``dQ``.
     """
     f = micro_functions(np.dtype(dtype), tiling)
     g_ = geometry(tiling)
@@ -307,6 +345,8 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
     stage_tile_mask = f.stage_tile_mask
     pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling)
     CSR, SELECTED = variant == "sparse", variant == "topk"
+    HS, HOFF, PAIR = pair_stream(S_, variant)
+    PHASES = 2 if S_ == 2 or PAIR else 1  # a first sweep for the rows' sums
 
     def dq_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
                   normalizer, rowv, thr_a, cut_a, selected, rectified, p_heads, indptr, indices,
@@ -315,7 +355,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
         diag = Lk - Lq if causal else Lk
         csr = CSR  # the variant's constants (the arguments only say the same)
         selected = SELECTED
-        b, h, g, i0 = block_tile(q.shape[1] // S_, k.shape[1] // S_, 0)
+        b, h, g, i0 = block_tile(q.shape[1] // HS, k.shape[1] // HS, 0)
         smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
         Qt, dOt, KV = smem[O_Q:O_O], smem[O_O:O_KV], smem[O_KV:O_V]
         Vt, dSt, red = smem[O_V:O_DS], smem[O_DS:O_RED], smem[O_RED:O_ROWS]
@@ -329,15 +369,18 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
             flag[0] = CAST(-1)
         nq = min(BQ, Lq - i0)
         load_rows(rowv, b, h, i0, row0, Lq, rv, thr_a, cut_a, selected, thr, cutr)
+        if PAIR:  # the first sweep weighs by the map alone: e is needed where lam = 0 too
+            for r in range(TM):
+                rv[TM + r] = ONE
         for c in range(S_):
-            stage_transposed(q[b, S_ * h + c], i0, nq, scale, Qt[c * N_QS:], BQ)
+            stage_transposed(q[b, HS * h + HOFF + c], i0, nq, scale, Qt[c * N_QS:], BQ)
         stage_dT(dout[b, h], i0, nq, ONE, dOt, BQ)
         ph = h if p_heads > 1 else 0
         i_csr = ph * Lq + min(i0 + t, Lq - 1)  # thread t < BQ: its row of the pattern
         tr = ph * ((Lq + BQ - 1) // BQ) + i0 // BQ
         vh = v[b, g]
-        for phase in range(S_):  # two streams: pass 0 forms d1 and e
-            last = phase == S_ - 1
+        for phase in range(PHASES):  # pass 0 forms d1 and e (or a pair stream's delta)
+            last = phase == PHASES - 1
             for s in range(tile_ptr[tr], tile_ptr[tr + 1]):
                 j0 = tile_idx[s] * BK
                 nk = min(BK, Lk - j0)
@@ -345,13 +388,17 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
                 if partial:  # dSt is free: the last tile ended with a barrier
                     stage_tile_mask(dSt, t, i_csr, indptr[i_csr], j0, indptr, indices)
                 for c in range(S_):
-                    stage_transposed(k[b, S_ * g + c], j0, nk, ONE, KV[c * N_KS:], BK)
+                    stage_transposed(k[b, HS * g + HOFF + c], j0, nk, ONE, KV[c * N_KS:], BK)
                 stage_dT(vh, j0, nk, ONE, Vt, BK)
                 cuda.syncthreads()
                 tile_gradients(Qt, Qt[N_QS:], KV, KV[N_KS:], dOt, Vt, dSt, partial, S1, S2, F,
                                dP, rv, thr, cutr, selected, rectified, part1, part2, i0,
                                row0, j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
                                has_mask, logks, has_ks, normalizer)
+                if PAIR and not last:  # delta 0 and ratio 1: S holds A dP
+                    for r in range(TM):
+                        for c in range(TN):
+                            part1[r] += S1[r * TN + c]
                 cuda.syncthreads()  # the key tiles and the tile mask are read
                 if last:
                     store_tile(S1, dSt, row0, key0)
@@ -359,7 +406,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
                         store_tile(S2, dSt[N_DS:], row0, key0)
                     bad = False
                     for c in range(S_):
-                        bad = stage_keys(k[b, S_ * g + c], j0, nk, KV[c * N_KS:]) or bad
+                        bad = stage_keys(k[b, HS * g + HOFF + c], j0, nk, KV[c * N_KS:]) or bad
                     if bad:
                         flag[0] = CAST(s)
                     cuda.syncthreads()
@@ -368,22 +415,27 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
                     if S_ == 2:
                         dq_product(dSt[N_DS:], row0, KV[N_KS:], colq, guarded, Q2)
                     cuda.syncthreads()
-            if not last:  # the rows' d1 and e: sums over the row's threads
+            if not last:  # the rows' d1 and e (or delta): sums over the row's threads
                 row_reduce(red, rows, t, row0, key0, part1, part1, False)
-                row_reduce(red, rows, t, row0, key0, part2, part2, False)
+                if S_ == 2:
+                    row_reduce(red, rows, t, row0, key0, part2, part2, False)
                 for r in range(TM):
+                    if PAIR:  # the row's own ratio again
+                        rv[TM + r] = rowv[b, h, 1, min(i0 + row0 + r, Lq - 1)]
                     rv[2 * TM + r] = part1[r]
-                    rv[3 * TM + r] = part2[r]
+                    if S_ == 2:
+                        rv[3 * TM + r] = part2[r]
                     if key0 == 0 and row0 + r < nq:
                         rowv[b, h, 2, i0 + row0 + r] = part1[r]
-                        rowv[b, h, 3, i0 + row0 + r] = part2[r]
+                        if S_ == 2:
+                            rowv[b, h, 3, i0 + row0 + r] = part2[r]
         for r in range(TM):
             i = i0 + row0 + r
             if i < Lq:
                 for e in range(TD):
                     col = colq + e
                     if col < D:
-                        dq[b, S_ * h, i, col] = scale * Q1[r * TD + e]
+                        dq[b, HS * h + HOFF, i, col] = scale * Q1[r * TD + e]
                         if S_ == 2:
                             dq[b, 2 * h + 1, i, col] = scale * Q2[r * TD + e]
 
@@ -397,12 +449,16 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
     col_full``: the tile lists read by key tile), then ``need_dbias``,
     ``dk``, ``dv``, ``dbias (B, H, Lq, Lk)`` (or a placeholder) and
     ``dlogks (B, Hk, Lk)`` (zeros on entry; per key head).  Grid ``(B * Hk,
-    key tiles)``.  ``variant`` as :func:`build_dq`.
+    key tiles)``.  ``variant`` as :func:`build_dq`; ``"stream1"`` adds its
+    ``dV`` and bias gradient to those ``"stream0"`` wrote.  Laid out as
+    :func:`key_tile_layout` says.
     """
+    D = tiling.d  # the columns of dK written
+    tiling = key_tile_layout(tiling)
     f = micro_functions(np.dtype(dtype), tiling)
     g_ = geometry(tiling)
     nt, TM, TN, BQ, BK, NT = f.nt, f.TM, f.TN, f.BQ, f.BK, f.NT
-    S_, D, DV = tiling.streams, tiling.d, tiling.dv
+    S_, DV = tiling.streams, tiling.dv
     NX, TDK, DKP, TVK, DVKP, DV4 = (g_[x] for x in ("NX", "TDK", "DKP", "TVK", "DVKP", "DV4"))
     row_zeros, dk_zeros, dv_zeros = f.zeros(TM), f.zeros(TN * TDK), f.zeros(TN * TVK)
     N_KS, N_TILE = tiling.dp * BK, _up4(BQ * BK)
@@ -420,6 +476,8 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
     stage_tile_mask = f.stage_tile_mask
     pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling)
     CSR, SELECTED = variant == "sparse", variant == "topk"
+    HS, HOFF, _ = pair_stream(S_, variant)
+    ADD = HOFF == 1  # the pair's second stream adds to dV and the bias gradient
 
     @cuda.jit(device=True)
     def store_rows(X, A, row0, key0):
@@ -435,7 +493,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
         diag = Lk - Lq if causal else Lk
         csr = CSR  # the variant's constants (the arguments only say the same)
         selected = SELECTED
-        H, Hk = q.shape[1] // S_, k.shape[1] // S_
+        H, Hk = q.shape[1] // HS, k.shape[1] // HS
         group = H // Hk
         b = cuda.blockIdx.x // Hk
         g = cuda.blockIdx.x - b * Hk
@@ -455,7 +513,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
         K1, K2 = dk_zeros()  # dK of each stream
         V1, _ = dv_zeros()
         for c in range(S_):
-            stage_transposed(k[b, S_ * g + c], j0, nk, ONE, Kt[c * N_KS:], BK)
+            stage_transposed(k[b, HS * g + HOFF + c], j0, nk, ONE, Kt[c * N_KS:], BK)
         stage_dT(v[b, g], j0, nk, ONE, Vt, BK)
         for hh in range(group):
             h = g * group + hh
@@ -470,7 +528,8 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
                     i_csr = ph * Lq + min(i0 + t, Lq - 1)
                     stage_tile_mask(Wt, t, i_csr, indptr[i_csr], j0, indptr, indices)
                 for c in range(S_):
-                    stage_transposed(q[b, S_ * h + c], i0, nq, scale, QQ[c * N_QQ:], BQ)
+                    stage_transposed(q[b, HS * h + HOFF + c], i0, nq, scale, QQ[c * N_QQ:],
+                                     BQ)
                 stage_dT(dout[b, h], i0, nq, ONE, OO, BQ)
                 cuda.syncthreads()
                 tile_gradients(QQ, QQ[N_QQ:], Kt, Kt[N_KS:], OO, Vt, Wt, partial, S1, S2, F, dP,
@@ -482,11 +541,13 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
                         x = r * TN + c
                         dP[x] = S1[x] + S2[x] if S_ == 2 else F[x] * dP[x]
                         if need_dbias and row0 + r < nq and key0 + c < nk:
-                            dbias[b, h, i0 + row0 + r, j0 + key0 + c] = (
-                                S1[x] + S2[x] if S_ == 2 else S1[x])
+                            y = S1[x] + S2[x] if S_ == 2 else S1[x]
+                            if ADD:
+                                y += dbias[b, h, i0 + row0 + r, j0 + key0 + c]
+                            dbias[b, h, i0 + row0 + r, j0 + key0 + c] = y
                 cuda.syncthreads()  # the transposed tiles and the tile mask are read
                 for c in range(S_):
-                    stage_q(q[b, S_ * h + c], i0, nq, QQ[c * N_QQ:])
+                    stage_q(q[b, HS * h + HOFF + c], i0, nq, QQ[c * N_QQ:])
                 stage_o(dout[b, h], i0, nq, OO)
                 store_rows(F, Wt, row0, key0)
                 store_rows(S1, dSb, row0, key0)
@@ -511,12 +572,15 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
             if j < Lk:
                 for e in range(TDK):
                     if colk + e < D:
-                        dk[b, S_ * g, j, colk + e] = scale * K1[x * TDK + e]
+                        dk[b, HS * g + HOFF, j, colk + e] = scale * K1[x * TDK + e]
                         if S_ == 2:
                             dk[b, 2 * g + 1, j, colk + e] = scale * K2[x * TDK + e]
                 for e in range(TVK):
                     if colv + e < DV:
-                        dv[b, g, j, colv + e] = V1[x * TVK + e]
+                        y = V1[x * TVK + e]
+                        if ADD:
+                            y += dv[b, g, j, colv + e]
+                        dv[b, g, j, colv + e] = y
 
     return dkdv_kernel
 
@@ -659,18 +723,27 @@ def _finish(a, *results):
 
 
 def _sweep(problem, a, streams, rowv, dout, pattern=None, selection=None, rectified=False,
-           need_dbias=False):
-    """Launch both kernels; returns device ``(dq, dk, dv, dbias_full, dlogks_per_head)``."""
+           need_dbias=False, stream=None, grads=None):
+    """Launch both kernels; returns device ``(dq, dk, dv, dbias_full, dlogks_per_head)``.
+
+    ``stream`` (0 or 1): one stream of a differential pair, through the one-stream
+    kernels (``streams = 1``), into ``grads`` (what stream 0's call returned) for
+    stream 1.
+    """
     B, Hx, Hkx, Lq, Lk, D, Dv = problem.shape
     S = streams
-    H, Hk = Hx // S, Hkx // S
+    paired = S == 2 or stream is not None
+    H, Hk = (Hx // 2, Hkx // 2) if paired else (Hx, Hkx)
     dt = a.dtype
-    dq = cuda.device_array(problem.q.shape, dt)
-    dk = cuda.device_array(problem.k.shape, dt)
-    dv = cuda.device_array(problem.v.shape, dt)
-    # zeros: the tiles a causal limit or a pattern skips are never visited
-    dbias = cuda.to_device(np.zeros((B, H, Lq, Lk) if need_dbias else (1, 1, 1, 1), dt))
-    dlogks = cuda.to_device(np.zeros((B, Hk, Lk) if a.has_ks else (1, 1, 1), dt))
+    if grads is None:
+        dq = cuda.device_array(problem.q.shape, dt)
+        dk = cuda.device_array(problem.k.shape, dt)
+        dv = cuda.device_array(problem.v.shape, dt)
+        # zeros: the tiles a causal limit or a pattern skips are never visited
+        dbias = cuda.to_device(np.zeros((B, H, Lq, Lk) if need_dbias else (1, 1, 1, 1), dt))
+        dlogks = cuda.to_device(np.zeros((B, Hk, Lk) if a.has_ks else (1, 1, 1), dt))
+    else:
+        dq, dk, dv, dbias, dlogks = grads
     t_dq = backward_tiling(a.dtype, D, Dv, S, "dq")
     t_kv = backward_tiling(a.dtype, D, Dv, S, "dkdv")
     p_heads, indptr, indices, csr, rows, _ = _tile_lists(problem, t_dq, pattern)
@@ -686,7 +759,8 @@ def _sweep(problem, a, streams, rowv, dout, pattern=None, selection=None, rectif
               rectified, p_heads, indptr, indices, csr)
     n_qt, n_kt = -(-Lq // t_dq.bq), -(-Lk // t_kv.bk)
     # the query-tile kernel first: with two streams it forms d1 and e for the other
-    variant = "sparse" if pattern is not None else "topk" if selection is not None else "dense"
+    variant = ("sparse" if pattern is not None else "topk" if selection is not None else
+               "dense" if stream is None else f"stream{stream}")
     dq_kernel(dt, t_dq, variant)[(B * H, n_qt), t_dq.threads](*common, *rows, dq)
     dkdv_kernel(dt, t_kv, variant)[(B * Hk, n_kt), t_kv.threads](
         *common, *cols, need_dbias, dk, dv, dbias, dlogks)
@@ -809,8 +883,11 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     """Gradients of differential attention, both modes (module notes).
 
     Both streams' LSEs come from the differential forward kernel (run again;
-    its output is dropped); the query-tile kernel forms ``d1`` and ``e``,
-    and ``dlam = -e``.  A broadcast bias's gradient is formed as in
+    its output is dropped).  ``"difference"``: each stream's one-stream
+    backward in turn (row ratio 1 and ``-lam``; the query-tile kernel sweeps
+    for the stream's ``delta``, ``d1`` and ``e``), stream 1 adding to stream
+    0's ``dV`` and bias gradient.  ``"rectified"``: the two-stream kernels.
+    ``dlam = -e``.  A broadcast bias's gradient is formed as in
     :func:`attention_vjp`.
     """
     if dbias_shape is not None:
@@ -841,15 +918,29 @@ def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
     rowv = cuda.to_device(host_rows)
     diff_forward(problem, cuda.to_device(np.ascontiguousarray(host_rows[:, :, 4])), mode, a,
                  lses=rowv)
-    dq, dk, dv, dbias, dlogks = _sweep(
-        problem, a, 2, rowv, _on_device(dout),
-        rectified=DIFF_MODE_CODES[mode] == RECTIFIED, need_dbias=dbias_shape is not None)
+    dout = _on_device(dout)
+    need_dbias = dbias_shape is not None
+    if DIFF_MODE_CODES[mode] == RECTIFIED:  # the clip needs both streams at every weight
+        dq, dk, dv, dbias, dlogks = _sweep(problem, a, 2, rowv, dout, rectified=True,
+                                           need_dbias=need_dbias)
+        e = rowv.copy_to_host()[:, :, 3]
+    else:  # two one-stream backwards: dout weighs stream 0 by 1, stream 1 by -lam
+        lses, grads = rowv.copy_to_host(), None
+        for c in range(2):
+            rows = np.zeros((B, H, 3, Lq), dt)
+            rows[:, :, 0] = lses[:, :, c]
+            rows[:, :, 1] = 1 if c == 0 else -host_rows[:, :, 4]
+            rows = cuda.to_device(rows)
+            grads = _sweep(problem, a, 1, rows, dout, need_dbias=need_dbias, stream=c,
+                           grads=grads)
+        dq, dk, dv, dbias, dlogks = grads
+        e = rows.copy_to_host()[:, :, 2]
     dbias = None if dbias_shape is None else sum_to(dbias, dbias_shape, dt)
     dlks = None
     if a.has_ks:
         dlks = sum_to(dlogks.reshape((B, dlogks.shape[1], 1, Lk)), (B, 1, 1, Lk),
                       dt).reshape((B, Lk))
-    dlam = -rowv.copy_to_host()[:, :, 3]
+    dlam = -e
     if a.on_device:
         dlam = cuda.to_device(np.ascontiguousarray(dlam))
         return dq, dk, dv, dbias, dlks, dlam
@@ -858,8 +949,9 @@ def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
 
 def ptx_signatures():
     """``[(name, python function, argument types, options)]`` for the PTX check: both
-    kernels, one stream (dense, sparse, top-k) at D = 64 and 128, two (differential
-    attention) at d = 64, Dv = 128; the helper kernels."""
+    kernels, one stream (dense, sparse, top-k) at D = 64 and 128, one stream of a
+    differential pair (the difference mode) and two streams (the rectified mode) at
+    d = 64, Dv = 128; the helper kernels."""
     from numba import types
 
     from ._micro import ptx_cases
@@ -887,7 +979,10 @@ def ptx_signatures():
 
         for d in (64, 128):
             cases += ptx_cases(f"backward {label}", build, argtypes, d, d, tiles=tiles)
-        cases += ptx_cases(f"backward diff {label}", build, argtypes, 64, 128, streams=2,
+        # the difference mode: one stream of the pair (the second, which adds to dV)
+        cases += ptx_cases(f"backward diff {label}", lambda dt, t, b=build: b(dt, t, "stream1"),
+                           argtypes, 64, 128, tiles=tiles)
+        cases += ptx_cases(f"backward rectified {label}", build, argtypes, 64, 128, streams=2,
                            tiles=tiles)
     for name, _, _, options in cases:
         if name in KNOWN_GATE_FAILURES:

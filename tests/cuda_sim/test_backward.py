@@ -126,6 +126,16 @@ def test_diff_both_modes(rng, mode):
             causal=True, mode=mode)
 
 
+def test_diff_lam_zero_and_negative(rng):
+    """The difference mode runs each stream alone, the second weighted by ``-lam``; a row
+    with ``lam = 0`` still has ``dlam = -dout . o2`` (its stream's sum is formed unweighted)."""
+    q, k, v = diff_inputs(rng, np.float64)
+    lam = rng.uniform(-0.9, 0.9, (2, LQ))
+    lam[:, ::3] = 0.0
+    got = compare(attnnb.diff_attention, (q, k, v, lam), np.float64, causal=True)
+    assert np.all(got["lam"][:, ::3] != 0)
+
+
 def test_diff_float32_scalar_lam_and_mask(rng):
     q, k, v = diff_inputs(rng, np.float32)
     mask = rng.random((LQ, LK)) > 0.2
