@@ -20,7 +20,12 @@ GFLOP/s count ``4 N^2 D H`` (half of it causal); (c) forward + backward
 timings (``attnnb.vjp`` and its pullback against SDPA's forward and
 ``backward()``, float32 with TF32 off in both, gradients compared), GFLOP/s
 counting ``3.5x`` the forward's (the backward is 2.5 forward passes of
-matrix products), at ``--backward-sizes``; (d) full results as JSON
+matrix products), at ``--backward-sizes``; (d) differential attention's
+forward + backward (``H / 2`` pairs of query and key heads of size D, values
+of ``2 D``, ``lam = 0.5``) at ``--diff-sizes`` and the first D: the
+difference mode through its two one-stream backwards (the default) and
+through the two-stream kernels (the rectified mode's), against two SDPA
+calls (``o1 - lam o2``, then ``backward()``); (e) full results as JSON
 (``--out``) and the short tables printed last.  A time budget (``--budget``,
 default 7 minutes) stops starting new sizes so the run ends within 8 minutes.
 """
@@ -54,6 +59,9 @@ def parse(argv):
     p.add_argument("--backward-sizes", default=None,
                    help="comma-separated N of the forward+backward timings (default "
                         "1024,4096,8192; '' for none)")
+    p.add_argument("--diff-sizes", default=None,
+                   help="comma-separated N of the differential forward+backward timings "
+                        "(default 4096; '' for none)")
     p.add_argument("--budget", type=float, default=420.0, help="seconds for everything")
     p.add_argument("--out", default=os.path.join(ROOT, "gpu", "out", "results.json"))
     args = p.parse_args(argv)
@@ -63,12 +71,15 @@ def parse(argv):
         args.dims = args.dims or "4,8"
         args.flex_n = ""
         args.backward_sizes = "8" if args.backward_sizes is None else args.backward_sizes
+        args.diff_sizes = "8" if args.diff_sizes is None else args.diff_sizes
     args.sizes = [int(x) for x in (args.sizes or "1024,2048,4096,8192,16384").split(",")]
     args.dims = [int(x) for x in (args.dims or "64,128").split(",")]
     args.heads = args.heads or 16
     args.flex_n = {int(x) for x in args.flex_n.split(",") if x}
     raw = "1024,4096,8192" if args.backward_sizes is None else args.backward_sizes
     args.backward_sizes = [int(x) for x in raw.split(",") if x]
+    raw = "4096" if args.diff_sizes is None else args.diff_sizes
+    args.diff_sizes = [int(x) for x in raw.split(",") if x]
     return args
 
 
@@ -138,12 +149,7 @@ def candidates(args, torch, n, d, causal):
     shape = (1, args.heads, n, d)
     q, k, v = (torch.randn(shape, generator=g, device=dev, dtype=torch.float32)
                for _ in range(3))
-    if args.simulator_tiny:
-        from numba import cuda
-
-        dq, dk, dv = (cuda.to_device(x.numpy()) for x in (q, k, v))
-    else:
-        dq, dk, dv = q, k, v  # torch CUDA tensors: attnnb reads them in place
+    dq, dk, dv = attnnb_inputs(args, q, k, v)
     F = torch.nn.functional
     found = {
         "attnnb-cuda": lambda: attnnb.attention(dq, dk, dv, causal=causal, backend="cuda"),
@@ -218,6 +224,16 @@ def run_timings(args, started) -> list[dict]:
     return sweep(args, started, args.sizes, candidates, error, 1.0)
 
 
+def attnnb_inputs(args, *tensors):
+    """What attnnb is given: the torch CUDA tensors themselves (read in place), or under
+    the simulator Numba device copies of the CPU tensors."""
+    if not args.simulator_tiny:
+        return tensors
+    from numba import cuda
+
+    return tuple(cuda.to_device(x.numpy()) for x in tensors)
+
+
 def backward_candidates(args, torch, n, d, causal):
     """``{label: callable}`` running forward + backward, and a gradient check's inputs.
 
@@ -231,12 +247,7 @@ def backward_candidates(args, torch, n, d, causal):
     shape = (1, args.heads, n, d)
     q, k, v, dout = (torch.randn(shape, generator=g, device=dev, dtype=torch.float32)
                      for _ in range(4))
-    if args.simulator_tiny:
-        from numba import cuda
-
-        dq, dk, dv, ddout = (cuda.to_device(x.numpy()) for x in (q, k, v, dout))
-    else:
-        dq, dk, dv, ddout = q, k, v, dout
+    dq, dk, dv, ddout = attnnb_inputs(args, q, k, v, dout)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     F = torch.nn.functional
 
@@ -266,6 +277,64 @@ def run_backward_timings(args, started) -> list[dict]:
 
     return sweep(args, started, args.backward_sizes, backward_candidates, error, 3.5,
                  **{"pass": "forward+backward"})
+
+
+def diff_candidates(args, torch, n, d, causal):
+    """``{label: callable}`` running differential attention forward + backward.
+
+    attnnb: ``vjp`` of ``diff_attention`` and its pullback, the difference mode through
+    the pair streams (``attnnb-cuda``) and through the two-stream kernels
+    (``attnnb-cuda-two-streams``); torch: ``SDPA(q1, k1, v) - lam SDPA(q2, k2, v)``.
+    """
+    import attnnb
+    from attnnb.cuda import backward
+
+    dev = "cpu" if args.simulator_tiny else "cuda"
+    g = torch.Generator(device=dev).manual_seed(n * 1000 + d + 2)
+    pairs = max(1, args.heads // 2)
+    q, k = (torch.randn((1, 2 * pairs, n, d), generator=g, device=dev, dtype=torch.float32)
+            for _ in range(2))
+    v, dout = (torch.randn((1, pairs, n, 2 * d), generator=g, device=dev,
+                           dtype=torch.float32) for _ in range(2))
+    lam = 0.5
+    dq, dk, dv, ddout = attnnb_inputs(args, q, k, v, dout)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    F = torch.nn.functional
+
+    def ours(two_streams):
+        def run():
+            backward.DIFFERENCE_TWO_STREAMS = two_streams
+            try:
+                _, pullback = attnnb.vjp(attnnb.diff_attention, dq, dk, dv, lam,
+                                         causal=causal, backend="cuda")
+                return pullback(ddout)
+            finally:
+                backward.DIFFERENCE_TWO_STREAMS = False
+        return run
+
+    def theirs():
+        for x in leaves:
+            x.grad = None
+        ql, kl, vl = leaves
+        o1 = F.scaled_dot_product_attention(ql[:, 0::2], kl[:, 0::2], vl, is_causal=causal)
+        o2 = F.scaled_dot_product_attention(ql[:, 1::2], kl[:, 1::2], vl, is_causal=causal)
+        (o1 - lam * o2).backward(dout)
+        return {name: x.grad for name, x in zip("qkv", leaves, strict=True)}
+
+    return {"attnnb-cuda": ours(False), "attnnb-cuda-two-streams": ours(True),
+            "torch-sdpa": theirs}
+
+
+def run_diff_timings(args, started) -> list[dict]:
+    """(d): differential attention forward + backward at ``--diff-sizes``, the first D."""
+    def error(ours, theirs, torch):
+        return max(max_rel_error(to_host(ours[x]), theirs[x], torch) for x in "qkv")
+
+    one_d = argparse.Namespace(**{**vars(args), "dims": args.dims[:1]})
+    # a pair's forward, 2 N^2 D for each stream's scores and 4 N^2 D for its values, is
+    # 1.5x a D-wide head's 4 N^2 D per query head; the backward 2.5x that again
+    return sweep(one_d, started, args.diff_sizes, diff_candidates, error, 3.5 * 1.5,
+                 **{"pass": "diff forward+backward"})
 
 
 def device_info(simulator) -> dict:
@@ -317,6 +386,7 @@ def main(argv=None) -> int:
     result["tests"] = None if args.skip_tests else run_tests(args)
     result["timings"] = run_timings(args, started)
     result["backward_timings"] = run_backward_timings(args, started)
+    result["diff_timings"] = run_diff_timings(args, started)
     result["seconds"] = round(time.perf_counter() - started, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
@@ -329,8 +399,16 @@ def main(argv=None) -> int:
     if result["backward_timings"]:
         print("\nforward + backward:")
         print(table(result["backward_timings"]))
+    if result["diff_timings"]:
+        print("\ndifferential attention, forward + backward (D: the score depth; values 2D):")
+        print(table(result["diff_timings"]))
+        for r in result["diff_timings"]:
+            if "attnnb-cuda-two-streams_ms" in r:
+                print(f"N = {r['N']}, causal {r['causal']}: through the two-stream kernels "
+                      f"{r['attnnb-cuda-two-streams_ms']:.3f} ms")
+    timed = result["timings"] + result["backward_timings"] + result["diff_timings"]
     failed = (result["tests"] or {}).get("returncode", 0) != 0
-    failed |= any("error" in r for r in result["timings"] + result["backward_timings"])
+    failed |= any("error" in r for r in timed)
     return 1 if failed else 0
 
 

@@ -155,6 +155,10 @@ KNOWN_GATE_FAILURES = {
                                             "per shared load: two score streams, Dv = 128",
 }
 _PARTS = {"dq": dq_parts, "dkdv": dkdv_parts}
+# the difference mode through the two-stream kernels instead of two pair streams: the
+# other design, kept (and tested) so that a GPU run can time the two against each other
+# (gpu/run.py); the pair streams pass the register gate, the two-stream kernels do not
+DIFFERENCE_TWO_STREAMS = False
 
 
 def backward_tiling(dtype, d: int, dv: int, streams: int = 1, kernel: str = "dq") -> Tiling:
@@ -920,8 +924,9 @@ def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
                  lses=rowv)
     dout = _on_device(dout)
     need_dbias = dbias_shape is not None
-    if DIFF_MODE_CODES[mode] == RECTIFIED:  # the clip needs both streams at every weight
-        dq, dk, dv, dbias, dlogks = _sweep(problem, a, 2, rowv, dout, rectified=True,
+    rectified = DIFF_MODE_CODES[mode] == RECTIFIED
+    if rectified or DIFFERENCE_TWO_STREAMS:  # the clip needs both streams at every weight
+        dq, dk, dv, dbias, dlogks = _sweep(problem, a, 2, rowv, dout, rectified=rectified,
                                            need_dbias=need_dbias)
         e = rowv.copy_to_host()[:, :, 3]
     else:  # two one-stream backwards: dout weighs stream 0 by 1, stream 1 by -lam

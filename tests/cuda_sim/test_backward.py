@@ -116,8 +116,15 @@ def diff_inputs(rng, dtype):
     return q, k, v
 
 
-@pytest.mark.parametrize("mode", ["difference", "rectified"])
-def test_diff_both_modes(rng, mode):
+@pytest.mark.parametrize("mode", ["difference", "rectified", "difference-two-streams"])
+def test_diff_both_modes(monkeypatch, rng, mode):
+    """Both modes; the difference mode also through the two-stream kernels (the design
+    the pair streams replaced, kept for timing them against each other on a GPU)."""
+    from attnnb.cuda import backward
+
+    if mode == "difference-two-streams":
+        monkeypatch.setattr(backward, "DIFFERENCE_TWO_STREAMS", True)
+        mode = "difference"
     q, k, v = diff_inputs(rng, np.float64)
     lam = rng.uniform(0.2, 0.9, (2, LQ))
     bias = rng.standard_normal((LQ, LK))
