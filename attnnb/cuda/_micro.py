@@ -138,7 +138,8 @@ def ptx_cases(label: str, build, argtypes, d: int, dv: int, streams: int = 1,
     cases = []
     for dtype in (np.dtype(np.float32), np.dtype(np.float64)):
         tiling = (tiles or tiling_for)(dtype, d, dv, streams)
-        cases.append((f"{label} {dtype.name} {'d' if streams > 1 else 'D'}={d}",
+        size = f"D={d}" if d == dv else f"d={d}"  # d: the score depth, values wider
+        cases.append((f"{label} {dtype.name} {size}",
                       build(dtype, tiling), argtypes(numba.from_dtype(dtype)),
                       {"threads": tiling.threads, "tiled": True}))
     return cases
