@@ -203,8 +203,11 @@ def sweep(args, started, sizes, make, error, flop_factor, **extra) -> list[dict]
                 flops = flop_factor * 4.0 * n * n * d * args.heads * (0.5 if causal else 1.0)
                 try:
                     fns = make(args, torch, n, d, causal)
-                    row["max_rel_err_vs_sdpa"] = error(fns["attnnb-cuda"](),
-                                                       fns["torch-sdpa"](), torch)
+                    ref = fns["torch-sdpa"]()
+                    row["max_rel_err_vs_sdpa"] = error(fns["attnnb-cuda"](), ref, torch)
+                    for label in fns:  # other attnnb routes are checked too
+                        if label.startswith("attnnb-cuda-"):
+                            row[f"{label}_max_rel_err_vs_sdpa"] = error(fns[label](), ref, torch)
                     for label, fn in fns.items():
                         ms = timer(fn)
                         row[f"{label}_ms"] = ms
@@ -264,13 +267,18 @@ def backward_candidates(args, torch, n, d, causal):
     return {"attnnb-cuda": ours, "torch-sdpa": theirs}
 
 
+def plain_float32(args, torch):
+    """TF32 off for PyTorch's products (attnnb's are plain float32)."""
+    if not args.simulator_tiny:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
 def run_backward_timings(args, started) -> list[dict]:
     """(c): forward + backward at ``--backward-sizes`` (float32, TF32 off)."""
     import torch
 
-    if not args.simulator_tiny:  # plain float32 products on both sides
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    plain_float32(args, torch)
 
     def error(ours, theirs, torch):
         return max(max_rel_error(to_host(ours[x]), theirs[x], torch) for x in "qkv")
@@ -291,7 +299,7 @@ def diff_candidates(args, torch, n, d, causal):
 
     dev = "cpu" if args.simulator_tiny else "cuda"
     g = torch.Generator(device=dev).manual_seed(n * 1000 + d + 2)
-    pairs = max(1, args.heads // 2)
+    pairs = args.heads // 2  # (even: run_diff_timings)
     q, k = (torch.randn((1, 2 * pairs, n, d), generator=g, device=dev, dtype=torch.float32)
             for _ in range(2))
     v, dout = (torch.randn((1, pairs, n, 2 * d), generator=g, device=dev,
@@ -303,13 +311,13 @@ def diff_candidates(args, torch, n, d, causal):
 
     def ours(two_streams):
         def run():
-            backward.DIFFERENCE_TWO_STREAMS = two_streams
+            before, backward.DIFFERENCE_TWO_STREAMS = backward.DIFFERENCE_TWO_STREAMS, two_streams
             try:
                 _, pullback = attnnb.vjp(attnnb.diff_attention, dq, dk, dv, lam,
                                          causal=causal, backend="cuda")
                 return pullback(ddout)
             finally:
-                backward.DIFFERENCE_TWO_STREAMS = False
+                backward.DIFFERENCE_TWO_STREAMS = before
         return run
 
     def theirs():
@@ -327,10 +335,16 @@ def diff_candidates(args, torch, n, d, causal):
 
 def run_diff_timings(args, started) -> list[dict]:
     """(d): differential attention forward + backward at ``--diff-sizes``, the first D."""
+    import torch
+
+    plain_float32(args, torch)
+
     def error(ours, theirs, torch):
         return max(max_rel_error(to_host(ours[x]), theirs[x], torch) for x in "qkv")
 
-    one_d = argparse.Namespace(**{**vars(args), "dims": args.dims[:1]})
+    # whole pairs of query heads: H (the FLOP count's and the table's) is what runs
+    one_d = argparse.Namespace(**{**vars(args), "dims": args.dims[:1],
+                                  "heads": 2 * max(1, args.heads // 2)})
     # a pair's forward, 2 N^2 D for each stream's scores and 4 N^2 D for its values, is
     # 1.5x a D-wide head's 4 N^2 D per query head; the backward 2.5x that again
     return sweep(one_d, started, args.diff_sizes, diff_candidates, error, 3.5 * 1.5,
@@ -405,7 +419,8 @@ def main(argv=None) -> int:
         for r in result["diff_timings"]:
             if "attnnb-cuda-two-streams_ms" in r:
                 print(f"N = {r['N']}, causal {r['causal']}: through the two-stream kernels "
-                      f"{r['attnnb-cuda-two-streams_ms']:.3f} ms")
+                      f"{r['attnnb-cuda-two-streams_ms']:.3f} ms, max err "
+                      f"{r['attnnb-cuda-two-streams_max_rel_err_vs_sdpa']:.1e}")
     timed = result["timings"] + result["backward_timings"] + result["diff_timings"]
     failed = (result["tests"] or {}).get("returncode", 0) != 0
     failed |= any("error" in r for r in timed)

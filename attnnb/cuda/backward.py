@@ -41,9 +41,10 @@ Two kernels, as FlashAttention-2, for one or two score streams
   ``dK`` and ``dV`` of its keys, sweeping every query head of its GQA group
   and the query tiles that see the key tile (the tile lists read by key
   tile, :meth:`attnnb.patterns.BlockLayout.by_key_tile`); it also writes
-  the full bias gradient (each element once) and adds ``d log key_size``
-  per key head.  No two blocks write one element: no atomics, and the
-  results are the same bit for bit from run to run.
+  the full bias gradient (each element once a launch; a differential
+  pair's second stream adds to what the first wrote) and adds ``d log
+  key_size`` per key head.  No two blocks of a launch write one element: no
+  atomics, and the results are the same bit for bit from run to run.
 
 Each kernel has its own :class:`~attnnb.cuda._micro.Tiling`
 (:func:`backward_tiling`; the tile lists are built for each).  Threads and
@@ -111,7 +112,8 @@ def key_tile_layout(t: Tiling) -> Tiling:
 
     At ``d = 64, Dv = 128`` every tiling of the unpadded kernel needs 142 registers or
     more, the padded one 125 (gpu/RESULTS.md): the padding's flops buy the register
-    tiling.
+    tiling.  Measured there only; a small ``d`` pays more (``d = 16, Dv = 128``: 8x
+    the kernel's score work).
     """
     if t.streams == 1 and t.d < t.dv <= 128:
         return t._replace(d=t.dv)
@@ -139,7 +141,7 @@ _PRODUCTION = {
     "dq": ((64, (32, 64, 2, 4)), (128, (32, 32, 2, 1))),
     "dkdv": ((64, (64, 32, 4, 1)), (128, (16, 32, 1, 2))),
 }
-# one stream with d < Dv (the differential pair's streams: d = 64, Dv = 128): the query-tile
+# one stream with d < Dv <= 128 (the differential pair's streams: d = 64, Dv = 128): the query-tile
 # kernel's 32 x 16 of 2 x 2 takes 127 registers there (128 with the pair's delta sweep)
 # against 168 for the D <= 128 tiles
 _PRODUCTION_NARROW_D = dict(_PRODUCTION, dq=((64, (32, 64, 2, 4)), (128, (32, 16, 2, 2))))
@@ -166,7 +168,7 @@ def backward_tiling(dtype, d: int, dv: int, streams: int = 1, kernel: str = "dq"
     head sizes."""
     parts = _PARTS[kernel]
     production = (_PRODUCTION_TWO_STREAMS if streams == 2 else
-                  _PRODUCTION_NARROW_D if d < dv else _PRODUCTION)[kernel]
+                  _PRODUCTION_NARROW_D if d < dv <= 128 else _PRODUCTION)[kernel]
     return tiling_for(dtype, d, dv, streams, elements=lambda t: sum(parts(t)),
                       production=production)
 
@@ -452,9 +454,10 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
     Arguments as :func:`build_dq` up to the pattern (``col_ptr, col_qt,
     col_full``: the tile lists read by key tile), then ``need_dbias``,
     ``dk``, ``dv``, ``dbias (B, H, Lq, Lk)`` (or a placeholder) and
-    ``dlogks (B, Hk, Lk)`` (zeros on entry; per key head).  Grid ``(B * Hk,
-    key tiles)``.  ``variant`` as :func:`build_dq`; ``"stream1"`` adds its
-    ``dV`` and bias gradient to those ``"stream0"`` wrote.  Laid out as
+    ``dlogks (B, Hk, Lk)`` (per key head; added to: zeros on entry but for a
+    pair's second stream).  Grid ``(B * Hk, key tiles)``.  ``variant`` as
+    :func:`build_dq`; ``"stream1"`` adds its ``dV``, bias and key-size
+    gradients to those ``"stream0"`` wrote.  Laid out as
     :func:`key_tile_layout` says.
     """
     D = tiling.d  # the columns of dK written
@@ -925,7 +928,9 @@ def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
     dout = _on_device(dout)
     need_dbias = dbias_shape is not None
     rectified = DIFF_MODE_CODES[mode] == RECTIFIED
-    if rectified or DIFFERENCE_TWO_STREAMS:  # the clip needs both streams at every weight
+    # the rectified clip needs both streams at every weight (and the difference mode may
+    # be sent the same way, for timing)
+    if rectified or DIFFERENCE_TWO_STREAMS:
         dq, dk, dv, dbias, dlogks = _sweep(problem, a, 2, rowv, dout, rectified=rectified,
                                            need_dbias=need_dbias)
         e = rowv.copy_to_host()[:, :, 3]

@@ -143,6 +143,21 @@ def test_diff_lam_zero_and_negative(rng):
     assert np.all(got["lam"][:, ::3] != 0)
 
 
+@pytest.mark.parametrize("d, dv", [(D, DV), (DV, DV), (DV, D)])
+def test_diff_difference_mask_and_more_queries_than_keys(rng, d, dv):
+    """The difference mode's pair streams with a mask holding an empty row, causal with
+    Lq > Lk (the first rows see no key), at d <, = and > Dv (the key-tile kernel padded
+    to Dv, or not)."""
+    lq, lk = n(14), n(13)
+    q = randn(rng, (4, lq, d), np.float64)
+    k = randn(rng, (2, lk, d), np.float64)
+    v = randn(rng, (1, lk, dv), np.float64)
+    mask = rng.random((lq, lk)) > 0.3
+    mask[lq - 2] = False
+    lam = rng.uniform(0.2, 0.9, (2, 1))
+    compare(attnnb.diff_attention, (q, k, v, lam), np.float64, mask=mask, causal=True)
+
+
 def test_diff_float32_scalar_lam_and_mask(rng):
     q, k, v = diff_inputs(rng, np.float32)
     mask = rng.random((LQ, LK)) > 0.2
