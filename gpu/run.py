@@ -27,7 +27,10 @@ difference mode through its two one-stream backwards (the default) and
 through the two-stream kernels (the rectified mode's), against two SDPA
 calls (``o1 - lam o2``, then ``backward()``); (e) full results as JSON
 (``--out``) and the short tables printed last.  A time budget (``--budget``,
-default 7 minutes) stops starting new sizes so the run ends within 8 minutes.
+default 7 minutes) stops starting new sizes so the run ends within 8 minutes; after
+the tests, each timing step may spend only its share of what is left (b: 45 %, c: 60 %
+of the rest, d: all of the rest), and the first size of every step runs whatever the
+clock says, so that a slow step never leaves a later one without a figure.
 """
 
 from __future__ import annotations
@@ -183,10 +186,17 @@ def to_host(x):
     return np.asarray(x.copy_to_host()) if hasattr(x, "copy_to_host") else x
 
 
-def sweep(args, started, sizes, make, error, flop_factor, **extra) -> list[dict]:
-    """Time ``make(args, torch, n, d, causal)``'s candidates at every size until the time
-    budget runs out; ``error(ours, sdpa)`` compares their results; GFLOP/s count
-    ``flop_factor`` times the forward's ``4 N^2 D H`` (half of it causal)."""
+def step_deadline(args, started, share):
+    """When a timing step must stop starting sizes: ``share`` of the budget still left."""
+    now = time.perf_counter()
+    return now + share * max(0.0, started + args.budget - now)
+
+
+def sweep(args, deadline, sizes, make, error, flop_factor, **extra) -> list[dict]:
+    """Time ``make(args, torch, n, d, causal)``'s candidates at every size until
+    ``deadline`` (a ``time.perf_counter()`` value; the first size always runs);
+    ``error(ours, sdpa)`` compares their results; GFLOP/s count ``flop_factor`` times
+    the forward's ``4 N^2 D H`` (half of it causal)."""
     import torch
 
     timer = Timer(args.simulator_tiny)
@@ -197,7 +207,7 @@ def sweep(args, started, sizes, make, error, flop_factor, **extra) -> list[dict]
                 row = {"N": n, "H": args.heads, "D": d, "causal": causal, "dtype": "float32",
                        **extra}
                 rows.append(row)
-                if time.perf_counter() - started > args.budget:
+                if len(rows) > 1 and time.perf_counter() > deadline:
                     row["skipped"] = "time budget"
                     continue
                 flops = flop_factor * 4.0 * n * n * d * args.heads * (0.5 if causal else 1.0)
@@ -219,12 +229,12 @@ def sweep(args, started, sizes, make, error, flop_factor, **extra) -> list[dict]
     return rows
 
 
-def run_timings(args, started) -> list[dict]:
+def run_timings(args, deadline) -> list[dict]:
     """(b): the forward at every size."""
     def error(out, ref, torch):
         return max_rel_error(to_host(out), ref, torch)
 
-    return sweep(args, started, args.sizes, candidates, error, 1.0)
+    return sweep(args, deadline, args.sizes, candidates, error, 1.0)
 
 
 def attnnb_inputs(args, *tensors):
@@ -274,7 +284,7 @@ def plain_float32(args, torch):
         torch.backends.cudnn.allow_tf32 = False
 
 
-def run_backward_timings(args, started) -> list[dict]:
+def run_backward_timings(args, deadline) -> list[dict]:
     """(c): forward + backward at ``--backward-sizes`` (float32, TF32 off)."""
     import torch
 
@@ -283,7 +293,7 @@ def run_backward_timings(args, started) -> list[dict]:
     def error(ours, theirs, torch):
         return max(max_rel_error(to_host(ours[x]), theirs[x], torch) for x in "qkv")
 
-    return sweep(args, started, args.backward_sizes, backward_candidates, error, 3.5,
+    return sweep(args, deadline, args.backward_sizes, backward_candidates, error, 3.5,
                  **{"pass": "forward+backward"})
 
 
@@ -333,7 +343,7 @@ def diff_candidates(args, torch, n, d, causal):
             "torch-sdpa": theirs}
 
 
-def run_diff_timings(args, started) -> list[dict]:
+def run_diff_timings(args, deadline) -> list[dict]:
     """(d): differential attention forward + backward at ``--diff-sizes``, the first D."""
     import torch
 
@@ -347,7 +357,7 @@ def run_diff_timings(args, started) -> list[dict]:
                                   "heads": 2 * max(1, args.heads // 2)})
     # a pair's forward, 2 N^2 D for each stream's scores and 4 N^2 D for its values, is
     # 1.5x a D-wide head's 4 N^2 D per query head; the backward 2.5x that again
-    return sweep(one_d, started, args.diff_sizes, diff_candidates, error, 3.5 * 1.5,
+    return sweep(one_d, deadline, args.diff_sizes, diff_candidates, error, 3.5 * 1.5,
                  **{"pass": "diff forward+backward"})
 
 
@@ -398,9 +408,9 @@ def main(argv=None) -> int:
                   "sizes": args.sizes, "heads": args.heads, "dims": args.dims,
                   "flex_n": sorted(args.flex_n), "simulator_tiny": args.simulator_tiny}}
     result["tests"] = None if args.skip_tests else run_tests(args)
-    result["timings"] = run_timings(args, started)
-    result["backward_timings"] = run_backward_timings(args, started)
-    result["diff_timings"] = run_diff_timings(args, started)
+    result["timings"] = run_timings(args, step_deadline(args, started, 0.45))
+    result["backward_timings"] = run_backward_timings(args, step_deadline(args, started, 0.6))
+    result["diff_timings"] = run_diff_timings(args, step_deadline(args, started, 1.0))
     result["seconds"] = round(time.perf_counter() - started, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
