@@ -592,6 +592,12 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
     return dkdv_kernel
 
 
+@cuda.jit(device=True)
+def row_of(e, heads, lq):
+    """``(b, h, i)`` of row ``e`` (row-major) of ``(B, heads, ., lq)`` row vectors."""
+    return e // (heads * lq), (e // lq) % heads, e % lq
+
+
 def build_row_terms(dtype):
     """Kernel, one thread per row: ``rowv[b, h] = (lse, r, delta)`` of a single stream.
 
@@ -606,9 +612,7 @@ def build_row_terms(dtype):
         e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if e >= B * H * Lq:
             return
-        b = e // (H * Lq)
-        h = (e // Lq) % H
-        i = e % Lq
+        b, h, i = row_of(e, H, Lq)
         x = CAST(lse[b, h, i])
         ratio = ZERO
         delta = ZERO
@@ -625,6 +629,41 @@ def build_row_terms(dtype):
         rowv[b, h, 2, i] = delta
 
     return row_terms_kernel
+
+
+def build_pair_rows(dtype):
+    """Kernel, one thread per row: ``rows[b, h] = (lse_c, ratio, 0)`` for stream ``c`` of
+    a differential pair, from ``rowv[b, h] = (lse_0, lse_1, ., ., lam)``: the row ratio
+    is 1 for stream 0 and ``-lam`` for stream 1 (``dout`` weighs it by ``-lam``); row 2
+    is zeroed for the query-tile kernel's sums."""
+    t_ = device_functions(np.dtype(dtype))
+    ZERO, ONE = t_.ZERO, t_.CAST(1)
+
+    def pair_rows_kernel(rowv, c, rows):
+        B, H, _, Lq = rows.shape
+        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if e >= B * H * Lq:
+            return
+        b, h, i = row_of(e, H, Lq)
+        rows[b, h, 0, i] = rowv[b, h, c, i]
+        rows[b, h, 1, i] = ONE if c == 0 else -rowv[b, h, 4, i]
+        rows[b, h, 2, i] = ZERO
+
+    return pair_rows_kernel
+
+
+def build_negated_row(dtype):
+    """Kernel, one thread per element: ``y[b, h, i] = -x[b, h, r, i]`` (``dlam = -e``)."""
+
+    def negated_row_kernel(x, r, y):
+        B, H, Lq = y.shape
+        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if e >= B * H * Lq:
+            return
+        b, h, i = row_of(e, H, Lq)
+        y[b, h, i] = -x[b, h, r, i]
+
+    return negated_row_kernel
 
 
 def build_sum_to(dtype):
@@ -929,32 +968,28 @@ def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
     need_dbias = dbias_shape is not None
     rectified = DIFF_MODE_CODES[mode] == RECTIFIED
     # the rectified clip needs both streams at every weight (and the difference mode may
-    # be sent the same way, for timing)
+    # be sent the same way, for timing); the row vectors stay on the device throughout
+    grid, threads = _blocks(B * H * Lq)
     if rectified or DIFFERENCE_TWO_STREAMS:
         dq, dk, dv, dbias, dlogks = _sweep(problem, a, 2, rowv, dout, rectified=rectified,
                                            need_dbias=need_dbias)
-        e = rowv.copy_to_host()[:, :, 3]
+        e_rows, e_row = rowv, 3
     else:  # two one-stream backwards: dout weighs stream 0 by 1, stream 1 by -lam
-        lses, grads = rowv.copy_to_host(), None
+        rows, grads = cuda.device_array((B, H, 3, Lq), dt), None
         for c in range(2):
-            rows = np.zeros((B, H, 3, Lq), dt)
-            rows[:, :, 0] = lses[:, :, c]
-            rows[:, :, 1] = 1 if c == 0 else -host_rows[:, :, 4]
-            rows = cuda.to_device(rows)
+            _helper("pair_rows", build_pair_rows, dt)[grid, threads](rowv, c, rows)
             grads = _sweep(problem, a, 1, rows, dout, need_dbias=need_dbias, stream=c,
                            grads=grads)
         dq, dk, dv, dbias, dlogks = grads
-        e = rows.copy_to_host()[:, :, 2]
+        e_rows, e_row = rows, 2
+    dlam = cuda.device_array((B, H, Lq), dt)
+    _helper("negated_row", build_negated_row, dt)[grid, threads](e_rows, e_row, dlam)
     dbias = None if dbias_shape is None else sum_to(dbias, dbias_shape, dt)
     dlks = None
     if a.has_ks:
         dlks = sum_to(dlogks.reshape((B, dlogks.shape[1], 1, Lk)), (B, 1, 1, Lk),
                       dt).reshape((B, Lk))
-    dlam = -e
-    if a.on_device:
-        dlam = cuda.to_device(np.ascontiguousarray(dlam))
-        return dq, dk, dv, dbias, dlks, dlam
-    return (*_finish(a, dq, dk, dv, dbias, dlks), np.ascontiguousarray(dlam))
+    return _finish(a, dq, dk, dv, dbias, dlks, dlam)
 
 
 def ptx_signatures():
@@ -1003,5 +1038,9 @@ def ptx_signatures():
         name = np.dtype(dtype).name
         cases += [(f"backward row_terms {name}", build_row_terms(np.dtype(dtype)),
                    (arr4, arr4, arr3, arr3, b_, types.int64, arr4)),
+                  (f"backward pair_rows {name}", build_pair_rows(np.dtype(dtype)),
+                   (arr4, types.int64, arr4)),
+                  (f"backward negated_row {name}", build_negated_row(np.dtype(dtype)),
+                   (arr4, types.int64, arr3)),
                   (f"backward sum_to {name}", build_sum_to(np.dtype(dtype)), (arr4, arr4))]
     return cases
