@@ -164,10 +164,11 @@ def test_transposed_copy_is_the_transpose(rng, dtype, nr, nc):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("nq, dv", [(4, 16), (7, 40), (8, 16), (13, 20), (13, 80), (64, 144),
                                     (128, 16), (9, 64), (5, 32), (3, 16), (21, 16), (12, 48),
-                                    (9, 7)])
+                                    (9, 7), (9, 128), (6, 256), (5, 512), (4, 1024)])
 def test_values_product_adds_p_times_v_at_every_width_and_row_count(rng, dtype, nq, dv):
     """``acc += P @ V[j0:j0+nk]`` over the single-row path, the 4 x 64, 4 x 16 and 8 x 16
-    blocks and the blocks that reach back over rows or columns already added."""
+    blocks, the blocks that reach back over rows or columns already added, and value
+    rows 1, 2 and 4 KiB apart (keys in runs: :func:`attnnb.cpu._tiles.key_run`)."""
     from attnnb.cpu._tiles import values_product
 
     nk, j0 = 61, 10
@@ -181,9 +182,20 @@ def test_values_product_adds_p_times_v_at_every_width_and_row_count(rng, dtype, 
     np.testing.assert_allclose(acc, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+@pytest.mark.parametrize("row_bytes, nk, run", [(256, 64, 64), (1024, 64, 32), (3072, 64, 32),
+                                                (2048, 64, 16), (4096, 64, 8), (8192, 61, 8),
+                                                (1024, 20, 20), (4096, 5, 5), (1040, 64, 64)])
+def test_key_run_fits_a_column_block_in_l1(row_bytes, nk, run):
+    """Keys per pass of the value product: all of them unless the rows are a multiple
+    of 1 KiB apart, then 32, 16 or 8 (a 1, 2 or 4 KiB period), never more than ``nk``."""
+    from attnnb.cpu._tiles import key_run
+
+    assert from_jit(key_run)(nk, row_bytes) == run
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("nq, nk, dv", [(64, 64, 64), (37, 5, 16), (64, 13, 40), (3, 64, 80),
-                                        (20, 9, 7), (64, 64, 16)])
+                                        (20, 9, 7), (64, 64, 16), (45, 64, 128), (40, 37, 256)])
 def test_transposed_values_product_equals_the_product_with_a_transposed_copy(rng, dtype, nq,
                                                                              nk, dv):
     """``acc += W.T @ V[j0:j0+nq]`` read from ``W (nq, nk)`` as stored gives the same bits

@@ -388,3 +388,19 @@ def test_dense_and_sparse_gradients_share_one_compiled_kernel_each(qkv):
     attnnb.vjp(attnnb.sparse_attention, q, k, v, pattern, backend="cpu")[1](dout)
     for kernel, signatures in before.items():
         assert kernel.signatures == signatures, kernel.py_func.__name__
+
+
+@pytest.mark.parametrize("dtype, dv", [(np.float32, 256), (np.float64, 128), (np.float32, 512)])
+def test_value_rows_a_multiple_of_1kib_apart(rng, dtype, dv):
+    """Value widths whose rows are 1 or 2 KiB apart take the value products' keys in
+    runs (:func:`attnnb.cpu._tiles.key_run`): forward and gradients as the reference's,
+    with a last key tile of 36 keys and causal rows that end inside a run."""
+    q, k = arr(rng, 1, 2, 70, 16, dtype=dtype), arr(rng, 1, 2, 100, 16, dtype=dtype)
+    v = arr(rng, 1, 2, 100, dv, dtype=dtype)
+    for causal in (False, True):
+        want = attnnb.attention(q, k, v, causal=causal, backend="reference")
+        got = attnnb.attention(q, k, v, causal=causal, backend="cpu")
+        err = np.abs(got.astype(np.float64) - want).max() / np.abs(want).max()
+        assert err <= (2e-5 if dtype == np.float32 else 1e-12), err
+        g, w = both(attnnb.attention, (q, k, v), {"causal": causal}, dtype)
+        assert_close(g, w, dtype)
