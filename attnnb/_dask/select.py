@@ -18,15 +18,14 @@ are among the ``top_k`` best of each block, so:
 4. each key block then runs :func:`attnnb.attention` masked to its kept
    keys (:func:`topk_part`), and the parts merge through their LSEs.
 
-The ranking logits are computed here with NumPy in the compute dtype
+The ranking logits are computed here in the compute dtype
 (``(q * scale) @ k^T + log key_size``), block by block (an ``(nq, nk)``
 array per head of the block); the weights are the backend's.  The product
-runs over panels of :data:`PANEL` keys (the last one padded with zero
-keys): a BLAS product's rounding depends on its shape (OpenBLAS takes
-other kernels for narrow matrices), so a product over the whole block
-could give two equal keys in blocks of different widths logits one unit
-in the last place apart, and the lower index would then not win the tie.
-With every product of one shape, equal keys get equal logits.  A row with
+is :func:`attnnb._dask.products.ordered_products`, whose entries do not
+depend on where a key sits: a BLAS product's rounding depends on the
+matrix shape and even on the column (OpenBLAS's AVX2 kernel), so it could
+give two equal keys in different blocks logits one unit in the last place
+apart, and the lower index would then not win their tie.  A row with
 a NaN among its allowed logits keeps its whole allowed set, so that the
 NaN reaches it, as in one call.
 """
@@ -37,30 +36,7 @@ import numpy as np
 
 from .._eager import attention
 from .blocks import key_heads, namespace, native
-
-PANEL = 256  # keys per product in ranking_logits (one shape for every block: one rounding)
-
-
-def _panel_product(xp, a, b):
-    """``a @ b`` (``(..., m, d) @ (..., d, n)``) as products of ``PANEL`` columns of ``b``
-    each, the last padded with zero columns: each column's value does not depend on ``n``.
-
-    Each panel is written into its place in one output (no concatenation); the
-    result is a view of that output, ``n`` columns wide.
-    """
-    n = b.shape[-1]
-    if n == 0:
-        return xp.matmul(a, b)
-    padded = -(-n // PANEL) * PANEL
-    if padded != n:
-        wide = xp.zeros(b.shape[:-1] + (padded,), b.dtype)
-        wide[..., :n] = b
-        b = wide
-    shape = np.broadcast_shapes(a.shape[:-1] + (1,), b.shape[:-2] + (1, padded))
-    out = xp.empty(shape, np.result_type(a.dtype, b.dtype))
-    for s in range(0, padded, PANEL):
-        xp.matmul(a, b[..., s:s + PANEL], out=out[..., s:s + PANEL])
-    return out[..., :n]
+from .products import ordered_products
 
 
 def ranking_logits(q, k, mask, key_size, limit, scale):
@@ -73,9 +49,9 @@ def ranking_logits(q, k, mask, key_size, limit, scale):
     xp = namespace(q)
     *batch, hq, nq, d = q.shape
     hk, nk = k.shape[-3], k.shape[-2]
-    qs = (q * q.dtype.type(scale)).reshape(*batch, hk, hq // hk, nq, d)
-    x = _panel_product(xp, qs, xp.swapaxes(k, -1, -2)[..., :, None, :, :])
-    x = x.reshape(*batch, hq, nq, nk)
+    qs = (q * q.dtype.type(scale)).reshape(*batch, hk, (hq // hk) * nq, d)
+    kt = xp.broadcast_to(xp.swapaxes(k, -1, -2), (*batch, hk, d, nk))
+    x = ordered_products(xp, qs, kt).reshape(*batch, hq, nq, nk)
     if key_size is not None:
         logs = xp.log(xp.asarray(key_size).astype(np.float64)).astype(q.dtype)
         x = x + xp.broadcast_to(logs, (*batch, nk))[..., None, None, :]
