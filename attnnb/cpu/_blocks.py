@@ -21,10 +21,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import blocks, inner, wide_vectors
+from ._jit import WIDE_REGISTERS, blocks, inner, wide_vectors
 
 ROWS = 4
 COLS = 64
+# Columns of a block that gemm_block accumulates in one pass over the reduction.
+# With AVX-512's 32 registers of 16 floats a whole 4 x 64 block stays in
+# registers.  AVX2 has 16 registers of 8 floats: a 4 x 64 block (32 of them)
+# spilled on every step (96 stack moves in the loop, measured on an AMD EPYC of
+# the znver1 type), so there the block is formed 16 columns at a time (8
+# accumulators).  Each element is summed in the same order either way: the
+# result's bits do not depend on the pass width.
+PASS_COLS = COLS if WIDE_REGISTERS else 16
 # the column widths of the register blocks, widest first (:func:`block_width`)
 BLOCK_WIDTHS = (64, 16)
 U = np.uint64
@@ -55,46 +63,49 @@ def gemm_block(a, a0, lda, a_step, n, b, b0, ldb, blk, c0, width, rows):
     """
     wide_vectors()
     w = U(width)
-    o = U(c0)
+    # columns accumulated in one pass over the reduction (see PASS_COLS)
+    part = U(min(width, PASS_COLS))
     eight = rows == 2 * ROWS
     zero = blk.dtype.type(0.0)
-    for c in range(w):
-        blk[o + c] = 0.0
-        blk[o + w + c] = 0.0
-        blk[o + U(2) * w + c] = 0.0
-        blk[o + U(3) * w + c] = 0.0
-        if eight:
-            blk[o + U(4) * w + c] = 0.0
-            blk[o + U(5) * w + c] = 0.0
-            blk[o + U(6) * w + c] = 0.0
-            blk[o + U(7) * w + c] = 0.0
     ul = U(lda)
-    ub = U(b0)
     ubl = U(ldb)
-    for e in range(U(n)):
-        ua = U(a0) + e * U(a_step)
-        x0 = a[ua]
-        x1 = a[ua + ul]
-        x2 = a[ua + U(2) * ul]
-        x3 = a[ua + U(3) * ul]
-        bo = ub + e * ubl
-        x4 = x5 = x6 = x7 = zero
-        if eight:
-            x4 = a[ua + U(4) * ul]
-            x5 = a[ua + U(5) * ul]
-            x6 = a[ua + U(6) * ul]
-            x7 = a[ua + U(7) * ul]
-        for c in range(w):
-            y = b[bo + c]
-            blk[o + c] += x0 * y
-            blk[o + w + c] += x1 * y
-            blk[o + U(2) * w + c] += x2 * y
-            blk[o + U(3) * w + c] += x3 * y
+    for p in range(w // part):
+        o = U(c0) + U(p) * part
+        for c in range(part):
+            blk[o + c] = 0.0
+            blk[o + w + c] = 0.0
+            blk[o + U(2) * w + c] = 0.0
+            blk[o + U(3) * w + c] = 0.0
             if eight:
-                blk[o + U(4) * w + c] += x4 * y
-                blk[o + U(5) * w + c] += x5 * y
-                blk[o + U(6) * w + c] += x6 * y
-                blk[o + U(7) * w + c] += x7 * y
+                blk[o + U(4) * w + c] = 0.0
+                blk[o + U(5) * w + c] = 0.0
+                blk[o + U(6) * w + c] = 0.0
+                blk[o + U(7) * w + c] = 0.0
+        ub = U(b0) + U(p) * part
+        for e in range(U(n)):
+            ua = U(a0) + e * U(a_step)
+            x0 = a[ua]
+            x1 = a[ua + ul]
+            x2 = a[ua + U(2) * ul]
+            x3 = a[ua + U(3) * ul]
+            bo = ub + e * ubl
+            x4 = x5 = x6 = x7 = zero
+            if eight:
+                x4 = a[ua + U(4) * ul]
+                x5 = a[ua + U(5) * ul]
+                x6 = a[ua + U(6) * ul]
+                x7 = a[ua + U(7) * ul]
+            for c in range(part):
+                y = b[bo + c]
+                blk[o + c] += x0 * y
+                blk[o + w + c] += x1 * y
+                blk[o + U(2) * w + c] += x2 * y
+                blk[o + U(3) * w + c] += x3 * y
+                if eight:
+                    blk[o + U(4) * w + c] += x4 * y
+                    blk[o + U(5) * w + c] += x5 * y
+                    blk[o + U(6) * w + c] += x6 * y
+                    blk[o + U(7) * w + c] += x7 * y
 
 
 @blocks
@@ -161,8 +172,9 @@ def block_product(a, a0, lda, n, b, b0, ldb, blk, c0, width):
 @inner
 def block_rows(width, n_rows):
     """Rows of a block of ``width`` columns in :func:`block_product_add`: 8 for a
-    16-wide block where ``n_rows >= 8`` rows are there, else :data:`ROWS`."""
-    if width == 16 and n_rows >= 2 * ROWS:
+    16-wide block where ``n_rows >= 8`` rows are there, else :data:`ROWS`; always
+    :data:`ROWS` without AVX-512 (8 x 16 accumulators would fill AVX2's 16 registers)."""
+    if WIDE_REGISTERS and width == 16 and n_rows >= 2 * ROWS:
         return 2 * ROWS
     return ROWS
 

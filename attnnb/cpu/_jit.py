@@ -32,6 +32,19 @@ from ._threading import in_forked_child, launch_lock
 
 FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
 
+
+def _targets_avx512() -> bool:
+    """Whether kernels compile for AVX-512 (the CPU Numba targets, or this host's)."""
+    import llvmlite.binding as llvm
+
+    features = numba.config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    return "+avx512f" in features
+
+
+# 32 vector registers of 512 bits (AVX-512) rather than AVX2's 16 of 256 bits:
+# how wide a register block may be (attnnb.cpu._blocks.PASS_COLS)
+WIDE_REGISTERS = _targets_avx512()
+
 _NOALIAS_OPTION = "_attnnb_noalias"
 
 
