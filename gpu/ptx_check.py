@@ -35,7 +35,9 @@ its gate failures are printed as ``KNOWN`` with the reason and listed at the
 end, and do not fail the run (a known failure that passes is reported too,
 so that the mark is removed).
 
-Usage: ``python gpu/ptx_check.py [--cc 9.0] [--show]``; exit status 1 on a failure.
+Usage: ``python gpu/ptx_check.py [--cc 9.0] [--show] [--jobs N]``; exit status 1 on a
+failure.  ``--jobs`` processes compile the kernels at once (default: the cores, at
+most 4); the output is in the same order whatever the number.
 """
 
 from __future__ import annotations
@@ -147,14 +149,60 @@ def gate_failures(name: str, figures: dict, fma: int, loads: int) -> list[str]:
     return why
 
 
+_WORKER_CASES: list = []
+
+
+def _start_worker(cc) -> None:
+    """A worker process: no device, and the kernel cases listed once."""
+    _no_device_needed(cc)
+    _WORKER_CASES[:] = kernel_cases()
+
+
+def examine(index: int, cc) -> dict:
+    """Compile case ``index`` of :func:`kernel_cases` and take its figures (in a worker).
+
+    Returns ``{"error"}`` when it does not compile, else the PTX line count, its
+    float64 lines, ptxas's figures, the FMA and shared-load counts and the seconds.
+    """
+    from numba import cuda
+
+    _module, _name, pyfunc, argtypes, *_ = _WORKER_CASES[index]
+    t0 = time.perf_counter()
+    try:
+        ptx, _ = cuda.compile_ptx(pyfunc, argtypes, cc=cc)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    fma, loads = fma_per_shared_load(ptx)
+    return {"lines": len(ptx.splitlines()), "f64": f64_lines(ptx),
+            "figures": ptxas_figures(ptx, cc), "fma": fma, "loads": loads,
+            "seconds": time.perf_counter() - t0}
+
+
+def examine_all(count: int, cc, jobs: int):
+    """:func:`examine` of every case, in order: ``jobs`` processes compile at once
+    (the cases are independent; NVRTC and ptxas are single-threaded)."""
+    if jobs <= 1:
+        _start_worker(cc)
+        return [examine(i, cc) for i in range(count)]
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # no state inherited from this process
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context,
+                                                initializer=_start_worker,
+                                                initargs=(cc,)) as pool:
+        return list(pool.map(examine, range(count), [cc] * count))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cc", default="9.0", help="compute capability (default 9.0)")
     parser.add_argument("--show", action="store_true", help="print offending PTX lines")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+                        help="processes compiling at once (default: the cores, at most 4)")
     args = parser.parse_args(argv)
     cc = tuple(int(x) for x in args.cc.split("."))
     _no_device_needed(cc)
-    from numba import cuda
 
     failures = 0
     known, fixed = [], []
@@ -163,23 +211,20 @@ def main(argv=None) -> int:
         print("no CUDA kernels found")
         return 1
     table = []
-    for module, name, pyfunc, argtypes, *rest in cases:
+    results = examine_all(len(cases), cc, args.jobs)
+    for (module, name, _pyfunc, _argtypes, *rest), result in zip(cases, results):
         options = rest[0] if rest else {}
-        t0 = time.perf_counter()
-        try:
-            ptx, _ = cuda.compile_ptx(pyfunc, argtypes, cc=cc)
-        except Exception as exc:
+        if "error" in result:
             failures += 1
-            print(f"FAIL {module}: {name}: does not compile: {type(exc).__name__}: {exc}")
+            print(f"FAIL {module}: {name}: does not compile: {result['error']}")
             continue
-        f64 = f64_lines(ptx)
+        f64 = result["f64"]
         if "float32" in name:
             bad, extra = f64, f" ({len(f64)} float64 instructions)" if f64 else ""
         else:  # the detector itself must see a float64 kernel's arithmetic
             bad = [] if f64 else ["no float64 instruction found in a float64 kernel"]
             extra = f" ({len(f64)} float64 instructions, as expected)"
-        figures = ptxas_figures(ptx, cc)
-        fma, loads = fma_per_shared_load(ptx)
+        figures, fma, loads = result["figures"], result["fma"], result["loads"]
         tiled = bool(options.get("tiled")) and "float32" in name
         gate = gate_failures(name, figures, fma, loads) if tiled else []
         known_why = options.get("known") if tiled else None
@@ -191,8 +236,8 @@ def main(argv=None) -> int:
             failures += bool(bad or gate)
             if known_why:
                 fixed.append(name)
-        print(f"{status:4} {module}: {name}: {len(ptx.splitlines())} PTX lines, "
-              f"{time.perf_counter() - t0:.2f} s{extra}")
+        print(f"{status:4} {module}: {name}: {result['lines']} PTX lines, "
+              f"{result['seconds']:.2f} s{extra}")
         for why in gate:
             print(f"     gate: {why}")
         if bad and args.show:
