@@ -52,6 +52,9 @@ def gemm_block(a, a0, lda, a_step, n, b, b0, ldb, blk, c0, width, rows):
     :func:`block_product_add`): the function is always inlined, so each call
     site's copy has constant trip counts and its ``rows x width`` block stays
     in registers (4 x 64 float32: 16 512-bit registers; narrower blocks fewer).
+    Without AVX-512 the block is formed :data:`PASS_COLS` columns at a time
+    (one pass over the reduction each), so that each pass's accumulators fit
+    AVX2's 16 registers; every element sums in the same order either way.
     The rows are written out one by one, because a loop over them inside the
     reduction is not vectorised; rows 4 to 7 fold away when ``rows`` is 4.
 
