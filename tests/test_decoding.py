@@ -1,7 +1,8 @@
 """Decoding: few queries against many keys (attnnb/cpu/_splits.py).
 
 With at most 16 queries the cpu kernel transposes its key tiles itself (or,
-below 4 rows, takes dot products with the keys as stored), and it splits
+below 4 rows, takes dot products with the keys as stored; from 4 rows, on AVX2
+hosts, forms a full tile's logits from the keys as stored), and it splits
 each row's keys into ranges that are merged through their log-sum-exps.
 Each case here is shaped so that the keys are split (checked), and compared
 with the float64 reference: every normalizer, causal with ``Lq != Lk``, GQA,
@@ -103,6 +104,28 @@ def test_same_bits_with_any_thread_count(rng):
         np.testing.assert_array_equal(lse, results[0][1])
 
 
+@pytest.mark.parametrize("normalizer", ["softmax", "relu_expm1"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("lq", [ROWS, 7, LOCAL_TILE_ROWS])
+def test_decoding_rows_have_the_bits_of_the_general_path(rng, lq, dtype, normalizer):
+    """A decoding call's logits come from the keys as stored (full tiles, where
+    ``LOGITS_FROM_KEYS``) or from key tiles its tasks transpose (the last, partial
+    tile), a longer call's from the prologue's transposed tiles; each logit is the
+    same chain of FMAs either way.  So the rows of a decoding call have the bits of
+    the same rows inside a call of ``LOCAL_TILE_ROWS + 1`` queries (enough heads that
+    neither call splits its keys)."""
+    q, k, v = qkv(rng, batch=(4,), hq=8, hk=4, lq=LOCAL_TILE_ROWS + 1, lk=LK, d=24, dv=20,
+                  dtype=dtype)
+    few = np.ascontiguousarray(q[:, :, :lq])
+    assert split_count(few, k) == 1 and split_count(q, k) == 1
+    out, lse = attnnb.attention(few, k, v, normalizer=normalizer, return_lse=True,
+                                backend="cpu")
+    all_out, all_lse = attnnb.attention(q, k, v, normalizer=normalizer, return_lse=True,
+                                        backend="cpu")
+    np.testing.assert_array_equal(out, all_out[:, :, :lq])
+    np.testing.assert_array_equal(lse, all_lse[:, :, :lq])
+
+
 def test_split_rule_depends_on_the_shape_only():
     assert key_splits(1, 8, 1, 4096) == 4
     assert key_splits(1, 8, LOCAL_TILE_ROWS + 1, 4096) == 1  # not decoding
@@ -168,8 +191,9 @@ def _few_rows_problem(rng, lq, dtype):
 def test_backward_transposes_its_own_tiles_with_the_filled_tiles_bits(monkeypatch, rng, lq,
                                                                       one_sweep):
     """With few query rows the backward's tasks transpose each key and value tile
-    themselves instead of a prologue over all of ``k`` and ``v``: the same tiles, so
-    the same gradients bit for bit (the one-sweep and two-sweep kernels)."""
+    themselves (or, where ``LOGITS_FROM_KEYS``, read full tiles as stored against the
+    rows transposed) instead of a prologue over all of ``k`` and ``v``: the same
+    products, so the same gradients bit for bit (the one-sweep and two-sweep kernels)."""
     import attnnb.cpu.backward as backward
 
     (q, k, v), kwargs, (dout, dlse) = _few_rows_problem(rng, lq, np.float32)

@@ -11,7 +11,7 @@ import numpy as np
 
 from ._blocks import COLS, ROWS
 from ._jit import inner
-from ._tiles import TILE_K, TILE_Q, tile_is_finite, transpose_tile
+from ._tiles import KEY_BLOCK_ROWS, TILE_K, TILE_Q, tile_is_finite, transpose_tile
 
 
 def written_whole(shape, dtype) -> np.ndarray:
@@ -51,6 +51,16 @@ def pair_scratch(dt, d, dv):
     return (np.empty(TILE_Q * d, dt), np.empty(TILE_Q * dv, dt), np.empty(tile, dt),
             np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt),
             np.empty(tile, dt), np.empty(ROWS * COLS, dt))
+
+
+@inner
+def stored_keys_scratch(dt, d, dv, used):
+    """Flat scratch of a backward task whose pair products read full key tiles as stored
+    (:func:`attnnb.cpu._tiles.tile_logits_keys`): ``(qt_flat, dot_flat, St_flat)``, the
+    pair's query and cotangent rows transposed and the products' ``S^T``; empty unless
+    ``used``."""
+    rows = KEY_BLOCK_ROWS if used else 0
+    return (np.empty(d * rows, dt), np.empty(dv * rows, dt), np.empty(TILE_K * rows, dt))
 
 
 def read_only(a):

@@ -11,6 +11,11 @@ attention itself:
   into a tile of scratch that stays in L1, just before it uses it (measured
   at ``Lq = 1``, ``Lk = 4096``, 8 heads: the prologue alone took 2.4 ms of
   a 3.9 ms call);
+* a transposed key tile serves at most 16 rows.  Where the register blocks
+  are AVX2's (:data:`LOGITS_FROM_KEYS`), tasks of 4 to 16 rows form a full
+  tile's logits from the keys as stored instead
+  (:func:`attnnb.cpu._tiles.tile_logits_keys`, the same bits), prefetching
+  the next tile's keys and values as they go;
 * one task per (batch, head, query tile) is too few tasks to keep every core
   busy when ``B * H`` is small.  :func:`key_splits` then cuts each row's
   key tiles into contiguous ranges, one task each, and
@@ -29,11 +34,17 @@ import math
 import numpy as np
 
 from .._codes import SOFTMAX1
-from ._jit import inner
+from ._jit import WIDE_REGISTERS, inner
 from ._tiles import TILE_K, sigmoid
 
 # Query rows up to which tasks transpose their key tiles themselves.
 LOCAL_TILE_ROWS = 16
+# Full key tiles of 4 to 16 query rows by tile_logits_keys instead of a transposed copy.
+# Measured on the Zen 1 type (AVX2), Lq = 16, Lk = 4096, 8 heads, D = 64: 3.22-3.24 ms a
+# call against 3.98-4.11 ms.  With AVX-512 its 16-wide blocks of 4 rows would keep 4
+# accumulators (FMA latency-bound, where the transposed tiles' 4 x 64 blocks keep 16):
+# those types keep the transposed tiles until it is measured there.
+LOGITS_FROM_KEYS = not WIDE_REGISTERS
 # Tasks that the splits aim for, and the least key tiles a split gets.
 SPLIT_TASKS = 32
 MIN_SPLIT_TILES = 4

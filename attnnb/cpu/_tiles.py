@@ -10,7 +10,9 @@ that touch every score live here, once:
   head's keys transposed tile by tile (:func:`prepare_key_tile`, into
   :func:`attnnb.cpu._scratch.key_tile_buffers`, or by the task itself with
   :func:`transpose_keys` when decoding), register-blocked; below 4 query rows
-  :func:`tile_logits_rows` takes dot products with the keys as stored instead
+  :func:`tile_logits_rows` takes dot products with the keys as stored instead,
+  and from 4 to 16 rows :func:`tile_logits_keys` reads the keys as stored
+  against the queries transposed (:data:`attnnb.cpu._splits.LOGITS_FROM_KEYS`)
 * :func:`modify_logits`    -- bias, element masks, causal diagonal,
   ``relu_expm1``'s factor, ``log(key_size)``
 * :func:`online_update`    -- running max / sum, ``acc = acc * alpha + P @ v_tile``
@@ -44,7 +46,7 @@ from ._blocks import (
 )
 from ._exp import exp_shifted_sum_at, exp_tile_accumulate, maxnum, sum_at
 from ._jit import blocks, inner, wide_vectors
-from ._vector_ir import row_max_64, transpose_16
+from ._vector_ir import prefetch_line, row_max_64, transpose_16
 from ._views import flat, rows_of
 
 TILE_Q = 64
@@ -188,6 +190,68 @@ def tile_logits_rows(qs, kh, j0, nk, S_flat):
         for c in range(nk):
             S_flat[r * nk + c] = _dot(a, r * d, b, (j0 + c) * d, d)
     return view2d(S_flat, nq, nk)
+
+
+# query columns of :func:`tile_logits_keys`' blocks (a register block's narrowest width)
+KEY_BLOCK_ROWS = 16
+
+
+@inner
+def transposed_queries(qs, qt):
+    """``qt[e, r] = qs[r, e]`` for the ``nq <= 16`` scaled query rows ``qs (nq, D)`` and
+    zeros in the columns past ``nq``: ``qt (D, KEY_BLOCK_ROWS)``, once per task, for
+    :func:`tile_logits_keys`."""
+    nq, d = qs.shape
+    for e in range(d):
+        for r in range(KEY_BLOCK_ROWS):
+            qt[e, r] = qs[r, e] if r < nq else 0.0
+
+
+@inner
+def tile_logits_keys(qt, kh, vh, j0, nq, St_flat, S_flat, fetch):
+    """``S = qs @ kh[j0:j0+TILE_K].T`` for a full key tile and ``nq <= 16`` query rows, as
+    an ``(nq, TILE_K)`` view of ``S_flat``, from the keys as stored; with ``fetch``
+    prefetches the next tile of ``kh`` and ``vh``.
+
+    Decoding's tasks would otherwise transpose each key tile for :func:`tile_logits_t`
+    and use it for 16 rows at most: on the Zen 1 type at ``Lq = 16, Lk = 4096``
+    (8 heads, ``D = 64``) leaving the transpose out took 21 % off the call.  Here
+    the keys are the broadcast operand of the register blocks (4 keys by 16 query
+    columns of ``qt``, :func:`transposed_queries`), which gives ``S^T`` in
+    ``St_flat`` (``TILE_K * 16``), transposed to ``S`` by four 16 x 16 copies (a
+    quarter of the key tile's).  Each logit is the same chain of FMAs over the
+    depth, in the same order, as in :func:`tile_logits_t`: the same bits.  The
+    columns past ``nq`` are computed over zeros and dropped.
+
+    With ``fetch`` each block of 4 keys also prefetches the same 4 rows of the
+    next tile of ``kh`` and of ``vh`` (the keys and the values; the backward's
+    second product, ``dout v^T``, passes the values as ``kh`` and no ``fetch``),
+    when that tile is whole (:func:`~attnnb.cpu._vector_ir.prefetch_line`):
+    spread over the products, the memory traffic of a call that reads every key
+    and value once overlaps the FMAs.  (Prefetching a whole tile at the tile's
+    start measured no gain.)  ``kh (Lk, D)``, ``vh (Lk, Dv)``
+    C-contiguous; ``qt (D, 16)``.  Used by the decoding forward and backward.
+    """
+    d, dv = kh.shape[1], vh.shape[1]
+    keys = flat(kh)
+    values = flat(vh)
+    queries = flat(qt)
+    ahead = fetch and j0 + 2 * TILE_K <= kh.shape[0]
+    line = 64 // kh.itemsize  # elements of a 64-byte cache line
+    for c0 in range(0, TILE_K, ROWS):
+        block_product(keys, (j0 + c0) * d, d, d, queries, 0, KEY_BLOCK_ROWS, St_flat,
+                      c0 * KEY_BLOCK_ROWS, KEY_BLOCK_ROWS)
+        if ahead:
+            j = j0 + TILE_K + c0
+            for e in range(j * d, (j + ROWS) * d, line):
+                prefetch_line(keys, e)
+            for e in range(j * dv, (j + ROWS) * dv, line):
+                prefetch_line(values, e)
+    St = view2d(St_flat, TILE_K, KEY_BLOCK_ROWS)
+    S16 = view2d(S_flat, KEY_BLOCK_ROWS, TILE_K)
+    for c0 in range(0, TILE_K, 16):
+        transpose_16(St, c0, 0, S16, 0, c0)
+    return view2d(S_flat, nq, TILE_K)
 
 
 @inner

@@ -1,5 +1,5 @@
-"""Two loops of the tiled core written in LLVM's vector IR: a full key tile's row
-maximum and a 16 x 16 transposed copy.
+"""Two loops of the tiled core written in LLVM's vector IR, a full key tile's row
+maximum and a 16 x 16 transposed copy, and a cache prefetch hint.
 
 **Row maximum.**
 The online softmax needs each row's maximum of every 64-key tile before
@@ -30,6 +30,13 @@ as vectors and swaps one bit of the row index with the same bit of the
 column index per round (four rounds of 16 two-vector shuffles), then
 stores 16 rows: 0.16 us a float32 tile, 0.53 us float64 (1.1 us before).
 It is a copy, exact in any order.
+
+**Prefetch.** :func:`prefetch_line` is LLVM's ``llvm.prefetch`` (x86
+``prefetcht1``): a hint that fetches the cache line of one element into L2
+and changes no result.  Decoding reads every key and value once per call,
+as a burst when a tile is first touched; prefetches of the next tile spread
+over the current tile's products overlap that traffic with the FMAs
+(:func:`attnnb.cpu._tiles.tile_logits_keys`).
 """
 
 from __future__ import annotations
@@ -165,3 +172,30 @@ def _transpose_16_impl(src, r0, c0, dst, d0, e0):
                 dst[d0 + a, e0 + b] = src[r0 + b, c0 + a]
 
     return impl_loop
+
+
+@intrinsic
+def prefetch_line(typingctx, x, index):
+    """Ask the CPU to bring the cache line holding ``x[index]`` into L2; ``x`` a
+    C-contiguous 1-D array, ``index`` inside it (not checked: a prefetch never faults,
+    but the address should be the array's).  No effect on any result.
+
+    L2 rather than L1 (locality 2 of ``llvm.prefetch``): the line is for the next
+    tile, and the current tile's keys and values are still being read from L1.
+    """
+    if not (isinstance(x, types.Array) and x.ndim == 1 and x.layout == "C"
+            and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        byte_pointer = ir.IntType(8).as_pointer()
+        ptr = builder.bitcast(builder.gep(arr.data, [args[1]]), byte_pointer)
+        fnty = ir.FunctionType(ir.VoidType(), [byte_pointer, _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # (address, read, locality 2 = L2, data cache)
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 2),
+                          ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(x, types.intp), codegen

@@ -10,9 +10,10 @@ from .._codes import NORMALIZER_CODES, RELU_EXPM1, SOFTMAX, SOFTMAX1
 from ._blocks import ROWS
 from ._host import run_sweep
 from ._jit import kernel, wide_vectors
-from ._splits import LOCAL_TILE_ROWS, key_splits, merge_split_rows
+from ._splits import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS, key_splits, merge_split_rows
 from ._task import query_task, sweep_geometry
 from ._tiles import (
+    KEY_BLOCK_ROWS,
     SWEEP_TILE_Q,
     TILE_K,
     finish_rows,
@@ -20,9 +21,11 @@ from ._tiles import (
     modify_logits,
     online_update,
     tile_is_finite,
+    tile_logits_keys,
     tile_logits_rows,
     tile_logits_t,
     transpose_keys,
+    transposed_queries,
     view2d,
 )
 from ._views import keep_alive, unowned
@@ -39,7 +42,9 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
 
     Decoding (:mod:`attnnb.cpu._splits`): with at most ``LOCAL_TILE_ROWS``
     queries the host fills no key tiles (``kt`` and ``v_ok`` have none) and each
-    task transposes and checks its key and value tiles itself; with
+    task transposes and checks its key and value tiles itself (or, with
+    ``LOGITS_FROM_KEYS`` and 4 rows or more, forms a full tile's logits from the
+    keys as stored, :func:`~attnnb.cpu._tiles.tile_logits_keys`); with
     ``n_split > 1`` each task sweeps one contiguous range of the key tiles
     into ``part_out (n_split, B, Hq, Lq, Dv)`` and ``part_lse``, and a last
     pass merges the ranges into ``out`` and ``lse``.
@@ -55,10 +60,16 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
         (b, h, g, _, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat, F_flat,
          T_flat) = query_task(task // n_split, q, kt, v, scale, SWEEP_TILE_Q, group, n_qt)
         own_tile = np.empty((1, k.shape[3], TILE_K), q.dtype)
+        # decoding's full tiles by tile_logits_keys: the queries transposed once, and S^T
+        by_keys = LOGITS_FROM_KEYS and local_tiles and nq >= ROWS
+        qt = np.empty((k.shape[3] if by_keys else 0, KEY_BLOCK_ROWS), q.dtype)
+        St_flat = np.empty(TILE_K * KEY_BLOCK_ROWS if by_keys else 0, q.dtype)
+        if by_keys:
+            transposed_queries(qs, qt)
         # the key loop works on ownerless aliases of the task's scratch: no reference
         # counting on every tile (see attnnb.cpu._views); the owners live to the task's end
-        owners = (qs, m, l, acc, S_flat, P_flat, F_flat, T_flat, own_tile)
-        qs, m, l, acc, S_flat, P_flat, F_flat, T_flat, own_tile = unowned(owners)
+        owners = (qs, m, l, acc, S_flat, P_flat, F_flat, T_flat, own_tile, qt, St_flat)
+        qs, m, l, acc, S_flat, P_flat, F_flat, T_flat, own_tile, qt, St_flat = unowned(owners)
         kh, bias_bh, mask_bh, logks_b = k[b, g], bias[b, h], mask[b, h], logks[b]
         last = min(key_tiles_seen(i0, nq, diag, n_kt), (split + 1) * per_split)
         for t in range(split * per_split, last):
@@ -67,9 +78,10 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
             # the key tile: from the filled buffer, or transposed here (decoding)
             tiles = kth
             tile_j0 = j0
+            keys_as_stored = by_keys and nk == TILE_K
             if local_tiles:
                 v_finite = tile_is_finite(vh, j0)
-                if nq >= ROWS:
+                if nq >= ROWS and not keys_as_stored:
                     transpose_keys(kh, j0, own_tile[0])
                     tiles = own_tile
                     tile_j0 = 0
@@ -77,6 +89,8 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
                 v_finite = v_ok[b, g, t]
             if local_tiles and nq < ROWS:  # a row or three: dot products beat transposing
                 S = tile_logits_rows(qs, kh, j0, nk, S_flat)
+            elif keys_as_stored:
+                S = tile_logits_keys(qt, kh, vh, j0, nq, St_flat, S_flat, True)
             else:
                 S = tile_logits_t(qs, tiles, tile_j0, nk, S_flat)
             # relu_expm1 keeps the logits and the kernel values apart (see modify_logits)

@@ -56,15 +56,17 @@ from ._grad_tiles import (
     dense_tiles,
     pair_scratch,
     read_only,
+    stored_keys_scratch,
     written_whole,
 )
 from ._host import score_arguments
 from ._jit import inner, kernel, launch, wide_vectors
 from ._prologue import filled_kv_tiles
 from ._sparse_tiles import csr_tile_mask
-from ._splits import LOCAL_TILE_ROWS
+from ._splits import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS
 from ._task import sweep_geometry
 from ._tiles import (
+    KEY_BLOCK_ROWS,
     TILE_K,
     TILE_Q,
     add_weighted_values,
@@ -72,9 +74,11 @@ from ._tiles import (
     scaled_rows,
     task_rows,
     tile_is_finite,
+    tile_logits_keys,
     tile_logits_rows,
     tile_logits_t,
     transpose_keys,
+    transposed_queries,
     transposed_values_product,
     view2d,
 )
@@ -135,7 +139,17 @@ def few_rows(local, Lq, selected):
 
 
 @inner
-def pair_tiles(k, v, kt, vt, k_ok, local, by_rows, own, b, g, t):
+def from_stored_keys(local, Lq):
+    """Whether the pair products of a full key tile read keys and values as stored
+    against the pair's rows transposed (:func:`~attnnb.cpu._tiles.tile_logits_keys`):
+    with the local tiles and ``ROWS`` or more query rows, where
+    :data:`~attnnb.cpu._splits.LOGITS_FROM_KEYS`.  The same bits as the transposed
+    tiles, so a top-k selection held fixed may take it too."""
+    return LOGITS_FROM_KEYS and local and Lq >= ROWS
+
+
+@inner
+def pair_tiles(k, v, kt, vt, k_ok, local, by_rows, by_keys, own, b, g, t):
     """``(kth, vth, tile_j0, k_finite)``: key head ``g``'s key and value tile ``t`` for
     the pair products (:func:`tile_logits_t` of ``kth``, ``vth`` at ``tile_j0``) and
     whether the key tile is all finite.
@@ -147,12 +161,13 @@ def pair_tiles(k, v, kt, vt, k_ok, local, by_rows, own, b, g, t):
     same tiles either way, so the same bits.  With ``by_rows`` (:func:`few_rows`)
     nothing is transposed: the pair products then read the keys and values as
     stored (:func:`pair_gradients`), as the forward's do, since two transposed
-    copies a tile cost more than the dot products of one to three rows.
+    copies a tile cost more than the dot products of one to three rows; nor with
+    ``by_keys`` (:func:`from_stored_keys`) for a full tile.
     """
     j0 = t * TILE_K
     if local:
         own_k, own_v = own
-        if not by_rows:
+        if not by_rows and not (by_keys and j0 + TILE_K <= k.shape[2]):
             transpose_keys(k[b, g], j0, own_k[0])
             transpose_keys(v[b, g], j0, own_v[0])
         return own_k, own_v, 0, tile_is_finite(k[b, g], j0)
@@ -160,8 +175,8 @@ def pair_tiles(k, v, kt, vt, k_ok, local, by_rows, own, b, g, t):
 
 
 @inner
-def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, b, h, ph, i0, nq, j0, nk,
-                   diag, csr_masked, cursor, scratch):
+def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, by_keys, b, h, ph, i0, nq, j0,
+                   nk, diag, csr_masked, cursor, scratch, keys_scratch):
     """Weights ``W`` and logit gradients ``dS`` of one (query tile, key tile) pair.
 
     Recomputes the forward's modified logits of query head ``h``'s rows
@@ -173,19 +188,28 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, b, h, ph, i0, nq
     ``kth``, ``vth``, ``tile_j0``: the key tile's transposed keys and values
     (:func:`pair_tiles`), or with ``by_rows`` the key head's keys and values
     ``kh``, ``vh`` as stored, one dot product per (row, key) (the dense
-    forward's logits of so few rows, the same bits); ``scratch`` is
-    :func:`~attnnb.cpu._grad_tiles.pair_scratch`'s.  Returns
+    forward's logits of so few rows, the same bits), or with ``by_keys`` and a
+    full tile from ``kh``, ``vh`` against the rows transposed (the same bits as
+    from ``kth``, ``vth``); ``scratch`` is
+    :func:`~attnnb.cpu._grad_tiles.pair_scratch`'s, ``keys_scratch``
+    :func:`~attnnb.cpu._grad_tiles.stored_keys_scratch`'s.  Returns
     ``(W, dS, dP)``, ``(nq, nk)`` views of the scratch, with ``dP``
     overwritten by ``dP - delta`` (what ``d log key_size`` needs).  Rows
     with ``lse = -inf`` (nothing allowed) have zero weights and gradients.
     """
     q_flat, do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat, _, _ = scratch
+    qt_flat, dot_flat, St_flat = keys_scratch
+    keys_as_stored = by_keys and nk == TILE_K
     normalizer, indptr, indices = pair.normalizer, pair.indptr, pair.indices
     lse_bh, ratio_bh, delta_bh = pair.lse[b, h], pair.ratio[b, h], pair.delta[b, h]
     row0 = ph * q.shape[2] + i0  # CSR row of the tile's first query
     qs = scaled_rows(q[b, h], i0, nq, pair.scale, q_flat)
     if by_rows:
         S = tile_logits_rows(qs, kh, j0, nk, S_flat)
+    elif keys_as_stored:
+        qt = view2d(qt_flat, qs.shape[1], KEY_BLOCK_ROWS)
+        transposed_queries(qs, qt)
+        S = tile_logits_keys(qt, kh, vh, j0, nq, St_flat, S_flat, True)
     else:
         S = tile_logits_t(qs, kth, tile_j0, nk, S_flat)
     if csr_masked:
@@ -207,6 +231,10 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, b, h, ph, i0, nq
     do = scaled_rows(pair.dout[b, h], i0, nq, 1.0, do_flat)
     if by_rows:
         dP = tile_logits_rows(do, vh, j0, nk, dP_flat)
+    elif keys_as_stored:
+        dot = view2d(dot_flat, do.shape[1], KEY_BLOCK_ROWS)
+        transposed_queries(do, dot)
+        dP = tile_logits_keys(dot, vh, vh, j0, nq, St_flat, dP_flat, False)
     else:
         dP = tile_logits_t(do, vth, tile_j0, nk, dP_flat)
     W = view2d(W_flat, nq, nk)
@@ -235,9 +263,9 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, b, h, ph, i0, nq
 
 
 @inner
-def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, own, b, g, t, col_ptr,
-                       col_qt, col_full, need_dbias, own_dq, dq, dk, dv, dbias, dlogks,
-                       scratch, cursor):
+def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, by_keys, own, b, g, t,
+                       col_ptr, col_qt, col_full, need_dbias, own_dq, dq, dk, dv, dbias,
+                       dlogks, scratch, keys_scratch, cursor):
     """Every gradient term of key tile ``t`` of key head ``g``: its ``dk``, ``dv``,
     ``dbias`` columns and ``dlogks``, and with ``own_dq`` its terms of ``dq``.
 
@@ -245,16 +273,16 @@ def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, own, b, g, t
     forward's tile lists read by key tile) for every query head of the GQA
     group.  ``dq`` gets ``dS @ k_tile`` added unscaled (its owner scales it
     once at the end); ``dk`` and ``dv`` of the tile are written, scaled.
-    ``kt``, ``vt``, ``k_ok``, ``local``, ``by_rows``, ``own``: as :func:`pair_tiles`
-    takes them.
+    ``kt``, ``vt``, ``k_ok``, ``local``, ``by_rows``, ``by_keys``, ``own``: as
+    :func:`pair_tiles` takes them.
     """
     _, _, Lq, Lk, Dv, group, _, n_kt, diag = sweep_geometry(q, k, dv, TILE_Q, pair.causal)
     D = k.shape[3]
     j0 = t * TILE_K
     nk = min(TILE_K, Lk - j0)
     T_flat = scratch[8]
-    kth, vth, tile_j0, k_finite = pair_tiles(k, v, kt, vt, k_ok, local, by_rows, own, b, g,
-                                             t)
+    kth, vth, tile_j0, k_finite = pair_tiles(k, v, kt, vt, k_ok, local, by_rows, by_keys,
+                                             own, b, g, t)
     dk_acc = np.zeros((nk, D), q.dtype)
     dv_acc = np.zeros((nk, Dv), q.dtype)
     for h in range(g * group, (g + 1) * group):
@@ -265,8 +293,8 @@ def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, own, b, g, t
             nq = min(TILE_Q, Lq - i0)
             partial = pair.csr and not col_full[p]  # (no control flow inside a call)
             W, dS, G = pair_gradients(pair, q, kth, vth, tile_j0, k[b, g], v[b, g], by_rows,
-                                      b, h, ph, i0, nq, j0, nk, diag, partial, cursor,
-                                      scratch)
+                                      by_keys, b, h, ph, i0, nq, j0, nk, diag, partial,
+                                      cursor, scratch, keys_scratch)
             if own_dq:
                 # a key tile holding Inf or NaN: skip the zero weights, as the forward does
                 add_weighted_values(dS, k[b, g], j0, k_finite, dq[b, h, i0 : i0 + nq], T_flat)
@@ -316,16 +344,18 @@ def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, local, pair, col_ptr, col_qt, col_f
     per_task = n_kt if own_dq else 1
     n_ranges = n_kt // per_task
     by_rows = few_rows(local, Lq, pair.selected)
+    by_keys = from_stored_keys(local, Lq)
     for task in prange(B * Hk * n_ranges):
         wide_vectors()
         b, g, span = task // (Hk * n_ranges), (task // n_ranges) % Hk, task % n_ranges
         scratch = pair_scratch(q.dtype, D, Dv)
+        keys_scratch = stored_keys_scratch(q.dtype, D, Dv, by_keys)
         cursor = np.empty(TILE_Q, np.int64)
         own = (np.empty((1, D, TILE_K), q.dtype), np.empty((1, Dv, TILE_K), q.dtype))
         for t in range(span * per_task, (span + 1) * per_task):
-            key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, own, b, g, t,
-                               col_ptr, col_qt, col_full, need_dbias, own_dq, dq, dk, dv, dbias,
-                               dlogks, scratch, cursor)
+            key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, by_keys, own, b,
+                               g, t, col_ptr, col_qt, col_full, need_dbias, own_dq, dq, dk, dv,
+                               dbias, dlogks, scratch, keys_scratch, cursor)
         if own_dq:  # dq's terms arrived in key-tile order, as in dq_kernel; now scaled
             for h in range(g * group, (g + 1) * group):
                 for r in range(Lq):
@@ -343,6 +373,7 @@ def dq_kernel(q, k, v, kt, vt, k_ok, local, pair, row_ptr, row_kt, row_full, dq)
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, pair.causal)
     D = k.shape[3]
     by_rows = few_rows(local, Lq, pair.selected)
+    by_keys = from_stored_keys(local, Lq)
     for task in prange(B * Hq * n_qt):
         wide_vectors()
         b, h, qt, i0, nq = task_rows(task, Hq, n_qt, TILE_Q, Lq)
@@ -350,6 +381,7 @@ def dq_kernel(q, k, v, kt, vt, k_ok, local, pair, row_ptr, row_kt, row_full, dq)
         ph = h if pair.p_heads > 1 else 0
         row = ph * n_qt + qt
         scratch = pair_scratch(q.dtype, D, Dv)
+        keys_scratch = stored_keys_scratch(q.dtype, D, Dv, by_keys)
         cursor = np.empty(TILE_Q, np.int64)
         own = (np.empty((1, D, TILE_K), q.dtype), np.empty((1, Dv, TILE_K), q.dtype))
         dq_acc = np.zeros((nq, D), q.dtype)
@@ -357,10 +389,11 @@ def dq_kernel(q, k, v, kt, vt, k_ok, local, pair, row_ptr, row_kt, row_full, dq)
             j0 = row_kt[p] * TILE_K
             nk = min(TILE_K, Lk - j0)
             partial = pair.csr and not row_full[p]  # (no control flow inside a call)
-            kth, vth, tile_j0, k_finite = pair_tiles(k, v, kt, vt, k_ok, local, by_rows, own,
-                                                     b, g, row_kt[p])
-            _, dS, _ = pair_gradients(pair, q, kth, vth, tile_j0, k[b, g], v[b, g], by_rows, b,
-                                      h, ph, i0, nq, j0, nk, diag, partial, cursor, scratch)
+            kth, vth, tile_j0, k_finite = pair_tiles(k, v, kt, vt, k_ok, local, by_rows,
+                                                     by_keys, own, b, g, row_kt[p])
+            _, dS, _ = pair_gradients(pair, q, kth, vth, tile_j0, k[b, g], v[b, g], by_rows,
+                                      by_keys, b, h, ph, i0, nq, j0, nk, diag, partial, cursor,
+                                      scratch, keys_scratch)
             # a key tile holding Inf or NaN: skip the zero weights, as the forward does
             add_weighted_values(dS, k[b, g], j0, k_finite, dq_acc, scratch[8])
         for r in range(nq):
