@@ -24,7 +24,7 @@ matrix products), at ``--backward-sizes``; (d) differential attention's
 forward + backward (``H / 2`` pairs of query and key heads of size D, values
 of ``2 D``, ``lam = 0.5``) at ``--diff-sizes`` and the first D: the
 difference mode through its two one-stream backwards (the default) and
-through the two-stream kernels (the rectified mode's), against two SDPA
+through the two-stream kernels (the alternative, off by default), against two SDPA
 calls (``o1 - lam o2``, then ``backward()``); (e) full results as JSON
 (``--out``) and the short tables printed last.  A time budget (``--budget``,
 default 7 minutes) stops starting new sizes so the run ends within 8 minutes; after

@@ -20,15 +20,21 @@ rectified, else ``G = dp``)::
     ds1 = A1 (G - d1)   ds2 = -lam A2 (G - e)   dV += W^T dO
 
 (in ``"difference"`` mode ``d1 = dO . o1`` and ``e = dO . o2``; summing
-them over the keys needs no second forward output).  Only the rectified
-mode runs the two-stream kernels: the difference mode's gradient is two
-one-stream backwards (:func:`pair_stream`), stream 1's with row ratio
-``r = -lam`` (its ``p = -lam A2``, so ``ds2`` and ``W``'s second term come
-out of :func:`pair_functions`' one-stream path), each query-tile kernel
-first sweeping for its stream's ``delta`` (``d1``, ``e``), stream 1's
-key-tile kernel adding to stream 0's ``dV`` and bias gradient.  Their
-builds meet the register-tiling gate at ``d = 64, Dv = 128``; the
-two-stream ones do not (``KNOWN_GATE_FAILURES``).
+them over the keys needs no second forward output).  By default neither
+mode runs the two-stream kernels: each gradient is two one-stream
+backwards (:func:`pair_stream`), stream 1's with row ratio ``r = -lam``
+(its ``p = -lam A2``, so ``ds2`` and ``W``'s second term come out of
+:func:`pair_functions`' one-stream path), each query-tile kernel first
+sweeping for its stream's ``delta`` (``d1``, ``e``), stream 1's key-tile
+kernel adding to stream 0's ``dV`` and bias gradient.  The rectified
+mode's streams ("clipped") gate every weight by its clip bit, which the
+differential forward's clip build writes (one bit a (query, key) pair):
+where the bit is clear ``w = 0`` and ``g = -delta``, so ``ds_c = -A_c
+delta_c`` as above with ``G = 0``.  These builds meet the register-tiling
+gate at ``d = 64, Dv = 128``; the two-stream ones, kept as the
+alternative (``DIFFERENCE_TWO_STREAMS``, ``RECTIFIED_TWO_STREAMS``, and
+the rectified route past ``2**32`` clip words), do not
+(``KNOWN_GATE_FAILURES``).
 
 Two kernels, as FlashAttention-2, for one or two score streams
 (``Tiling.streams``):
@@ -151,16 +157,21 @@ _PRODUCTION_TWO_STREAMS = dict(_PRODUCTION, dkdv=((64, (64, 32, 4, 1)), (128, (3
 # float32 kernels that do not meet the register-tiling gate yet, and why (the gate reports
 # them as known failures; gpu/RESULTS.md has their figures)
 KNOWN_GATE_FAILURES = {
-    "backward rectified dq float32 d=64": "more than 128 registers and fewer than 4 FMA per "
-                                          "shared load: two score streams",
-    "backward rectified dkdv float32 d=64": "more than 128 registers and fewer than 4 FMA "
-                                            "per shared load: two score streams, Dv = 128",
+    "backward two-stream dq float32 d=64": "more than 128 registers and fewer than 4 FMA per "
+                                           "shared load: two score streams (not the default "
+                                           "route of either mode)",
+    "backward two-stream dkdv float32 d=64": "more than 128 registers and fewer than 4 FMA "
+                                             "per shared load: two score streams, Dv = 128 "
+                                             "(not the default route of either mode)",
 }
 _PARTS = {"dq": dq_parts, "dkdv": dkdv_parts}
 # the difference mode through the two-stream kernels instead of two pair streams: the
 # other design, kept (and tested) so that a GPU run can time the two against each other
 # (gpu/run.py); the pair streams pass the register gate, the two-stream kernels do not
 DIFFERENCE_TWO_STREAMS = False
+# the rectified mode through the two-stream kernels (which form the clip themselves) instead
+# of two clipped pair streams: kept, tested and timed the same way
+RECTIFIED_TWO_STREAMS = False
 
 
 def backward_tiling(dtype, d: int, dv: int, streams: int = 1, kernel: str = "dq") -> Tiling:
@@ -181,10 +192,15 @@ def _offsets(parts):
     return out, at
 
 
+PAIR_VARIANTS = ("stream0", "stream1", "clipped0", "clipped1")
+
+
 def pair_stream(streams: int, variant: str) -> tuple[int, int, bool]:
     """``(head step, head offset, one stream of a pair)`` of a kernel build: stream ``c``
-    of score stream pair ``h`` is query head ``2h + c`` (key head ``2g + c``)."""
-    if variant in ("stream0", "stream1"):
+    of score stream pair ``h`` is query head ``2h + c`` (key head ``2g + c``).
+    ``"clipped0"`` / ``"clipped1"``: the same streams of the rectified mode, each weight
+    gated by the forward's clip bits (:func:`pair_functions`)."""
+    if variant in PAIR_VARIANTS:
         return 2, int(variant[-1]), True
     return streams, 0, False
 
@@ -199,19 +215,30 @@ def pair_functions(dtype, tiling: Tiling):
     N_ROWV = 3 if STREAMS == 1 else 5  # values a row: lse, r, delta / lse1, lse2, d1, e, lam
     N_RV = N_ROWV * TM  # (local array sizes must be plain constants)
     modify_tile, tile_scores, apply_tile_mask = f.modify_tile, f.tile_scores, f.apply_tile_mask
+    # key tiles start at multiples of BK: with BK dividing 32, a tile's keys share a clip word
+    ONE_WORD = 32 % tiling.bk == 0
     dscores = f.scores_product(_up4(tiling.dv))
 
     @cuda.jit(device=True)
-    def single(S, F, dP, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer):
+    def single(S, F, dP, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
+               clipped, clip_row, words):
         """One stream: ``S`` becomes ``ds``, ``dP`` becomes ``g`` (0 where the weight is),
         ``F`` the weights.  ``rv``: the rows' ``lse, r, delta``; ``thr``, ``cutr``: the
         top-k selection when ``selected``.  Rows past ``nq`` get zeros.  ``S``, ``F``:
-        the modified logits and their factors."""
+        the modified logits and their factors.  ``clipped``: a rectified pair's stream,
+        ``clip[b, h, i, j // 32]`` bit ``j % 32`` the clip of weight ``(i, j)``; where it
+        is clear the weight is 0 and ``g = -delta`` (the clip has derivative 0, the
+        stream's softmax still moves the weight's logit); ``clip`` flat, row ``i`` of the
+        tile ``clip_row + i`` (``(b * H + h) * Lq + i0``), ``words`` a row."""
         for r in range(TM):
             lse = rv[r]
             ratio = rv[TM + r]
             delta = rv[2 * TM + r]
             live = row0 + r < nq and lse != NINF
+            bits = U32(0)
+            if clipped and live and ONE_WORD:  # the tile's keys lie in one word of the row
+                bits = clip[(clip_row + U32(row0 + r)) * words + U32(j0 >> 5)] >> U32(
+                    (j0 & 31) + key0)
             for c in range(TN):
                 x = r * TN + c
                 s = S[x]
@@ -225,8 +252,16 @@ def pair_functions(dtype, tiling: Tiling):
                     p = ratio * math.exp(s - lse)
                     if p != ZERO:  # a key the row does not weigh: its value never reaches it
                         g = dP[x] - delta
-                        ds = p * g
                         w = p * F[x] if normalizer == RELU_EXPM1 else p
+                        if clipped:
+                            if not ONE_WORD:  # the bit to the position of bit c
+                                j = j0 + key0 + c
+                                word = clip[(clip_row + U32(row0 + r)) * words + U32(j >> 5)]
+                                bits = (word >> U32(j & 31)) << U32(c)
+                            if not (bits >> U32(c)) & U32(1):
+                                g = -delta
+                                w = ZERO
+                        ds = p * g
                 S[x] = ds
                 F[x] = w
                 dP[x] = g
@@ -290,11 +325,13 @@ def pair_functions(dtype, tiling: Tiling):
 
     @cuda.jit(device=True)
     def tile_gradients(Q1, Q2, K1, K2, Ot, Vt, Mt, partial, S1, S2, F, dP, rv, thr, cutr,
-                       selected, rectified, part1, part2, i0, row0, j0, key0, nq, Lq, Lk,
-                       diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks, normalizer):
+                       selected, rectified, clip, clipped, clip_row, words, part1, part2, i0,
+                       row0, j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask, has_mask,
+                       logks, has_ks, normalizer):
         """The logits (``Q K^T`` per stream), ``dP = dO V^T`` and the pair's weights and
         logit gradients (:func:`single` or :func:`pair`; the weights in ``F``) from the
-        staged transposed tiles; ``Mt``: a partial tile's mask (``partial``)."""
+        staged transposed tiles; ``Mt``: a partial tile's mask (``partial``); ``clip``,
+        ``clipped``: as :func:`single`."""
         tile_scores(Q1, K1, row0, key0, S1)
         if STREAMS == 2:
             tile_scores(Q2, K2, row0, key0, S2)
@@ -304,7 +341,8 @@ def pair_functions(dtype, tiling: Tiling):
         modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                     has_mask, logks, has_ks, normalizer if STREAMS == 1 else SOFTMAX)
         if STREAMS == 1:
-            single(S1, F, dP, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer)
+            single(S1, F, dP, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
+                   clipped, clip_row, words)
         else:
             modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                         has_mask, logks, has_ks, SOFTMAX)
@@ -320,16 +358,17 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
     ``bias`` / ``mask`` / ``logks`` with their flags, ``causal``, the
     normalizer code, ``rowv (B, H, NR, Lq)`` (per-row values, see
     :func:`pair_functions`), ``thr`` / ``cut`` and ``selected`` (top-k),
-    ``rectified``, the pattern's ``p_heads``, CSR ``indptr`` / ``indices``
-    and ``csr`` flag, the tile lists ``tile_ptr, tile_idx, tile_full`` and
-    ``dq``.  Grid ``(B * H, query tiles)``.
+    ``rectified``, ``clip`` (the clip bits of the ``"clipped"`` variants), the
+    pattern's ``p_heads``, CSR ``indptr`` / ``indices`` and ``csr`` flag, the
+    tile lists ``tile_ptr, tile_idx, tile_full`` and ``dq``.  Grid ``(B * H, query tiles)``.
 
     ``variant`` (``"dense"``, ``"sparse"``, ``"topk"``; two streams: any)
     fixes the ``csr`` and ``selected`` flags at compile time, so that a
     dense kernel carries neither the CSR mask nor the selection (registers).
     ``"stream0"`` / ``"stream1"``: one stream of a differential pair
     (:func:`pair_stream`); the kernel sweeps the key tiles twice, first for
-    the rows' ``delta`` (written to ``rowv``), then for ``dQ``.
+    the rows' ``delta`` (written to ``rowv``), then for ``dQ``; ``"clipped0"`` /
+    ``"clipped1"`` the same with the weights gated by ``clip``.
     """
     f = micro_functions(np.dtype(dtype), tiling)
     g_ = geometry(tiling)
@@ -352,16 +391,19 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
     pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling)
     CSR, SELECTED = variant == "sparse", variant == "topk"
     HS, HOFF, PAIR = pair_stream(S_, variant)
+    CLIPPED = variant.startswith("clipped")
     PHASES = 2 if S_ == 2 or PAIR else 1  # a first sweep for the rows' sums
 
     def dq_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                  normalizer, rowv, thr_a, cut_a, selected, rectified, p_heads, indptr, indices,
-                  csr, tile_ptr, tile_idx, tile_full, dq):
+                  normalizer, rowv, thr_a, cut_a, selected, rectified, clip, p_heads, indptr,
+                  indices, csr, tile_ptr, tile_idx, tile_full, dq):
         Lq, Lk = q.shape[2], k.shape[2]
         diag = Lk - Lq if causal else Lk
         csr = CSR  # the variant's constants (the arguments only say the same)
         selected = SELECTED
         b, h, g, i0 = block_tile(q.shape[1] // HS, k.shape[1] // HS, 0)
+        words = U32((Lk + 31) // 32)  # the clip's words a row, and this tile's first row
+        clip_row = U32((b * (q.shape[1] // HS) + h) * Lq + i0)
         smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
         Qt, dOt, KV = smem[O_Q:O_O], smem[O_O:O_KV], smem[O_KV:O_V]
         Vt, dSt, red = smem[O_V:O_DS], smem[O_DS:O_RED], smem[O_RED:O_ROWS]
@@ -398,9 +440,10 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
                 stage_dT(vh, j0, nk, ONE, Vt, BK)
                 cuda.syncthreads()
                 tile_gradients(Qt, Qt[N_QS:], KV, KV[N_KS:], dOt, Vt, dSt, partial, S1, S2, F,
-                               dP, rv, thr, cutr, selected, rectified, part1, part2, i0,
-                               row0, j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                               has_mask, logks, has_ks, normalizer)
+                               dP, rv, thr, cutr, selected, rectified, clip, CLIPPED,
+                               clip_row, words, part1, part2, i0, row0, j0, key0, nq, Lq,
+                               Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
+                               normalizer)
                 if PAIR and not last:  # delta 0 and ratio 1: S holds A dP
                     for r in range(TM):
                         for c in range(TN):
@@ -484,6 +527,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
     pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling)
     CSR, SELECTED = variant == "sparse", variant == "topk"
     HS, HOFF, _ = pair_stream(S_, variant)
+    CLIPPED = variant.startswith("clipped")
     ADD = HOFF == 1  # the pair's second stream adds to dV and the bias gradient
 
     @cuda.jit(device=True)
@@ -494,13 +538,14 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
                 A[(U32(row0) + U32(r)) * U32(BK) + U32(key0) + U32(c)] = X[r * TN + c]
 
     def dkdv_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                    normalizer, rowv, thr_a, cut_a, selected, rectified, p_heads, indptr,
+                    normalizer, rowv, thr_a, cut_a, selected, rectified, clip, p_heads, indptr,
                     indices, csr, col_ptr, col_qt, col_full, need_dbias, dk, dv, dbias, dlogks):
         Lq, Lk = q.shape[2], k.shape[2]
         diag = Lk - Lq if causal else Lk
         csr = CSR  # the variant's constants (the arguments only say the same)
         selected = SELECTED
         H, Hk = q.shape[1] // HS, k.shape[1] // HS
+        words = U32((Lk + 31) // 32)  # the clip's words a row
         group = H // Hk
         b = cuda.blockIdx.x // Hk
         g = cuda.blockIdx.x - b * Hk
@@ -540,13 +585,16 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
                 stage_dT(dout[b, h], i0, nq, ONE, OO, BQ)
                 cuda.syncthreads()
                 tile_gradients(QQ, QQ[N_QQ:], Kt, Kt[N_KS:], OO, Vt, Wt, partial, S1, S2, F, dP,
-                               rv, thr, cutr, selected, rectified, part, part, i0, row0, j0,
-                               key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask, has_mask,
-                               logks, has_ks, normalizer)
+                               rv, thr, cutr, selected, rectified, clip, CLIPPED,
+                               U32((b * H + h) * Lq + i0), words, part, part, i0, row0,
+                               j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                               has_mask, logks, has_ks, normalizer)
                 for r in range(TM):  # the contributions to d log key_size (and dbias)
                     for c in range(TN):
                         x = r * TN + c
-                        dP[x] = S1[x] + S2[x] if S_ == 2 else F[x] * dP[x]
+                        # ds (softmax: w g but where a clipped weight is 0)
+                        dP[x] = (S1[x] + S2[x] if S_ == 2 else S1[x] if CLIPPED
+                                 else F[x] * dP[x])
                         if need_dbias and row0 + r < nq and key0 + c < nk:
                             y = S1[x] + S2[x] if S_ == 2 else S1[x]
                             if ADD:
@@ -769,12 +817,12 @@ def _finish(a, *results):
 
 
 def _sweep(problem, a, streams, rowv, dout, pattern=None, selection=None, rectified=False,
-           need_dbias=False, stream=None, grads=None):
+           need_dbias=False, stream=None, grads=None, clip=None):
     """Launch both kernels; returns device ``(dq, dk, dv, dbias_full, dlogks_per_head)``.
 
     ``stream`` (0 or 1): one stream of a differential pair, through the one-stream
     kernels (``streams = 1``), into ``grads`` (what stream 0's call returned) for
-    stream 1.
+    stream 1; with ``clip`` (the forward's clip bits) a rectified pair's stream.
     """
     B, Hx, Hkx, Lq, Lk, D, Dv = problem.shape
     S = streams
@@ -799,14 +847,16 @@ def _sweep(problem, a, streams, rowv, dout, pattern=None, selection=None, rectif
             np.zeros((1, 1, 1), np.int64))
     else:
         thr, cut = selection
+    clip_d = cuda.device_array(1, np.uint32) if clip is None else clip.reshape(clip.size)
     common = (a.q, a.k, a.v, dout, dt.type(problem.scale), a.bias, a.has_bias, a.mask,
               a.has_mask, a.logks, a.has_ks, problem.causal,
               NORMALIZER_CODES[problem.normalizer], rowv, thr, cut, selection is not None,
-              rectified, p_heads, indptr, indices, csr)
+              rectified, clip_d, p_heads, indptr, indices, csr)
     n_qt, n_kt = -(-Lq // t_dq.bq), -(-Lk // t_kv.bk)
     # the query-tile kernel first: with two streams it forms d1 and e for the other
     variant = ("sparse" if pattern is not None else "topk" if selection is not None else
-               "dense" if stream is None else f"stream{stream}")
+               "dense" if stream is None else
+               f"stream{stream}" if clip is None else f"clipped{stream}")
     dq_kernel(dt, t_dq, variant)[(B * H, n_qt), t_dq.threads](*common, *rows, dq)
     dkdv_kernel(dt, t_kv, variant)[(B * Hk, n_kt), t_kv.threads](
         *common, *cols, need_dbias, dk, dv, dbias, dlogks)
@@ -932,9 +982,13 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     its output is dropped).  ``"difference"``: each stream's one-stream
     backward in turn (row ratio 1 and ``-lam``; the query-tile kernel sweeps
     for the stream's ``delta``, ``d1`` and ``e``), stream 1 adding to stream
-    0's ``dV`` and bias gradient.  ``"rectified"``: the two-stream kernels.
-    ``dlam = -e``.  A broadcast bias's gradient is formed as in
-    :func:`attention_vjp`.
+    0's ``dV`` and bias gradient.  ``dlam = -e``.  ``"rectified"``: the same
+    two one-stream backwards, each weight gated by its clip, which the
+    differential forward's clip build writes as one bit a (query, key) pair
+    (``B * H * Lq * ceil(Lk / 32) * 4`` bytes, the one ``(Lq, Lk)`` buffer
+    of the backward: the clip needs both streams' weights, which a
+    one-stream kernel does not form).  A broadcast bias's gradient is formed
+    as in :func:`attention_vjp`.
     """
     if dbias_shape is not None:
         B, H2, _, Lq = problem.shape[:4]
@@ -950,7 +1004,7 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
 def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
     """:func:`diff_attention_vjp` with the bias gradient formed full size, in one piece."""
     from .._codes import DIFF_MODE_CODES, RECTIFIED
-    from .diff import diff_forward
+    from .diff import clip_words, diff_forward
 
     B, H2, _, Lq, Lk, D, Dv = problem.shape
     H = H2 // 2
@@ -962,15 +1016,20 @@ def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
     host_rows = np.zeros((B, H, 5, Lq), dt)
     host_rows[:, :, 4] = np.broadcast_to(lam_h, (B, H, Lq))
     rowv = cuda.to_device(host_rows)
-    diff_forward(problem, cuda.to_device(np.ascontiguousarray(host_rows[:, :, 4])), mode, a,
-                 lses=rowv)
-    dout = _on_device(dout)
     need_dbias = dbias_shape is not None
     rectified = DIFF_MODE_CODES[mode] == RECTIFIED
-    # the rectified clip needs both streams at every weight (and the difference mode may
-    # be sent the same way, for timing); the row vectors stay on the device throughout
+    # (the kernels index the clip's words with 32 bits: past 2**32 words, 16 GiB, the
+    # two-stream kernels, which form the clip themselves, take the problem)
+    two_streams = (RECTIFIED_TWO_STREAMS or B * H * Lq * -(-Lk // 32) >= 2**32 if rectified
+                   else DIFFERENCE_TWO_STREAMS)
+    # the rectified pair streams read the clip the forward's clip build writes
+    clip = clip_words(B, H, Lq, Lk) if rectified and not two_streams else None
+    diff_forward(problem, cuda.to_device(np.ascontiguousarray(host_rows[:, :, 4])), mode, a,
+                 lses=rowv, clip=clip)
+    dout = _on_device(dout)
+    # the row vectors stay on the device throughout
     grid, threads = _blocks(B * H * Lq)
-    if rectified or DIFFERENCE_TWO_STREAMS:
+    if two_streams:
         dq, dk, dv, dbias, dlogks = _sweep(problem, a, 2, rowv, dout, rectified=rectified,
                                            need_dbias=need_dbias)
         e_rows, e_row = rowv, 3
@@ -979,7 +1038,7 @@ def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
         for c in range(2):
             _helper("pair_rows", build_pair_rows, dt)[grid, threads](rowv, c, rows)
             grads = _sweep(problem, a, 1, rows, dout, need_dbias=need_dbias, stream=c,
-                           grads=grads)
+                           grads=grads, clip=clip)
         dq, dk, dv, dbias, dlogks = grads
         e_rows, e_row = rows, 2
     dlam = cuda.device_array((B, H, Lq), dt)
@@ -1008,7 +1067,8 @@ def ptx_signatures():
         arr4 = ty[:, :, :, ::1]
         return (arr4, arr4, arr4, arr4, ty, arr4, b_, types.boolean[:, :, :, ::1], b_,
                 ty[:, ::1], b_, b_, types.int64, arr4, ty[:, :, ::1], types.int64[:, :, ::1],
-                b_, b_, types.int64, i64, i32, b_, i64, i32, flags)
+                b_, b_, types.uint32[::1], types.int64, i64, i32, b_, i64, i32,
+                flags)
 
     def dq_types(ty):
         return common(ty) + (ty[:, :, :, ::1],)
@@ -1027,8 +1087,13 @@ def ptx_signatures():
         # the difference mode: one stream of the pair (the second, which adds to dV)
         cases += ptx_cases(f"backward diff {label}", lambda dt, t, b=build: b(dt, t, "stream1"),
                            argtypes, 64, 128, tiles=tiles)
-        cases += ptx_cases(f"backward rectified {label}", build, argtypes, 64, 128, streams=2,
+        # the rectified mode: one clipped stream of the pair (the second)
+        cases += ptx_cases(f"backward rectified {label}",
+                           lambda dt, t, b=build: b(dt, t, "clipped1"), argtypes, 64, 128,
                            tiles=tiles)
+        # the two-stream kernels, the other design of both modes (off by default)
+        cases += ptx_cases(f"backward two-stream {label}", build, argtypes, 64, 128,
+                           streams=2, tiles=tiles)
     for name, _, _, options in cases:
         if name in KNOWN_GATE_FAILURES:
             options["known"] = KNOWN_GATE_FAILURES[name]

@@ -37,15 +37,22 @@ from ._micro import ALIGN, U32, micro_functions, ptx_cases, tiled_kernel, tiling
 from ._tiles import device_functions
 
 
-def build_diff(dtype, tiling):
+def build_diff(dtype, tiling, clip_bits=False):
     """The differential kernel for one compute dtype and :class:`~attnnb.cuda._micro.Tiling`
     (``streams=2``; not compiled yet; launch with ``tiling.threads`` threads per block).
 
     Kernel arguments: ``q (B, 2H, Lq, d)``, ``k (B, 2Hk, Lk, d)``,
     ``v (B, Hk, Lk, Dv)``, ``lam (B, H, Lq)``, ``scale``, ``bias`` / ``mask``
     (4-D over pairs, each axis full or 1) with flags, ``logks`` with its flag,
-    ``causal``, the mode code, ``out (B, H, Lq, Dv)`` and ``lses (B, H, 2, Lq)``
-    (both streams' LSEs, which the backward reuses).
+    ``causal``, the mode code, ``out (B, H, Lq, Dv)``, ``lses (B, H, 2, Lq)``
+    (both streams' LSEs, which the backward reuses) and ``clip``.
+
+    ``clip_bits``: the rectified backward's build.  Pass 2 also sets the clip
+    of every weight it forms,
+    ``clip[b, h, i, j // 32]`` bit ``j % 32`` where ``max(0, A1 - lam A2) > 0``
+    (``clip (B, H, Lq, ceil(Lk / 32))`` uint32, zeros on entry; the threads
+    sharing a word OR their bits in, so the word is the same whatever their
+    order).  The other build ignores ``clip``.
     """
     f = micro_functions(np.dtype(dtype), tiling)
     nt, TM, TN, TO, N_S, N_O, BQ, BK = f.nt, f.TM, f.TN, f.TO, f.N_S, f.N_O, f.BQ, f.BK
@@ -60,6 +67,8 @@ def build_diff(dtype, tiling):
     tile_sums, store_tile, tile_product, add_tile = (
         f.tile_sums, f.store_tile, f.tile_product, f.add_tile)
     start, start_rows, map_lse = f.start, f.start_rows, f.map_lse
+    CLIP = clip_bits
+    ONE_WORD = 32 % TN == 0  # a thread's keys share a clip word
 
     @cuda.jit(device=True)
     def pair_scores(Qt, KV, k1h, k2h, j0, nk, row0, key0, S1, S2, F, i0, Lq, Lk, diag, b, h,
@@ -99,16 +108,31 @@ def build_diff(dtype, tiling):
                 S[r * TN + c] = ZERO if lse[r] == NINF else math.exp(S[r * TN + c] - lse[r])
 
     @cuda.jit(device=True)
-    def combine(A1, A2, lamr, rectified, Pt, row0, key0):
-        """``Pt = (A1 - lam * A2)^T``, clipped at 0 when ``rectified``."""
+    def combine(A1, A2, lamr, rectified, Pt, row0, key0, clip, row_word, words, i0, j0, Lq):
+        """``Pt = (A1 - lam * A2)^T``, clipped at 0 when ``rectified``; the clip build
+        also sets the bits of the weights above 0 (rows ``i0 + row0 + r``, keys ``j0 +
+        key0 + c``), which the threads sharing a word OR in: with ``TN`` dividing 32 a
+        thread's keys lie in one word (``key0`` is a multiple of ``TN``), else each bit is
+        set on its own."""
         for r in range(TM):
+            bits = U32(0)
+            word = row_word + U32(r) * words
+            live = CLIP and i0 + row0 + r < Lq
             for c in range(TN):
                 w = A1[r * TN + c] - lamr[r] * A2[r * TN + c]
+                if w > ZERO:
+                    bits |= U32(1) << U32(c)
+                    if live and not ONE_WORD:
+                        j = U32(j0 + key0 + c)
+                        cuda.atomic.or_(clip, word + (j >> U32(5)), U32(1) << (j & U32(31)))
                 Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] = (
                     w if not rectified or w > ZERO else ZERO)
+            j = U32(j0 + key0)
+            if live and ONE_WORD and bits != U32(0):
+                cuda.atomic.or_(clip, word + (j >> U32(5)), bits << (j & U32(31)))
 
     def diff_attention_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks,
-                              has_ks, causal, mode, out, lses):
+                              has_ks, causal, mode, out, lses, clip):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1] // 2, k.shape[1] // 2, 0)
         smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
@@ -149,6 +173,10 @@ def build_diff(dtype, tiling):
                     lses[b, h, 0, i0 + row0 + r] = m1[r]
                     lses[b, h, 1, i0 + row0 + r] = m2[r]
         rectified = mode == RECTIFIED
+        # the clip build: the flat index of the word of row i0 + row0 and key 0 (32-bit:
+        # diff_forward checks that the words fit)
+        words = U32((Lk + 31) // 32)
+        row_word = U32((b * (q.shape[1] // 2) + h) * Lq + i0 + row0) * words
         for r in range(TM):
             part[r] = CAST(lam[b, h, min(i0 + row0 + r, Lq - 1)])
             l1[r] = ONE
@@ -161,7 +189,8 @@ def build_diff(dtype, tiling):
                         h, bias, has_bias, mask, has_mask, logks, has_ks)
             normalise(S1, m1)
             normalise(S2, m2)
-            combine(S1, S2, part, rectified, Pt, row0, key0)  # Pt is free: a barrier ended
+            # Pt is free: a barrier ended
+            combine(S1, S2, part, rectified, Pt, row0, key0, clip, row_word, words, i0, j0, Lq)
             cuda.syncthreads()  # the key tiles are read: stage the values over them
             if stage_values(vh, j0, nk, KV):
                 flag[0] = CAST(tile)
@@ -192,13 +221,14 @@ def build_diff(dtype, tiling):
     return diff_attention_kernel
 
 
-def diff_forward(problem, lam, mode, a=None, lses=None):
+def diff_forward(problem, lam, mode, a=None, lses=None, clip=None):
     """Run the differential kernel; returns device arrays ``(out, lses)``.
 
     ``lses (B, H, NR >= 2, Lq)``: both streams' LSEs (compute dtype) in rows
     0 and 1 (given: written there, the other rows kept).  ``lam``: a host or
     device ``(B, H, Lq)`` array; ``a``: the problem's device arrays when
-    already made.
+    already made.  ``clip`` (rectified mode; :func:`clip_words` zeros): the
+    build that also writes the weights' clip bits there (:func:`build_diff`).
     """
     B, H2, _, Lq, _, D, Dv = problem.shape
     H = H2 // 2
@@ -208,13 +238,29 @@ def diff_forward(problem, lam, mode, a=None, lses=None):
         lses = cuda.device_array((B, H, 2, Lq), a.dtype)
     if Lq and B * H:
         tiling = tiling_for(a.dtype, D, Dv, streams=2)
-        kernel = tiled_kernel("diff", build_diff, a.dtype, tiling)
+        if clip is None:
+            kernel = tiled_kernel("diff", build_diff, a.dtype, tiling)
+            clip = cuda.device_array(1, np.uint32)
+        else:
+            kernel = tiled_kernel("diff-clip", build_clip, a.dtype, tiling)
+            clip = clip.reshape(clip.size)
         lam_d = lam if hasattr(lam, "copy_to_host") else cuda.to_device(
             np.ascontiguousarray(lam))
         kernel[(B * H, (Lq + tiling.bq - 1) // tiling.bq), tiling.threads](
             a.q, a.k, a.v, lam_d, a.dtype.type(problem.scale), a.bias, a.has_bias, a.mask,
-            a.has_mask, a.logks, a.has_ks, problem.causal, DIFF_MODE_CODES[mode], out, lses)
+            a.has_mask, a.logks, a.has_ks, problem.causal, DIFF_MODE_CODES[mode], out, lses,
+            clip)
     return out, lses
+
+
+def build_clip(dtype, tiling):
+    """:func:`build_diff`'s build that writes the rectified clip bits."""
+    return build_diff(dtype, tiling, clip_bits=True)
+
+
+def clip_words(B: int, H: int, Lq: int, Lk: int):
+    """Zeroed device ``(B, H, Lq, ceil(Lk / 32))`` uint32: one bit a (query, key) pair."""
+    return cuda.to_device(np.zeros((B, H, Lq, -(-Lk // 32)), np.uint32))
 
 
 def diff_attention(problem, lam, mode="difference"):
@@ -244,6 +290,7 @@ def ptx_signatures():
         arr4 = ty[:, :, :, ::1]
         return (arr4, arr4, arr4, ty[:, :, ::1], ty, arr4, types.boolean,
                 types.boolean[:, :, :, ::1], types.boolean, ty[:, ::1], types.boolean,
-                types.boolean, types.int64, arr4, arr4)
+                types.boolean, types.int64, arr4, arr4, types.uint32[::1])
 
-    return ptx_cases("diff", build_diff, argtypes, 64, 128, streams=2)
+    return (ptx_cases("diff", build_diff, argtypes, 64, 128, streams=2)
+            + ptx_cases("diff clip", build_clip, argtypes, 64, 128, streams=2))

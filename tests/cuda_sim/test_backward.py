@@ -116,15 +116,16 @@ def diff_inputs(rng, dtype):
     return q, k, v
 
 
-@pytest.mark.parametrize("mode", ["difference", "rectified", "difference-two-streams"])
+@pytest.mark.parametrize("mode", ["difference", "rectified", "difference-two-streams",
+                                  "rectified-two-streams"])
 def test_diff_both_modes(monkeypatch, rng, mode):
-    """Both modes; the difference mode also through the two-stream kernels (the design
-    the pair streams replaced, kept for timing them against each other on a GPU)."""
+    """Both modes; each also through the two-stream kernels (the design the pair streams
+    replaced, kept for timing them against each other on a GPU)."""
     from attnnb.cuda import backward
 
-    if mode == "difference-two-streams":
-        monkeypatch.setattr(backward, "DIFFERENCE_TWO_STREAMS", True)
-        mode = "difference"
+    if mode.endswith("-two-streams"):
+        mode = mode.split("-")[0]
+        monkeypatch.setattr(backward, f"{mode.upper()}_TWO_STREAMS", True)
     q, k, v = diff_inputs(rng, np.float64)
     lam = rng.uniform(0.2, 0.9, (2, LQ))
     bias = rng.standard_normal((LQ, LK))
@@ -143,11 +144,12 @@ def test_diff_lam_zero_and_negative(rng):
     assert np.all(got["lam"][:, ::3] != 0)
 
 
+@pytest.mark.parametrize("mode", ["difference", "rectified"])
 @pytest.mark.parametrize("d, dv", [(D, DV), (DV, DV), (DV, D)])
-def test_diff_difference_mask_and_more_queries_than_keys(rng, d, dv):
-    """The difference mode's pair streams with a mask holding an empty row, causal with
-    Lq > Lk (the first rows see no key), at d <, = and > Dv (the key-tile kernel padded
-    to Dv, or not)."""
+def test_diff_mask_and_more_queries_than_keys(rng, d, dv, mode):
+    """Both modes' pair streams with a mask holding an empty row, causal with Lq > Lk
+    (the first rows see no key), at d <, = and > Dv (the key-tile kernel padded to Dv,
+    or not)."""
     lq, lk = n(14), n(13)
     q = randn(rng, (4, lq, d), np.float64)
     k = randn(rng, (2, lk, d), np.float64)
@@ -155,7 +157,31 @@ def test_diff_difference_mask_and_more_queries_than_keys(rng, d, dv):
     mask = rng.random((lq, lk)) > 0.3
     mask[lq - 2] = False
     lam = rng.uniform(0.2, 0.9, (2, 1))
-    compare(attnnb.diff_attention, (q, k, v, lam), np.float64, mask=mask, causal=True)
+    compare(attnnb.diff_attention, (q, k, v, lam), np.float64, mask=mask, causal=True,
+            mode=mode)
+
+
+@pytest.mark.parametrize("tiles", [(4, 8, 2, 2), (4, 16, 2, 4)])
+def test_rectified_clip_words(rng, tiles):
+    """The rectified pair streams read the forward's clip bits a word a row and key tile
+    when the key tile divides 32 (the production tiles' case; the simulator's default
+    4 x 6 tiles take the bit-by-bit path): rows of three words, lam of both signs, some
+    rows where the clip removes every weight (lam large) and the bias gradient."""
+    from attnnb.cuda import _micro
+
+    old = _micro.set_micro_tiles(tiles)
+    try:
+        lq, lk = n(9), 70
+        q = randn(rng, (4, lq, D), np.float64)
+        k = randn(rng, (2, lk, D), np.float64)
+        v = randn(rng, (1, lk, DV), np.float64)
+        lam = rng.uniform(-0.5, 0.9, (2, lq))
+        lam[:, 1] = 50.0
+        bias = rng.standard_normal((lq, lk))
+        compare(attnnb.diff_attention, (q, k, v, lam), np.float64, bias=bias, causal=True,
+                mode="rectified")
+    finally:
+        _micro.set_micro_tiles(old)
 
 
 def test_diff_float32_scalar_lam_and_mask(rng):
