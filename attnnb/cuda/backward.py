@@ -592,7 +592,8 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
                 for r in range(TM):  # the contributions to d log key_size (and dbias)
                     for c in range(TN):
                         x = r * TN + c
-                        # ds (softmax: w g but where a clipped weight is 0)
+                        # a key size's gradient sums ds: for a softmax stream that is
+                        # w g, but not where the clip set w to 0 (ds is still -p delta)
                         dP[x] = (S1[x] + S2[x] if S_ == 2 else S1[x] if CLIPPED
                                  else F[x] * dP[x])
                         if need_dbias and row0 + r < nq and key0 + c < nk:

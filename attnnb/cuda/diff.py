@@ -174,7 +174,7 @@ def build_diff(dtype, tiling, clip_bits=False):
                     lses[b, h, 1, i0 + row0 + r] = m2[r]
         rectified = mode == RECTIFIED
         # the clip build: the flat index of the word of row i0 + row0 and key 0 (32-bit:
-        # diff_forward checks that the words fit)
+        # the backward sends problems of 2**32 words or more to the two-stream kernels)
         words = U32((Lk + 31) // 32)
         row_word = U32((b * (q.shape[1] // 2) + h) * Lq + i0 + row0) * words
         for r in range(TM):
