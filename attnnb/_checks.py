@@ -108,21 +108,52 @@ def broadcast_pairwise(name, x, batch_shape, squeeze, B, Hq, Lq, Lk, dtype):
         return np.broadcast_to(merged, (B, Hq, Lq, Lk))
 
 
+def _is_torch_tensor(x: Any) -> bool:
+    """True for a ``torch.Tensor`` or subclass, without importing torch."""
+    return any(c.__name__ == "Tensor" and c.__module__ == "torch"
+               for c in type(x).__mro__)
+
+
+def refuse_unreadable_tensor(name: str, x: Any) -> None:
+    """Refuse a PyTorch tensor that the NumPy functions could only read by detaching it.
+
+    A tensor that requires grad would lose its gradient without a word, and a
+    subclass (``CausalBias``, a masked or nested tensor) may mean something
+    other than its storage: both are a ``TypeError`` naming the argument and
+    the fix.  A ``torch.nn.Parameter`` that requires no grad is a plain tensor.
+    """
+    if x is None or isinstance(x, np.ndarray) or not _is_torch_tensor(x):
+        return
+    cls = type(x)
+    if getattr(x, "requires_grad", False):
+        raise TypeError(f"{name} is a torch.Tensor that requires grad: attnnb's NumPy "
+                        "functions would drop its gradient; call attnnb.torch's function of "
+                        f"the same name for gradients, or pass {name}.detach()")
+    if cls.__name__ not in ("Tensor", "Parameter") or cls.__module__ not in (
+            "torch", "torch.nn.parameter"):
+        raise TypeError(f"{name} is a {cls.__module__}.{cls.__name__}, a torch.Tensor "
+                        "subclass whose storage need not hold its values; pass a plain "
+                        "tensor or NumPy array (attnnb.torch.scaled_dot_product_attention "
+                        "understands torch.nn.attention.bias.CausalBias)")
+
+
 def as_named_array(name, x):
     """``np.asarray(x)``, with an error that names the argument (ragged lists).
 
     A ``numpy.ma`` masked array with masked entries is refused: ``np.asarray``
     would drop its mask and the masked data would be used as they are (pass
     ``x.filled(...)``, or for keys a ``mask=``).  One with no masked entry is
-    taken as its data.
+    taken as its data.  PyTorch tensors that need a detach are refused
+    (:func:`refuse_unreadable_tensor`).
     """
+    refuse_unreadable_tensor(name, x)
     if isinstance(x, np.ma.MaskedArray) and np.ma.getmaskarray(x).any():
         raise TypeError(f"{name} is a masked array with masked entries, which attnnb would "
                         "read as they are; pass x.filled(value), or say which keys to leave "
                         "out with mask=")
     try:
         return np.asarray(x)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RuntimeError) as exc:  # RuntimeError: e.g. a meta tensor
         raise TypeError(f"{name} could not be read as a NumPy array: {exc}") from exc
 
 

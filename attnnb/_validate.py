@@ -17,7 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import as_named_array, broadcast_pairwise, is_device_array, log_key_sizes
+from ._checks import (
+    as_named_array,
+    broadcast_pairwise,
+    is_device_array,
+    log_key_sizes,
+    refuse_unreadable_tensor,
+)
 
 # The checks the device path shares live in a leaf module, so that _device
 # (imported lazily below, as it needs numba-cuda) never imports this one.
@@ -196,6 +202,8 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
         only where needed); device inputs stay on the device.
     batch_shape, squeeze_head, out_dtype, on_device
     """
+    for name, x in ((q_name, q), (k_name, k), (v_name, v)):
+        refuse_unreadable_tensor(name, x)  # before is_device_array reads the CUDA interface
     on_dev = [is_device_array(x) for x in (q, k, v)]
     if any(on_dev) and not all(on_dev):
         names = [n for n, d in zip((q_name, k_name, v_name), on_dev) if not d]
@@ -314,6 +322,8 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
     prob = Problem(q4, k4, v4, causal=causal, scale=scl, normalizer=normalizer,
                    batch_shape=batch, squeeze_head=squeeze, out_dtype=out_dtype,
                    on_device=on_dev)
+    for name, x in (("mask", mask), ("bias", bias), ("key_size", key_size)):
+        refuse_unreadable_tensor(name, x)
     if on_dev:  # host or device mask / bias / key_size: see attnnb/_device.py
         from ._device import device_extras
 

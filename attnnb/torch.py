@@ -70,6 +70,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from . import _bridge, _dispatch  # noqa: E402
+from . import _torch_sdpa as _sdpa  # noqa: E402
 from ._validate import check_bool  # noqa: E402
 from .attention import attention as _np_attention  # noqa: E402
 from .diff import diff_attention as _np_diff_attention  # noqa: E402
@@ -470,59 +471,45 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  is_causal=False, scale=None, enable_gqa=False):
     """A drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
-    Same arguments and meaning as PyTorch's function: ``query (N, ..., Hq,
-    L, E)``, ``key (N, ..., H, S, E)``, ``value (N, ..., H, S, Ev)``; a bool
-    ``attn_mask`` is True where attending, a float one is added to the
-    scaled logits (and gets a gradient when it requires one); ``is_causal``
-    masks top-left (query ``i`` sees keys ``j <= i``, also when ``L != S``);
-    ``scale`` defaults to ``1 / sqrt(E)``; ``enable_gqa`` lets ``Hq`` be a
-    multiple of ``H``.  So that a model switches to attnnb by replacing this
-    one function.
+    Same arguments, meaning and refusals as PyTorch's function (torch 2.13):
+    ``query (N, ..., Hq, L, E)``, ``key (N, ..., H, S, E)``, ``value (N, ...,
+    H, S, Ev)``, every axis before the last two broadcast between them; a bool
+    ``attn_mask`` is True where attending, a float one (float32 or the
+    query's dtype) is added to the scaled logits (and gets a gradient when it
+    requires one), and a ``torch.nn.attention.bias.CausalBias`` asks for
+    either causal alignment; ``is_causal`` masks top-left (query ``i`` sees
+    keys ``j <= i``, also when ``L != S``); ``scale`` defaults to
+    ``1 / sqrt(E)``; ``enable_gqa`` lets ``Hq`` be a multiple of ``H``.  So
+    that a model switches to attnnb by replacing this one function.  How
+    each argument is read: :mod:`attnnb._torch_sdpa`.
 
     Raises
     ------
+    attnnb._torch_sdpa.SDPAError
+        (a ``RuntimeError`` and a ``ValueError``) where PyTorch raises
+        ``RuntimeError``: both ``attn_mask`` and ``is_causal``, shapes that do
+        not broadcast, q, k, v of different dtypes.
+    attnnb._torch_sdpa.SDPATypeError
+        (a ``TypeError`` and a ``RuntimeError``): a mask dtype PyTorch
+        refuses, a tensor subclass or sparse tensor the drop-in does not
+        understand.
     ValueError
-        ``dropout_p > 0`` (attnnb has no dropout: apply it outside), both
-        ``attn_mask`` and ``is_causal``, head counts that differ without
-        ``enable_gqa``, or q, k, v of different dtypes (as PyTorch refuses).
+        ``dropout_p > 0``: attnnb has no dropout yet (apply it outside).
 
     Notes
     -----
     A row with no allowed key gives zeros, as PyTorch's CPU kernels give
-    them (checked against torch 2.13); its gradients are zeros too.  Batch
-    axes (before the heads, 4-D and up) broadcast against each other as in
-    PyTorch: a key of batch 1 serves every query batch (expanded, so the
-    kernels read one contiguous copy of it per query batch).
+    them (checked against torch 2.13); its gradients are zeros too.
     """
+    _sdpa.check_qkv(query, key, value, dropout_p)
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0.0: attnnb has no dropout; got {dropout_p}")
-    if attn_mask is not None and is_causal:
-        raise ValueError("attn_mask and is_causal cannot both be set (as in PyTorch)")
-    if not (query.dtype == key.dtype == value.dtype):
-        raise ValueError(f"query, key and value must have one dtype; got {query.dtype}, "
-                         f"{key.dtype} and {value.dtype}")
-    if query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3] \
-            and not enable_gqa:
-        raise ValueError(f"query has {query.shape[-3]} heads and key {key.shape[-3]}: pass "
-                         "enable_gqa=True for grouped-query attention")
-    if query.dim() >= 4 and key.dim() == value.dim() == query.dim():
-        # PyTorch broadcasts the batch axes (those before the heads) of q, k and v
-        # against each other; attnnb's functions want them equal, so expand (views; the
-        # kernels copy a broadcast input once, and autograd sums its gradient back)
-        batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
-        query, key, value = (x if x.shape[:-3] == batch else x.expand(*batch, *x.shape[-3:])
-                             for x in (query, key, value))
-    mask = bias = None
-    causal = False
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            mask = attn_mask
-        else:
-            bias = attn_mask
-    elif is_causal:
-        L, S = query.shape[-2], key.shape[-2]
-        if L == S:
-            causal = True  # the kernels' own causal limit, which skips the masked tiles
-        else:  # PyTorch's causal mask is top-left; attnnb's is bottom-right
-            mask = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
-    return attention(query, key, value, mask=mask, bias=bias, causal=causal, scale=scale)
+    query, key, value = _sdpa.broadcast_qkv(query, key, value, check_bool("enable_gqa",
+                                                                          enable_gqa))
+    plan = _sdpa.mask_plan(attn_mask, check_bool("is_causal", is_causal), query, key)
+    outs = []
+    for seg in plan.segments:  # a mask or bias comes with one segment: all rows, all keys
+        rows, keys = slice(seg.row_start, seg.row_stop), slice(0, seg.key_stop)
+        outs.append(attention(query[..., rows, :], key[..., keys, :], value[..., keys, :],
+                              mask=plan.mask, bias=plan.bias, causal=seg.causal, scale=scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)

@@ -10,11 +10,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from torch.nn.attention.bias import causal_upper_left  # noqa: E402
 
 import attnnb  # noqa: E402
 import attnnb.torch as at  # noqa: E402
@@ -299,16 +302,155 @@ def test_sdpa_drop_in_broadcasts_batch_axes(shared):
 
 
 def test_sdpa_refusals():
+    """PyTorch's refusals, as instances of PyTorch's exception and of the earlier one."""
+    from attnnb._torch_sdpa import SDPAError, SDPATypeError
+
     q = torch.zeros(1, 2, 3, 4)
     with pytest.raises(ValueError, match="dropout_p"):
         at.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
-    with pytest.raises(ValueError, match="is_causal"):
+    # PyTorch documents the refusal of a mask with is_causal, but its fused CPU kernel
+    # (chosen at these shapes) accepts the pair: the drop-in keeps to the documentation
+    with pytest.raises(SDPAError, match="is_causal"):
         at.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool),
                                         is_causal=True)
-    with pytest.raises(ValueError, match="enable_gqa"):
-        at.scaled_dot_product_attention(q, q[:, :1], q[:, :1])
-    with pytest.raises(ValueError, match="one dtype"):
-        at.scaled_dot_product_attention(q, q.double(), q)
+    cases = [
+        (dict(key=torch.zeros(1, 3, 3, 4)), "broadcast", SDPAError),  # 2 heads against 3
+        (dict(key=q.double()), "one dtype", SDPAError),
+        (dict(attn_mask=torch.zeros(3, 3, dtype=torch.int64)), "attn_mask dtype",
+         SDPATypeError),
+        (dict(attn_mask=torch.zeros(3, 3, dtype=torch.float64)), "attn_mask dtype",
+         SDPATypeError),
+        (dict(attn_mask=torch.zeros(4, 3)), "does not broadcast", SDPAError),
+        (dict(attn_mask=torch.zeros(1, 1, 1, 3, 3)), "does not broadcast", SDPAError),
+        (dict(attn_mask=torch.zeros(3, 3).to_sparse()), "dense", SDPATypeError),
+        (dict(dropout_p=1.5), "between 0 and 1", SDPAError),
+    ]
+    for kwargs, match, kind in cases:
+        args = {"query": q, "key": q, "value": q, **kwargs}
+        with pytest.raises(kind, match=match):
+            at.scaled_dot_product_attention(**args)
+        with pytest.raises(RuntimeError):  # as PyTorch raises
+            at.scaled_dot_product_attention(**args)
+        with pytest.raises(RuntimeError):  # PyTorch refuses each of them too
+            F.scaled_dot_product_attention(**args)
+    with pytest.raises(TypeError, match="subclass"):
+        at.scaled_dot_product_attention(q, q, q, attn_mask=_SubclassTensor(torch.zeros(3, 3)))
+    with pytest.raises(ValueError, match="CausalBias should not be used"):
+        at.scaled_dot_product_attention(q, q, q, attn_mask=causal_upper_left(3, 3),
+                                        is_causal=True)
+    with pytest.raises(RuntimeError, match="CausalBias for 3 queries and 4 keys"):
+        at.scaled_dot_product_attention(q, q, q, attn_mask=causal_upper_left(3, 4))
+
+
+class _SubclassTensor(torch.Tensor):
+    """A tensor subclass with a meaning of its own, as a user might write one."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _sdpa_against_torch(q, k, v, rtol, atol, **kwargs):
+    """attnnb's drop-in against PyTorch's: outputs and the gradients of q, k, v."""
+    results = []
+    for fn in (F.scaled_dot_product_attention, at.scaled_dot_product_attention):
+        out = fn(q, k, v, **kwargs)
+        results.append((out, torch.autograd.grad(out.square().sum(), (q, k, v))))
+    (ref, ref_grads), (out, grads) = results
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+    for g, r in zip(grads, ref_grads):
+        assert g.shape == r.shape
+        torch.testing.assert_close(g, r, rtol=10 * rtol, atol=10 * atol)
+
+
+CAUSAL_BIAS_SHAPES = [(5, 5), (4, 9), (9, 4), (1, 6), (6, 1)]
+
+
+@pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
+@pytest.mark.parametrize("lq, lk", CAUSAL_BIAS_SHAPES)
+def test_sdpa_causal_bias_objects(variant, lq, lk):
+    """PyTorch's CausalBias objects give PyTorch's result (they were read as a float
+    tensor of whatever their storage held); float64, tight."""
+    from torch.nn.attention import bias as tbias
+
+    rng = np.random.default_rng(21)
+    q, k, v = _qkv(rng, hq=2, lq=lq, lk=lk, d=8, dv=5, batch=(2,))
+    with warnings.catch_warnings():  # lower-right with Lq > Lk: empty rows (zeros on CPU)
+        warnings.simplefilter("ignore", UserWarning)
+        mask = getattr(tbias, f"causal_{variant}")(lq, lk)
+    _sdpa_against_torch(q, k, v, 1e-12, 1e-12, attn_mask=mask)
+
+
+@pytest.mark.parametrize("lq, lk", CAUSAL_BIAS_SHAPES)
+def test_sdpa_is_causal_top_left_without_a_mask(lq, lk, monkeypatch):
+    """``is_causal`` with ``Lq != Lk`` runs attnnb's own causal limit on cut keys or split
+    rows: no mask reaches the kernels, and the result is PyTorch's."""
+    rng = np.random.default_rng(22)
+    q, k, v = _qkv(rng, hq=3, hk=1, lq=lq, lk=lk, d=8, dv=4, batch=(2,))
+    seen = []
+    real = at.attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("mask"), kwargs.get("bias")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(at, "attention", spy)
+    _sdpa_against_torch(q, k, v, 1e-12, 1e-12, is_causal=True, enable_gqa=True)
+    assert seen and all(m is None and b is None for m, b in seen)
+
+
+HEAD_BROADCASTS = {
+    "kv heads 1": ((2, 3), (2, 1), (2, 1)),
+    "q heads 1": ((2, 1), (2, 3), (2, 3)),
+    "k batch 1": ((2, 3), (1, 3), (1, 3)),
+    "kv rank 2": ((2, 3), (), ()),
+    "v heads 1, k heads 3": ((2, 3), (2, 3), (2, 1)),
+}
+
+
+@pytest.mark.parametrize("case", HEAD_BROADCASTS)
+def test_sdpa_broadcasts_heads_as_pytorch(case):
+    """Axes before the last two broadcast as in PyTorch (a head axis of 1 too), without
+    ``enable_gqa``; gradients of broadcast inputs are summed back."""
+    rng = np.random.default_rng(23)
+    qs, ks, vs = HEAD_BROADCASTS[case]
+    q, k, v = _t(rng, qs + (5, 8)), _t(rng, ks + (7, 8)), _t(rng, vs + (7, 6))
+    _sdpa_against_torch(q, k, v, 1e-12, 1e-12)
+    _sdpa_against_torch(q, k, v, 1e-12, 1e-12, is_causal=True)
+
+
+def test_sdpa_mask_dtypes_as_pytorch():
+    """float32 masks serve any query dtype, the query's own dtype too, bool masks always."""
+    rng = np.random.default_rng(24)
+    q, k, v = _qkv(rng, hq=2, lq=5, lk=6, d=8, dv=8, batch=(1,))
+    for mask in (_t(rng, (5, 6), torch.float32, grad=False), _t(rng, (1, 6), grad=False),
+                 torch.from_numpy(rng.random((2, 5, 6)) < 0.7)):
+        _sdpa_against_torch(q, k, v, 1e-6, 1e-7, attn_mask=mask)
+
+
+def test_numpy_api_refuses_tensors_that_need_a_detach():
+    """The NumPy functions name the argument and the fix instead of failing inside
+    PyTorch ("Can't call numpy() on Tensor that requires grad") or reading a subclass's
+    storage."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    q = torch.zeros(2, 3, 4)
+    for kwargs, name in ((dict(q=q.requires_grad_()), "q"),
+                         (dict(v=torch.zeros(2, 3, 4, requires_grad=True)), "v"),
+                         (dict(bias=torch.zeros(3, 3, requires_grad=True)), "bias"),
+                         (dict(key_size=torch.ones(3, requires_grad=True)), "key_size")):
+        args = {"q": q.detach(), "k": q.detach(), "v": q.detach(), **kwargs}
+        with pytest.raises(TypeError, match=rf"^{name} is a torch.Tensor that requires "
+                                            rf"grad.*attnnb.torch.*{name}.detach\(\)"):
+            attnnb.attention(**args)
+    with pytest.raises(TypeError, match="mask is a torch.nn.attention.bias.CausalBias"):
+        attnnb.attention(q.detach(), q.detach(), q.detach(), mask=causal_lower_right(3, 3))
+    with pytest.raises(TypeError, match="lam is a torch.Tensor that requires grad"):
+        attnnb.diff_attention(torch.zeros(4, 3, 4), torch.zeros(4, 3, 4),
+                              torch.zeros(2, 3, 4), torch.zeros((), requires_grad=True))
+    plain = torch.nn.Parameter(torch.zeros(3, 3), requires_grad=False)  # a plain tensor
+    out = attnnb.attention(q.detach(), q.detach(), q.detach(), bias=plain)
+    assert out.shape == (2, 3, 4)
 
 
 def test_readme_torch_block_runs(monkeypatch):
