@@ -22,6 +22,11 @@ that the drop-in itself only calls :func:`attnnb.torch.attention`:
   of float32 or the query's dtype (added to the logits), or a
   ``CausalBias``; any other dtype, a sparse layout or a tensor subclass is
   refused (a subclass's storage need not hold its values: never read).
+* **Dropout.**  ``dropout_p`` runs in the kernels (:mod:`attnnb._dropout`),
+  its seed drawn from PyTorch's default generator; zero in eval mode is the
+  caller's choice, as in PyTorch.  The decisions are keyed by the whole
+  call's rows and keys, so top-left causal with ``L > S`` then runs as one
+  call with a mask (:func:`as_one_mask`).
 * **Exceptions.**  Where PyTorch raises ``RuntimeError``, the drop-in raises
   :class:`SDPAError`, an instance of both ``RuntimeError`` and ``ValueError``
   (what attnnb raised before), or :class:`SDPATypeError` (``TypeError`` and
@@ -198,3 +203,19 @@ def mask_plan(attn_mask, is_causal: bool, query, key) -> MaskPlan:
     if dtype == torch.bool:
         return MaskPlan(attn_mask, None, whole)
     return MaskPlan(None, attn_mask, whole)
+
+
+def as_one_mask(plan: MaskPlan, query, key) -> MaskPlan:
+    """``plan``'s segments (no mask of their own) as one call with a bool mask: dropout's
+    decisions are keyed by the rows and keys of the whole call, which a split would
+    renumber."""
+    L, S = query.shape[-2], key.shape[-2]
+    allowed = torch.zeros(L, S, dtype=torch.bool, device=query.device)
+    for seg in plan.segments:
+        rows = allowed[seg.row_start:seg.row_stop, :seg.key_stop]
+        if seg.causal:
+            diag = seg.key_stop - (seg.row_stop - seg.row_start)
+            rows |= torch.ones_like(rows).tril(diag)
+        else:
+            rows |= True
+    return MaskPlan(allowed, None, [Segment(0, L, S, False)])

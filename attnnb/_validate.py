@@ -28,6 +28,7 @@ from ._checks import (
 # The checks the device path shares live in a leaf module, so that _device
 # (imported lazily below, as it needs numba-cuda) never imports this one.
 from ._codes import NORMALIZER_CODES
+from ._dropout import check_dropout
 
 NORMALIZERS = tuple(NORMALIZER_CODES)  # the public names; the kernels see the codes
 
@@ -125,6 +126,11 @@ class Problem:
         The user passed 2-D ``(L, D)`` arrays: drop the head axis on output.
     out_dtype : numpy dtype
         The dtype the public function returns.
+    dropout_p : float
+        Probability of dropping each weight (inverted dropout, docs/contract.md
+        §1.14); 0 means none.
+    seed : int
+        The dropout generator's seed, ``[0, 2**64)`` (:mod:`attnnb._dropout`).
     """
 
     q: Any
@@ -140,6 +146,8 @@ class Problem:
     squeeze_head: bool = False
     out_dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float32))
     on_device: bool = False
+    dropout_p: float = 0.0
+    seed: int = 0
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int, int]:
@@ -308,9 +316,11 @@ def _kernel_ready(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=False,
-                      scale=None, normalizer="softmax", head_pairs=False) -> Problem:
+                      scale=None, normalizer="softmax", head_pairs=False, dropout_p=0.0,
+                      seed=None) -> Problem:
     """Validate the arguments of :func:`attnnb.attention` into a :class:`Problem`."""
     check_normalizer(normalizer)
+    dropout_p, seed = check_dropout(dropout_p, seed)
     causal = check_bool("causal", causal)
     q4, k4, v4, batch, squeeze, out_dtype, on_dev = canonical_qkv(q, k, v, head_pairs=head_pairs)
     B, Hq, Lq, D = q4.shape
@@ -321,7 +331,7 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
     scl = check_scale(scale, D)
     prob = Problem(q4, k4, v4, causal=causal, scale=scl, normalizer=normalizer,
                    batch_shape=batch, squeeze_head=squeeze, out_dtype=out_dtype,
-                   on_device=on_dev)
+                   on_device=on_dev, dropout_p=dropout_p, seed=seed)
     for name, x in (("mask", mask), ("bias", bias), ("key_size", key_size)):
         refuse_unreadable_tensor(name, x)
     if on_dev:  # host or device mask / bias / key_size: see attnnb/_device.py

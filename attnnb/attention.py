@@ -7,7 +7,7 @@ from ._dask import any_dask
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
-              normalizer="softmax", return_lse=False, backend=None):
+              normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None, backend=None):
     """Scaled dot-product attention with masks, bias, key sizes and other normalizers.
 
     Parameters
@@ -35,7 +35,16 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         nothing); ``relu_expm1`` uses ``max(0, exp(s) - 1)`` as the kernel.
     return_lse : bool
         Also return ``lse = log sum_j key_size[j] * phi(s[i, j])`` over the
-        allowed set (without softmax1's ``+1``).
+        allowed set (without softmax1's ``+1``), the weights' before dropout.
+    dropout_p : float
+        Attention dropout, as FlashAttention's: each weight ``(b, h, i, j)`` is
+        dropped with probability ``dropout_p`` and the kept ones scaled by
+        ``1 / (1 - dropout_p)``.  The decisions are a pure function of ``seed``
+        and the four indices (:mod:`attnnb._dropout`), the same on every
+        backend, and :func:`attnnb.vjp` regenerates them: nothing
+        ``(Lq, Lk)`` is stored.
+    seed : int in ``[0, 2**64)``, optional
+        Required when ``dropout_p > 0``.
     backend : {None, "auto", "reference", "cpu", "cuda"}
         None reads :func:`attnnb.use_backend`, then ``ATTNNB_BACKEND``,
         then "auto" (cuda for device arrays, else cpu).
@@ -56,8 +65,12 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     if any_dask(q, k, v):
         from ._dask.ops import attention as lazy
 
+        if dropout_p != 0.0:
+            raise NotImplementedError("dropout_p > 0 with Dask arrays: not yet (each block "
+                                      "would need its global offsets); compute the arrays "
+                                      "first, or pass dropout_p=0.0")
         return lazy(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                     scale=scale, normalizer=normalizer, return_lse=return_lse, backend=backend)
     return _eager.attention(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                             scale=scale, normalizer=normalizer, return_lse=return_lse,
-                            backend=backend)
+                            dropout_p=dropout_p, seed=seed, backend=backend)

@@ -71,6 +71,7 @@ import torch  # noqa: E402
 
 from . import _bridge, _dispatch  # noqa: E402
 from . import _torch_sdpa as _sdpa  # noqa: E402
+from ._dropout import check_dropout  # noqa: E402
 from ._validate import check_bool  # noqa: E402
 from .attention import attention as _np_attention  # noqa: E402
 from .diff import diff_attention as _np_diff_attention  # noqa: E402
@@ -185,7 +186,8 @@ _FUNCTIONS = {
         _Function("attention", _np_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("mask", "Tensor?"),
                    ("bias", "Tensor?"), ("key_size", "Tensor?"), ("causal", "bool"),
-                   *_STATIC_TAIL, ("normalizer", "str"), ("backend", "str?")),
+                   *_STATIC_TAIL, ("normalizer", "str"), ("dropout_p", "float"),
+                   ("seed", "int"), ("backend", "str?")),
                   True),
         _Function("sparse_attention", _np_sparse_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"),
@@ -368,20 +370,35 @@ def _chosen(backend):
     return _dispatch.requested_backend(backend)
 
 
+def _dropout_seed(dropout_p, seed) -> tuple[float, int]:
+    """``(dropout_p, seed)`` for the operator: a seed below ``2**63`` (the schema's int),
+    drawn from PyTorch's default generator when dropout is on and none is given."""
+    if isinstance(dropout_p, torch.Tensor):
+        dropout_p = dropout_p.item()
+    if seed is None and not isinstance(dropout_p, bool) and dropout_p != 0:
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+    p, seed = check_dropout(dropout_p, seed)
+    if seed >= 2**63:
+        raise ValueError(f"seed must be below 2**63 in attnnb.torch (an int64); got {seed}")
+    return p, seed
+
+
 def _finish(out, lse, result_dtype, return_lse):
     out = out.to(result_dtype)
     return (out, lse) if return_lse else out
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
-              normalizer="softmax", return_lse=False, backend=None):
+              normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None, backend=None):
     """:func:`attnnb.attention` on tensors, differentiable in q, k, v, bias and key_size.
 
     Parameters and results as :func:`attnnb.attention`, with ``torch.Tensor``
     for arrays (``mask``, ``bias`` and ``key_size`` may also be NumPy arrays
     or numbers: they are converted).  The result has the promoted dtype of
     q, k and v on their device; ``lse`` is float32, or float64 for float64
-    inputs.
+    inputs.  With ``dropout_p > 0`` and no ``seed``, the seed is drawn from
+    PyTorch's default generator (so ``torch.manual_seed`` reproduces a run);
+    the backward regenerates the same decisions from it.
 
     Examples
     --------
@@ -393,11 +410,13 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     torch.Size([2, 4, 16, 8])
     """
     (q, k, v), result = _qkv(q, k, v)
+    dropout_p, seed = _dropout_seed(dropout_p, seed)
     out, lse = _OPS["attention"](
         q, k, v, _optional("mask", mask, q.device, floating=False),
         _optional("bias", bias, q.device, floating=True),
         _optional("key_size", key_size, q.device, floating=True),
-        check_bool("causal", causal), _scale(scale), normalizer, _chosen(backend))
+        check_bool("causal", causal), _scale(scale), normalizer, dropout_p, seed,
+        _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 
@@ -493,8 +512,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         (a ``TypeError`` and a ``RuntimeError``): a mask dtype PyTorch
         refuses, a tensor subclass or sparse tensor the drop-in does not
         understand.
-    ValueError
-        ``dropout_p > 0``: attnnb has no dropout yet (apply it outside).
 
     Notes
     -----
@@ -502,14 +519,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     them (checked against torch 2.13); its gradients are zeros too.
     """
     _sdpa.check_qkv(query, key, value, dropout_p)
-    if dropout_p != 0.0:
-        raise ValueError(f"dropout_p must be 0.0: attnnb has no dropout; got {dropout_p}")
     query, key, value = _sdpa.broadcast_qkv(query, key, value, check_bool("enable_gqa",
                                                                           enable_gqa))
     plan = _sdpa.mask_plan(attn_mask, check_bool("is_causal", is_causal), query, key)
+    if dropout_p and len(plan.segments) > 1:  # the decisions are keyed by whole-call rows
+        plan = _sdpa.as_one_mask(plan, query, key)
+    dropout_p, seed = _dropout_seed(dropout_p, None)
     outs = []
     for seg in plan.segments:  # a mask or bias comes with one segment: all rows, all keys
         rows, keys = slice(seg.row_start, seg.row_stop), slice(0, seg.key_stop)
         outs.append(attention(query[..., rows, :], key[..., keys, :], value[..., keys, :],
-                              mask=plan.mask, bias=plan.bias, causal=seg.causal, scale=scale))
+                              mask=plan.mask, bias=plan.bias, causal=seg.causal, scale=scale,
+                              dropout_p=dropout_p, seed=seed))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)

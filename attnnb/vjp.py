@@ -497,7 +497,8 @@ def _attention(a, forward):
     return_lse = check_bool("return_lse", a["return_lse"])
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"], bias=a["bias"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
-                                normalizer=a["normalizer"])
+                                normalizer=a["normalizer"], dropout_p=a["dropout_p"],
+                                seed=a["seed"])
     return _lse_function("attention", a, forward, problem, (), return_lse, bias=a["bias"])
 
 

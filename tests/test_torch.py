@@ -141,7 +141,7 @@ def _op_cases():
     ops = torch.ops.attnnb
     return {
         "attention": (ops.attention.default,
-                      (q, k, v, None, bias, None, True, None, "softmax", "cpu")),
+                      (q, k, v, None, bias, None, True, None, "softmax", 0.3, 11, "cpu")),
         "sparse_attention": (ops.sparse_attention.default,
                              (q, k, v, ip, ix, nh, None, None, "softmax", "cpu")),
         "topk_attention": (ops.topk_attention.default,
@@ -306,8 +306,6 @@ def test_sdpa_refusals():
     from attnnb._torch_sdpa import SDPAError, SDPATypeError
 
     q = torch.zeros(1, 2, 3, 4)
-    with pytest.raises(ValueError, match="dropout_p"):
-        at.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
     # PyTorch documents the refusal of a mask with is_causal, but its fused CPU kernel
     # (chosen at these shapes) accepts the pair: the drop-in keeps to the documentation
     with pytest.raises(SDPAError, match="is_causal"):
@@ -501,3 +499,53 @@ def test_backward_runs_on_the_forward_backend(monkeypatch):
     assert ("attention", "reference") in seen
     assert ("attention_vjp", "reference") in seen
     assert not any(backend != "reference" for _, backend in seen), seen
+
+
+# ---------------------------------------------------------------------------
+# dropout (docs/contract.md §1.14) through the bridge and the drop-in
+
+
+def test_attention_dropout_equals_numpy_and_gradchecks():
+    """A given seed gives the NumPy API's output; gradients at that seed pass gradcheck."""
+    rng = np.random.default_rng(31)
+    q, k, v = _qkv(rng, hq=2, hk=1, lq=6, lk=7)
+    out = at.attention(q, k, v, causal=True, dropout_p=0.3, seed=17)
+    expected = attnnb.attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(),
+                                causal=True, dropout_p=0.3, seed=17)
+    np.testing.assert_array_equal(out.detach().numpy(), expected)
+    _gradcheck(lambda q, k, v: at.attention(q, k, v, causal=True, dropout_p=0.3, seed=17),
+               (q, k, v))
+
+
+def test_dropout_seed_comes_from_torch_generator():
+    """``torch.manual_seed`` reproduces a run; the next draw differs; the mean over draws
+    tends to the undropped output."""
+    rng = np.random.default_rng(32)
+    q, k, v = (x.detach() for x in _qkv(rng, hq=2, lq=5, lk=6))
+    torch.manual_seed(0)
+    a = at.scaled_dot_product_attention(q, k, v, dropout_p=0.4)
+    b = at.scaled_dot_product_attention(q, k, v, dropout_p=0.4)
+    torch.manual_seed(0)
+    again = at.scaled_dot_product_attention(q, k, v, dropout_p=0.4)
+    torch.testing.assert_close(again, a, rtol=0, atol=0)
+    assert not torch.equal(a, b)
+    runs = torch.stack([at.scaled_dot_product_attention(q, k, v, dropout_p=0.4)
+                        for _ in range(1500)])
+    exact = F.scaled_dot_product_attention(q, k, v)
+    stderr = runs.std(dim=0) / np.sqrt(len(runs))
+    assert bool(((runs.mean(dim=0) - exact).abs() < 5 * stderr + 1e-12).all())
+
+
+def test_drop_in_dropout_keys_whole_call_rows():
+    """Top-left causal with L > S and dropout runs as one masked call, so its decisions
+    are those of the whole call's rows (a split would renumber them)."""
+    rng = np.random.default_rng(33)
+    q, k, v = _qkv(rng, hq=2, lq=9, lk=4)
+    torch.manual_seed(5)
+    out = at.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.5)
+    torch.manual_seed(5)
+    tril = torch.ones(9, 4, dtype=torch.bool).tril()
+    expected = at.attention(q, k, v, mask=tril, dropout_p=0.5)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert all(bool(torch.isfinite(g).all()) for g in grads)

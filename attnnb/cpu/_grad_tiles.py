@@ -46,11 +46,12 @@ def prepare_kv_tiles(k, v, kt, vt, k_ok, v_ok, task):
 @inner
 def pair_scratch(dt, d, dv):
     """Flat scratch of one backward task: ``(q_flat, do_flat)`` rows of queries and
-    cotangents, six ``TILE_Q x TILE_K`` tile buffers and a product block."""
+    cotangents, six ``TILE_Q x TILE_K`` tile buffers, a product block, and the dropout
+    generator's ``TILE_K`` column words (int64)."""
     tile = TILE_Q * TILE_K
     return (np.empty(TILE_Q * d, dt), np.empty(TILE_Q * dv, dt), np.empty(tile, dt),
             np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt), np.empty(tile, dt),
-            np.empty(tile, dt), np.empty(ROWS * COLS, dt))
+            np.empty(tile, dt), np.empty(ROWS * COLS, dt), np.empty(TILE_K, np.int64))
 
 
 @inner

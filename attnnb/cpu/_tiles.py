@@ -434,21 +434,28 @@ def tile_row_max(x, out, nq):
 
 @inner
 def online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer):
-    """Fold one tile of modified logits into the running max, sum and accumulator.
+    """Fold one tile of modified logits into the running max, sum and accumulator:
+    :func:`online_weights`, then ``acc += P @ v_tile`` (:func:`add_weighted_values`)."""
+    P = online_weights(S, F, m, l, acc, P_flat, normalizer)
+    add_weighted_values(P, vh, j0, v_finite, acc, T_flat)
+
+
+@inner
+def online_weights(S, F, m, l, acc, P_flat, normalizer):
+    """One tile's weights ``P`` (an ``(nq, nk)`` view of ``P_flat``), folded into the
+    running max and sum, with ``acc`` rescaled to the new shift; the caller adds
+    ``P @ v_tile`` (:func:`online_update`, or after dropping weights).
 
     ``m`` (the running shift, ``-inf`` before any allowed key, NaN once a NaN
     logit was seen), ``l`` (running sum of ``exp(s - m)``) and ``acc``
     (running ``sum exp(s - m) v``) are rows of the task's state.  ``m`` moves
     only when a tile's max exceeds it by more than :data:`LAZY` (lazy
     rescaling), so ``m`` is an upper bound of the row's max up to ``LAZY``,
-    and ``m + log(l)`` is still the exact LSE.  The tile's ``P @ v`` is summed
-    on its own and then added (:func:`values_product`).
+    and ``m + log(l)`` is still the exact LSE.
 
-    When the value tile holds NaN or Inf (``v_finite`` False) the product
-    skips zero weights, so a masked key never reaches a row, even as NaN;
-    and a rescaling whose factor underflows to 0 clears the accumulator
-    rather than multiply it: a value behind a weight that has underflowed
-    leaves no trace (the rule in :mod:`attnnb.reference._common`).
+    A rescaling whose factor underflows to 0 clears the accumulator rather
+    than multiply it: a value behind a weight that has underflowed leaves no
+    trace (the rule in :mod:`attnnb.reference._common`).
 
     For ``relu_expm1`` the weight is ``exp(S) * F`` with ``F = 1 - exp(-s)``,
     about ``s`` for a tiny logit.  A factor below ``2**-40`` is folded into the
@@ -518,12 +525,17 @@ def online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer)
         if l[r] != l[r]:  # a NaN logit, or +inf: the row is NaN
             m[r] = np.nan
             P_flat[o:o + nk] = 0.0
-    add_weighted_values(P, vh, j0, v_finite, acc, T_flat)
+    return P
 
 
 @inner
 def add_weighted_values(P, vh, j0, v_finite, acc, T_flat):
     """``acc += P @ vh[j0:j0+nk]``; with a non-finite value tile, zero weights are skipped.
+
+    The tile's product is summed on its own and then added
+    (:func:`values_product`).  Skipping zero weights when the value tile holds
+    NaN or Inf (``v_finite`` False) keeps a masked key (or a dropped one) out of
+    a row, even as NaN.
 
     The finite case is the online softmax's register-blocked product
     (:func:`~attnnb.cpu._tiles.values_product`); ``P`` and ``acc`` C-contiguous.

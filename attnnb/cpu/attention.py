@@ -8,6 +8,7 @@ from numba import prange
 
 from .._codes import NORMALIZER_CODES, RELU_EXPM1, SOFTMAX, SOFTMAX1
 from ._blocks import ROWS
+from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
 from ._host import run_sweep
 from ._jit import kernel, wide_vectors
 from ._splits import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS, key_splits, merge_split_rows
@@ -16,10 +17,11 @@ from ._tiles import (
     KEY_BLOCK_ROWS,
     SWEEP_TILE_Q,
     TILE_K,
+    add_weighted_values,
     finish_rows,
     key_tiles_seen,
     modify_logits,
-    online_update,
+    online_weights,
     tile_is_finite,
     tile_logits_keys,
     tile_logits_rows,
@@ -33,7 +35,7 @@ from ._views import keep_alive, unowned
 
 @kernel
 def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                     causal, normalizer, n_split, part_out, part_lse, out, lse):
+                     causal, normalizer, dropout, n_split, part_out, part_lse, out, lse):
     """One task per (batch, query head, query tile, key split); see :mod:`attnnb.cpu._tiles`.
 
     Leading arguments as every tiled kernel's (:mod:`attnnb.cpu._host`).  With
@@ -48,6 +50,10 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
     ``n_split > 1`` each task sweeps one contiguous range of the key tiles
     into ``part_out (n_split, B, Hq, Lq, Dv)`` and ``part_lse``, and a last
     pass merges the ranges into ``out`` and ``lse``.
+
+    ``dropout`` (:func:`attnnb.cpu._dropout.kernel_dropout`): the dropped
+    weights of each tile are zeroed after they have entered the row's sum, so
+    the LSE is that of the weights before dropout; the host scales ``out``.
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, SWEEP_TILE_Q, causal)
     local_tiles = Lq <= LOCAL_TILE_ROWS
@@ -68,8 +74,13 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
             transposed_queries(qs, qt)
         # the key loop works on ownerless aliases of the task's scratch: no reference
         # counting on every tile (see attnnb.cpu._views); the owners live to the task's end
-        owners = (qs, m, l, acc, S_flat, P_flat, F_flat, T_flat, own_tile, qt, St_flat)
-        qs, m, l, acc, S_flat, P_flat, F_flat, T_flat, own_tile, qt, St_flat = unowned(owners)
+        keys = np.empty(nq, np.int64)
+        words = np.empty(TILE_K, np.int64)
+        row_keys(dropout, b, h, i0, nq, keys)
+        owners = (qs, m, l, acc, S_flat, P_flat, F_flat, T_flat, own_tile, qt, St_flat, keys,
+                  words)
+        (qs, m, l, acc, S_flat, P_flat, F_flat, T_flat, own_tile, qt, St_flat, keys,
+         words) = unowned(owners)
         kh, bias_bh, mask_bh, logks_b = k[b, g], bias[b, h], mask[b, h], logks[b]
         last = min(key_tiles_seen(i0, nq, diag, n_kt), (split + 1) * per_split)
         for t in range(split * per_split, last):
@@ -97,7 +108,9 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
             F = view2d(F_flat, nq, nk) if normalizer == RELU_EXPM1 else S
             modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b,
                           has_ks, normalizer)
-            online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer)
+            P = online_weights(S, F, m, l, acc, P_flat, normalizer)
+            drop_tile(P, dropout, keys, j0, words)
+            add_weighted_values(P, vh, j0, v_finite, acc, T_flat)
         dest_out = out
         dest_lse = lse
         if n_split > 1:
@@ -118,5 +131,7 @@ def attention(problem):
     dt = problem.q.dtype
     part_out = np.empty((n_split if n_split > 1 else 0, B, Hq, Lq, Dv), dt)
     part_lse = np.empty(part_out.shape[:4], dt)
-    return run_sweep(attention_kernel, problem, NORMALIZER_CODES[problem.normalizer], n_split,
-                     part_out, part_lse, key_tiles=Lq > LOCAL_TILE_ROWS)
+    out, lse = run_sweep(attention_kernel, problem, NORMALIZER_CODES[problem.normalizer],
+                         kernel_dropout(problem), n_split, part_out, part_lse,
+                         key_tiles=Lq > LOCAL_TILE_ROWS)
+    return scale_kept(out, problem), lse

@@ -49,7 +49,9 @@ from numba import prange
 
 from .._bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
 from .._codes import NORMALIZER_CODES, RELU_EXPM1
+from .._dropout import keep_scale
 from ._blocks import ROWS
+from ._dropout import column_words, kept_factor, kernel_dropout, row_key
 from ._exp import exp_shifted
 from ._grad_tiles import (
     by_key_tile,
@@ -104,6 +106,8 @@ class PairArguments(NamedTuple):
     ``lse``, ``ratio``, ``delta`` (:func:`row_terms`).  A sparse pattern:
     ``p_heads``, its CSR ``indptr``/``indices``, ``csr`` (False for dense
     placeholders).  A top-k selection held fixed: ``selected``, ``thr``, ``cut``.
+    Dropout: ``dropout`` (:func:`~attnnb.cpu._dropout.kernel_dropout`) and
+    ``keep_scale`` (``1 / (1 - p)``).
     """
 
     scale: float
@@ -126,6 +130,8 @@ class PairArguments(NamedTuple):
     selected: bool
     thr: np.ndarray
     cut: np.ndarray
+    dropout: np.ndarray
+    keep_scale: float
 
 
 @inner
@@ -193,11 +199,13 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, by_keys, b, h, p
     from ``kth``, ``vth``); ``scratch`` is
     :func:`~attnnb.cpu._grad_tiles.pair_scratch`'s, ``keys_scratch``
     :func:`~attnnb.cpu._grad_tiles.stored_keys_scratch`'s.  Returns
-    ``(W, dS, dP)``, ``(nq, nk)`` views of the scratch, with ``dP``
-    overwritten by ``dP - delta`` (what ``d log key_size`` needs).  Rows
+    ``(W, dS, dP, Wd)``, ``(nq, nk)`` views of the scratch, with ``dP``
+    overwritten by ``z dP - delta`` (what ``d log key_size`` needs, with ``W``)
+    and ``Wd = z W`` the weights that reach the values (``W`` itself without
+    dropout), ``z`` the dropout factor (``1 / (1 - p)`` kept, 0 dropped).  Rows
     with ``lse = -inf`` (nothing allowed) have zero weights and gradients.
     """
-    q_flat, do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat, _, _ = scratch
+    q_flat, do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat, Wd_flat, _, words = scratch
     qt_flat, dot_flat, St_flat = keys_scratch
     keys_as_stored = by_keys and nk == TILE_K
     normalizer, indptr, indices = pair.normalizer, pair.indptr, pair.indices
@@ -239,27 +247,39 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, by_keys, b, h, p
         dP = tile_logits_t(do, vth, tile_j0, nk, dP_flat)
     W = view2d(W_flat, nq, nk)
     dS = view2d(dS_flat, nq, nk)
+    dropout = pair.dropout
+    dropping = dropout[2] != 0
+    Wd = view2d(Wd_flat, nq, nk) if dropping else W
+    if dropping:
+        column_words(dropout, j0, nk, words)
     for r in range(nq):
         lse = lse_bh[i0 + r]
         if lse == -np.inf:  # an empty row: no weight, no gradient
             W[r, :] = 0.0
             dS[r, :] = 0.0
             dP[r, :] = 0.0
+            Wd[r, :] = 0.0
             continue
         exp_shifted(S[r], W[r], lse, nk)  # p = exp(s' - lse)
         ratio, delta = ratio_bh[i0 + r], delta_bh[i0 + r]
+        if dropping:
+            key = row_key(dropout, b, h, i0 + r)
         for c in range(nk):
             p = ratio * W[r, c]
             if p == 0.0:  # a key the row does not weigh: its value never reaches it
                 dS[r, c] = 0.0
                 dP[r, c] = 0.0
                 W[r, c] = 0.0
+                Wd[r, c] = 0.0
                 continue
-            grad = dP[r, c] - delta
+            z = kept_factor(dropout, key, words[c], pair.keep_scale) if dropping else 1.0
+            grad = dP[r, c] * z - delta if dropping else dP[r, c] - delta
             dS[r, c] = p * grad
             dP[r, c] = grad
             W[r, c] = p * F[r, c] if normalizer == RELU_EXPM1 else p
-    return W, dS, dP
+            if dropping:
+                Wd[r, c] = W[r, c] * z
+    return W, dS, dP, Wd
 
 
 @inner
@@ -292,13 +312,13 @@ def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, by_keys, own
             i0 = col_qt[p] * TILE_Q
             nq = min(TILE_Q, Lq - i0)
             partial = pair.csr and not col_full[p]  # (no control flow inside a call)
-            W, dS, G = pair_gradients(pair, q, kth, vth, tile_j0, k[b, g], v[b, g], by_rows,
-                                      by_keys, b, h, ph, i0, nq, j0, nk, diag, partial,
-                                      cursor, scratch, keys_scratch)
+            W, dS, G, Wd = pair_gradients(pair, q, kth, vth, tile_j0, k[b, g], v[b, g],
+                                          by_rows, by_keys, b, h, ph, i0, nq, j0, nk, diag,
+                                          partial, cursor, scratch, keys_scratch)
             if own_dq:
                 # a key tile holding Inf or NaN: skip the zero weights, as the forward does
                 add_weighted_values(dS, k[b, g], j0, k_finite, dq[b, h, i0 : i0 + nq], T_flat)
-            transposed_values_product(W, pair.dout[b, h], i0, dv_acc, T_flat)
+            transposed_values_product(Wd, pair.dout[b, h], i0, dv_acc, T_flat)
             transposed_values_product(dS, q[b, h], i0, dk_acc, T_flat)
             if need_dbias:
                 for r in range(nq):
@@ -391,7 +411,7 @@ def dq_kernel(q, k, v, kt, vt, k_ok, local, pair, row_ptr, row_kt, row_full, dq)
             partial = pair.csr and not row_full[p]  # (no control flow inside a call)
             kth, vth, tile_j0, k_finite = pair_tiles(k, v, kt, vt, k_ok, local, by_rows,
                                                      by_keys, own, b, g, row_kt[p])
-            _, dS, _ = pair_gradients(pair, q, kth, vth, tile_j0, k[b, g], v[b, g], by_rows,
+            _, dS, _, _ = pair_gradients(pair, q, kth, vth, tile_j0, k[b, g], v[b, g], by_rows,
                                       by_keys, b, h, ph, i0, nq, j0, nk, diag, partial, cursor,
                                       scratch, keys_scratch)
             # a key tile holding Inf or NaN: skip the zero weights, as the forward does
@@ -484,7 +504,8 @@ def tiled_vjp(problem, out, lse, dout, dlse, need_bias, pattern=None, selection=
         has_mask=problem.mask is not None, logks=logks, has_ks=has_ks, causal=problem.causal,
         normalizer=NORMALIZER_CODES[problem.normalizer], dout=dout, lse=lse, ratio=ratio,
         delta=delta, p_heads=p_heads, indptr=indptr, indices=indices, csr=pattern is not None,
-        selected=selection is not None, thr=thr, cut=cut)
+        selected=selection is not None, thr=thr, cut=cut, dropout=kernel_dropout(problem),
+        keep_scale=dt.type(keep_scale(problem.dropout_p)))
     # few query rows: each key tile serves one query tile, so a task transposes it itself
     # instead of a prologue pass over all of k and v (the forward's rule, _splits)
     local = Lq <= LOCAL_TILE_ROWS

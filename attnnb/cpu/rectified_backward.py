@@ -125,7 +125,7 @@ def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, h
         j0 = t * TILE_K
         nk = min(TILE_K, Lk - j0)
         (q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, dS1_flat, dS2_flat,
-         T_flat) = pair_scratch(q.dtype, D, Dv)
+         T_flat, _) = pair_scratch(q.dtype, D, Dv)
         dk1 = np.zeros((nk, D), q.dtype)
         dk2 = np.zeros((nk, D), q.dtype)
         dv_acc = np.zeros((nk, Dv), q.dtype)
@@ -172,7 +172,7 @@ def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has
         b, h, _, i0, nq = task_rows(task, H2 // 2, n_qt, TILE_Q, Lq)
         g = h // group
         (q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, dS1_flat, dS2_flat,
-         T_flat) = pair_scratch(q.dtype, D, Dv)
+         T_flat, _) = pair_scratch(q.dtype, D, Dv)
         dq1 = np.zeros((nq, D), q.dtype)
         dq2 = np.zeros((nq, D), q.dtype)
         d1[b, h, i0 : i0 + nq] = 0.0

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._dropout import keep_mask, keep_scale
 from ._common import allowed_set, apply_weights, expand_kv_heads, logits, normalize
+
+
+def dropout_factors(problem):
+    """float64 ``(B, Hq, Lq, Lk)`` factors of the weights under the problem's dropout:
+    ``1 / (1 - p)`` where kept, 0 where dropped; None without dropout."""
+    if not problem.dropout_p:
+        return None
+    B, Hq, _, Lq, Lk, _, _ = problem.shape
+    keep = keep_mask(problem.seed, problem.dropout_p, (B, Hq, Lq, Lk))
+    return np.where(keep, keep_scale(problem.dropout_p), 0.0)
 
 
 def attention_weights(problem):
@@ -29,5 +40,8 @@ def attention(problem):
     """
     w, lse, allowed = attention_weights(problem)
     v = expand_kv_heads(problem.v, problem.q.shape[1])
+    factors = dropout_factors(problem)
+    if factors is not None:  # the LSE stays that of the weights before dropout
+        w = w * factors
     out = apply_weights(w, v, allowed, problem.compute_dtype)
     return out, np.asarray(lse)

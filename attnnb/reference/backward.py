@@ -48,6 +48,7 @@ import dataclasses
 import numpy as np
 
 from ._common import allowed_set, apply_weights, expand_kv_heads, logits, normalize
+from .attention import dropout_factors
 from .diff import pair_key_heads
 from .sparse import pattern_mask
 from .topk import topk_selection
@@ -132,8 +133,12 @@ def _softmax_backward(s, allowed, log_key_size, normalizer, dw, dlse):
 
 
 def _weights_backward(problem_q, k_exp, v_exp, scale, s, allowed, log_key_size,
-                      normalizer, dout, dlse):
+                      normalizer, dout, dlse, dropout=None):
     """Gradients of one dense stream ``out = w(s) @ v`` with query-head-expanded k, v.
+
+    With ``dropout`` (the factors ``z`` of :func:`~attnnb.reference.attention.dropout_factors`)
+    the stream is ``out = (w z) @ v``: the weights' cotangent is ``z (dout @ v^T)`` and
+    ``dv`` reads ``w z``; the normalizer's backward is unchanged.
 
     Returns ``dq (B, H, Lq, D)``, ``dk (B, H, Lk, D)``, ``dv (B, H, Lk, Dv)``
     (per query head, before GQA summing), ``ds`` and the ``d log key_size``
@@ -142,7 +147,11 @@ def _weights_backward(problem_q, k_exp, v_exp, scale, s, allowed, log_key_size,
     dout = np.asarray(dout, np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
         dw = np.matmul(dout, _t(v_exp.astype(np.float64)))
+        if dropout is not None:
+            dw = dw * dropout
     w, ds, dlog_size = _softmax_backward(s, allowed, log_key_size, normalizer, dw, dlse)
+    if dropout is not None:
+        w = w * dropout
     q = problem_q.astype(np.float64)
     # apply_weights keeps a non-finite k, q or dout out of the rows that never read it
     dq = scale * apply_weights(ds, k_exp, allowed)
@@ -169,7 +178,8 @@ def _masked_vjp(problem, allowed, bias, dout, dlse, dbias_shape, normalizer):
     v = expand_kv_heads(problem.v, Hq)
     s = logits(problem.q, k, problem.scale, bias)
     grads = _weights_backward(problem.q, k, v, problem.scale, s, allowed,
-                              problem.log_key_size, normalizer, dout, dlse)
+                              problem.log_key_size, normalizer, dout, dlse,
+                              dropout_factors(problem))
     return _finish(problem, *grads, dbias_shape)
 
 

@@ -1,0 +1,84 @@
+"""Dropout in the CPU kernels: :mod:`attnnb._dropout`'s generator, compiled and tiled.
+
+A kernel that drops weights takes ``dropout = [seed_lo, seed_hi, threshold]``
+(an int64 array: a parallel loop cannot take a tuple from a named tuple;
+:func:`kernel_dropout` builds it on the host, ``threshold = 0`` when nothing
+is dropped), forms its rows' keys once per task
+(:func:`row_keys`) and applies the decisions to each weight tile
+(:func:`drop_tile`, forward; :func:`kept_factor`, backward).  The decisions
+are the reference backend's bit for bit: the same integer functions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _dropout
+from ._jit import inner
+
+_mix32 = inner(_dropout.mix32)
+_row_key = inner(_dropout.row_key)
+_column_word = inner(_dropout.column_word)
+_kept = inner(_dropout.kept)
+
+
+def kernel_dropout(problem) -> np.ndarray:
+    """``[seed_lo, seed_hi, threshold]`` (int64) of a problem for the kernels."""
+    if not problem.dropout_p:
+        return np.zeros(3, np.int64)
+    lo, hi = _dropout.seed_words(problem.seed)
+    return np.array([lo, hi, _dropout.threshold(problem.dropout_p)], np.int64)
+
+
+@inner
+def row_keys(dropout, b, h, i0, nq, keys):
+    """``keys[r]`` = the key of row ``(b, h, i0 + r)`` for ``r < nq`` (no-op without
+    dropout)."""
+    if dropout[2] == 0:
+        return
+    for r in range(nq):
+        keys[r] = row_key(dropout, b, h, i0 + r)
+
+
+@inner
+def row_key(dropout, b, h, i):
+    """The key of row ``(b, h, i)`` (:func:`attnnb._dropout.row_key`)."""
+    return _row_key(_mix32, dropout[0], dropout[1], b, h, i)
+
+
+@inner
+def column_words(dropout, j0, nk, words):
+    """``words[c]`` = the word of key ``j0 + c`` for ``c < nk``."""
+    for c in range(nk):
+        words[c] = _column_word(_mix32, j0 + c)
+
+
+@inner
+def drop_tile(P, dropout, keys, j0, words):
+    """Zero the dropped weights of the ``(nq, nk)`` tile ``P`` of keys ``j0 ..`` (rows
+    keyed by :func:`row_keys`); the kept ones stay unscaled (the host scales the output
+    by ``1 / (1 - p)``).  ``words`` is scratch of ``TILE_K`` int64."""
+    if dropout[2] == 0:
+        return
+    nq, nk = P.shape
+    column_words(dropout, j0, nk, words)
+    threshold = dropout[2]
+    for r in range(nq):
+        key = keys[r]
+        for c in range(nk):
+            if not _kept(_mix32, key, words[c], threshold):
+                P[r, c] = 0.0
+
+
+@inner
+def kept_factor(dropout, key, word, scale):
+    """``scale`` (``1 / (1 - p)``) where the element is kept, else 0."""
+    return scale if _kept(_mix32, key, word, dropout[2]) else 0.0 * scale
+
+
+def scale_kept(out, problem):
+    """``out *= 1 / (1 - p)`` in place, the kept weights' factor (nothing without dropout)."""
+    if problem.dropout_p:
+        out *= out.dtype.type(_dropout.keep_scale(problem.dropout_p))
+    return out
+
