@@ -9,7 +9,7 @@ generator built from one 32-bit mixing function, ``mix32`` (the
 ``lowbias32`` integer hash: xor-shifts and two odd multipliers, a bijection
 of 32-bit words with full avalanche):
 
-* a **row key** ``row_key(mix32, seed_lo, seed_hi, b, h, i)`` absorbs the 64-bit seed and the
+* a **row key** ``row_key(seed_lo, seed_hi, b, h, i)`` absorbs the 64-bit seed and the
   row's indices one 32-bit word at a time (``k = mix32(k ^ word)``);
 * a **column word** ``column_word(j) = mix32(j ^ COLUMN_SALT)``, the same for
   every row (a kernel forms a key tile's 64 words once and reuses them for
@@ -25,14 +25,15 @@ Everything is written in plain Python integer arithmetic on values below
 ``2**32`` (each product masked to 32 bits), so that one text compiles as
 Numba ``njit`` and CUDA device functions (both wrap 64-bit products, whose
 low 32 bits are the same) and runs as NumPy ``uint64`` array arithmetic for
-the reference backend: the same bits on all three.  As in
-:mod:`attnnb._scalars`, the functions that use :func:`mix32` take it as
-their first argument, so that each target passes its own compiled mixer.
+the reference backend: the same bits on all three.  A backend compiles each function with
+:func:`rebound`, which binds its calls of :func:`mix32` to the backend's
+compiled mixer.
 """
 
 from __future__ import annotations
 
 import numbers
+import types
 
 import numpy as np
 
@@ -51,25 +52,33 @@ def mix32(x):
     return x
 
 
-def row_key(mix, seed_lo, seed_hi, b, h, i):
+def row_key(seed_lo, seed_hi, b, h, i):
     """The 32-bit key of row ``(b, h, i)`` under the seed ``seed_hi * 2**32 + seed_lo``
-    (:func:`seed_words`; ``b, h, i`` below ``2**32``); ``mix`` is :func:`mix32` as the
-    caller's target compiles it."""
-    k = mix(seed_lo ^ SEED_SALT)
-    k = mix(k ^ seed_hi)
-    k = mix(k ^ (b & WORD))
-    k = mix(k ^ (h & WORD))
-    return mix(k ^ (i & WORD))
+    (:func:`seed_words`; ``b, h, i`` below ``2**32``)."""
+    k = mix32(seed_lo ^ SEED_SALT)
+    k = mix32(k ^ seed_hi)
+    k = mix32(k ^ (b & WORD))
+    k = mix32(k ^ (h & WORD))
+    return mix32(k ^ (i & WORD))
 
 
-def column_word(mix, j):
+def column_word(j):
     """The word of key ``j``, shared by every row."""
-    return mix((j & WORD) ^ COLUMN_SALT)
+    return mix32((j & WORD) ^ COLUMN_SALT)
 
 
-def kept(mix, key, column, threshold):
+def kept(key, column, threshold):
     """Whether the element of row key ``key`` and column word ``column`` is kept."""
-    return mix(key ^ column) >= threshold
+    return mix32(key ^ column) >= threshold
+
+
+def rebound(fn, compile_fn):
+    """``fn`` compiled by ``compile_fn`` with its calls of :func:`mix32` bound to
+    ``compile_fn(mix32)``: how a backend compiles this module's text (its own
+    decorator for every function, and the calls between them resolved to the
+    compiled ones, as a compiler resolves a global name)."""
+    scope = dict(fn.__globals__, mix32=compile_fn(mix32))
+    return compile_fn(types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__))
 
 
 def seed_words(seed: int) -> tuple[int, int]:
@@ -104,6 +113,21 @@ def check_dropout(dropout_p, seed) -> tuple[float, int]:
     return p, seed
 
 
+def refuse_lazy_dropout(dropout_p) -> None:
+    """Dask arrays take no dropout yet: a block would need its global offsets."""
+    if dropout_p != 0.0:
+        raise NotImplementedError("dropout_p > 0 with Dask arrays: not yet (each block "
+                                  "would need its global offsets); compute the arrays "
+                                  "first, or pass dropout_p=0.0")
+
+
+def refuse_device_dropout(problem) -> None:
+    """The cuda backend has no dropout yet."""
+    if problem.dropout_p:
+        raise NotImplementedError("dropout_p > 0 on the cuda backend: not yet (the reference "
+                                  "and cpu backends have it)")
+
+
 def keep_scale(p: float) -> float:
     """The factor of a kept weight, ``1 / (1 - p)`` (0 at ``p = 1``: nothing is kept)."""
     return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
@@ -121,5 +145,5 @@ def keep_mask(seed: int, p: float, shape, b=None, h=None, i=None, j=None) -> np.
            for x, n in ((b, B), (h, H), (i, Lq), (j, Lk))]
     bb, hh, ii, jj = np.ix_(*idx)
     lo, hi = (np.uint64(w) for w in seed_words(seed))
-    keys = row_key(mix32, lo, hi, bb, hh, ii)
-    return kept(mix32, keys, column_word(mix32, jj), np.uint64(threshold(p)))
+    keys = row_key(lo, hi, bb, hh, ii)
+    return kept(keys, column_word(jj), np.uint64(threshold(p)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from . import _eager
 from ._dask import any_dask
+from ._dropout import refuse_lazy_dropout
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
@@ -65,10 +66,7 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     if any_dask(q, k, v):
         from ._dask.ops import attention as lazy
 
-        if dropout_p != 0.0:
-            raise NotImplementedError("dropout_p > 0 with Dask arrays: not yet (each block "
-                                      "would need its global offsets); compute the arrays "
-                                      "first, or pass dropout_p=0.0")
+        refuse_lazy_dropout(dropout_p)
         return lazy(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                     scale=scale, normalizer=normalizer, return_lse=return_lse, backend=backend)
     return _eager.attention(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,

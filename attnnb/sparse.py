@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from . import _eager
 from ._dask import any_dask
+from ._dropout import refuse_lazy_dropout
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
-                     return_lse=False, backend=None):
+                     return_lse=False, dropout_p=0.0, seed=None, backend=None):
     """Attention over a sparse pattern, at a cost proportional to its allowed pairs.
 
     Equal to ``attention(q, k, v, mask=pattern.to_mask(), ...)``: each query's
@@ -28,6 +29,9 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
         Default ``1 / sqrt(D)``.
     normalizer : {"softmax", "softmax1", "relu_expm1"}
     return_lse : bool
+    dropout_p, seed
+        Attention dropout, as in :func:`attnnb.attention`: the same decisions
+        as dense attention with the pattern as a mask and the same seed.
     backend : {None, "auto", "reference", "cpu", "cuda"}
 
     Returns
@@ -57,15 +61,16 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     if any_dask(q, k, v):
         from ._dask.ops import sparse_attention as lazy
 
+        refuse_lazy_dropout(dropout_p)
         return lazy(q, k, v, pattern, key_size=key_size, scale=scale, normalizer=normalizer,
                     return_lse=return_lse, backend=backend)
     return _eager.sparse_attention(q, k, v, pattern, key_size=key_size, scale=scale,
                                    normalizer=normalizer, return_lse=return_lse,
-                                   backend=backend)
+                                   dropout_p=dropout_p, seed=seed, backend=backend)
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, backend=None):
+                   return_lse=False, dropout_p=0.0, seed=None, backend=None):
     """Softmax attention over each query's ``top_k`` largest allowed weights.
 
     Query ``i`` ranks its allowed keys (``mask``, ``causal``) by
@@ -86,6 +91,9 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     scale : float, optional
     return_lse : bool
         LSE over the kept keys.
+    dropout_p, seed
+        Attention dropout over the kept keys' weights, as in
+        :func:`attnnb.attention` (the selection is made before dropout).
     backend : {None, "auto", "reference", "cpu", "cuda"}
 
     Returns
@@ -103,7 +111,9 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     if any_dask(q, k, v):
         from ._dask.ops import topk_attention as lazy
 
+        refuse_lazy_dropout(dropout_p)
         return lazy(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size, scale=scale,
                     return_lse=return_lse, backend=backend)
     return _eager.topk_attention(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size,
-                                 scale=scale, return_lse=return_lse, backend=backend)
+                                 scale=scale, return_lse=return_lse, dropout_p=dropout_p,
+                                 seed=seed, backend=backend)

@@ -193,12 +193,13 @@ _FUNCTIONS = {
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"),
                    ("pattern_indptr", "Tensor"), ("pattern_indices", "Tensor"),
                    ("pattern_heads", "int"), ("key_size", "Tensor?"), *_STATIC_TAIL,
-                   ("normalizer", "str"), ("backend", "str?")),
+                   ("normalizer", "str"), ("dropout_p", "float"), ("seed", "int"),
+                   ("backend", "str?")),
                   True),
         _Function("topk_attention", _np_topk_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("top_k", "int"),
                    ("mask", "Tensor?"), ("causal", "bool"), ("key_size", "Tensor?"),
-                   *_STATIC_TAIL, ("backend", "str?")),
+                   *_STATIC_TAIL, ("dropout_p", "float"), ("seed", "int"), ("backend", "str?")),
                   True),
         _Function("diff_attention", _np_diff_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("lam", "Tensor"),
@@ -433,37 +434,39 @@ def _pattern_tensors(pattern) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
-                     return_lse=False, backend=None):
+                     return_lse=False, dropout_p=0.0, seed=None, backend=None):
     """:func:`attnnb.sparse_attention` on tensors, differentiable in q, k, v and key_size.
 
     ``pattern`` is an :class:`attnnb.patterns.Pattern` (a constant).
-    Parameters and results otherwise as :func:`attention` here.
+    Parameters and results otherwise as :func:`attention` here (dropout too).
     """
     (q, k, v), result = _qkv(q, k, v)
+    dropout_p, seed = _dropout_seed(dropout_p, seed)
     indptr, indices, heads = _pattern_tensors(pattern)  # host tensors on every device: the
     # pattern is rebuilt on the host inside the operator
     out, lse = _OPS["sparse_attention"](
         q, k, v, indptr, indices, heads,
         _optional("key_size", key_size, q.device, floating=True), _scale(scale), normalizer,
-        _chosen(backend))
+        dropout_p, seed, _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, backend=None):
+                   return_lse=False, dropout_p=0.0, seed=None, backend=None):
     """:func:`attnnb.topk_attention` on tensors, differentiable in q, k, v and key_size.
 
     The selection (each row's ``top_k`` keys) is a constant of the
     gradient, as in :func:`attnnb.vjp`.  Parameters and results otherwise
-    as :func:`attention` here.
+    as :func:`attention` here (dropout too).
     """
     (q, k, v), result = _qkv(q, k, v)
+    dropout_p, seed = _dropout_seed(dropout_p, seed)
     if isinstance(top_k, bool) or not hasattr(top_k, "__index__"):
         raise TypeError(f"top_k must be an integer; got {type(top_k).__name__} {top_k!r}")
     out, lse = _OPS["topk_attention"](
         q, k, v, int(top_k.__index__()), _optional("mask", mask, q.device, floating=False),
         check_bool("causal", causal), _optional("key_size", key_size, q.device, floating=True),
-        _scale(scale), _chosen(backend))
+        _scale(scale), dropout_p, seed, _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 

@@ -194,7 +194,8 @@ def test_cache_stamp_covers_the_whole_package():
     work(0)
     stamp = _cache.package_stamp()
     names = {os.path.basename(path) for path in _cache.package_sources()}
-    assert names >= {"attention.py", "_tiles.py", "_exp.py", "_codes.py", "_selection.py"}
+    assert names >= {"attention.py", "_tiles.py", "_exp.py", "_codes.py", "_selection.py",
+                     "_dropout.py"}
     for fn in (attention_kernel, _tiles.finish_rows):
         assert fn._cache._cache_file._source_stamp == stamp
 

@@ -68,12 +68,11 @@ def test_python_integers_give_the_arrays_bits():
     """The scalar functions the kernels compile give the NumPy version's decisions."""
     seed = 2**64 - 12345
     lo, hi = _dropout.seed_words(seed)
-    mix = _dropout.mix32
     thr = _dropout.threshold(0.4)
     expected = _dropout.keep_mask(seed, 0.4, (2, 2, 3, 5))
     for b, h, i, j in np.ndindex(expected.shape):
-        key = _dropout.row_key(mix, lo, hi, b, h, i)
-        assert _dropout.kept(mix, key, _dropout.column_word(mix, j), thr) == expected[b, h, i, j]
+        key = _dropout.row_key(lo, hi, b, h, i)
+        assert _dropout.kept(key, _dropout.column_word(j), thr) == expected[b, h, i, j]
 
 
 # ---------------------------------------------------------------------------
@@ -247,3 +246,67 @@ def test_one_sweep_backward_with_dropout_equals_the_reference():
     g, r = pb(dout), pb_ref(dout)
     for name in r:
         np.testing.assert_allclose(g[name], r[name], rtol=1e-11, atol=1e-13)
+
+
+# ---------------------------------------------------------------------------
+# sparse and top-k attention
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_dropout_equals_masked_dense_dropout(backend):
+    """The decisions depend on (b, h, i, j) only: a pattern with dropout is dense
+    attention with the pattern as a mask, with the same seed."""
+    from attnnb import patterns
+
+    rng = np.random.default_rng(9)
+    q, k, v = _qkv(rng, B=2, Hq=2, Hk=1, Lq=150, Lk=150, D=8, Dv=8)
+    pattern = patterns.local(150, 40, causal=True)
+    kw = dict(dropout_p=0.3, seed=31, return_lse=True, backend=backend)
+    out, lse = attnnb.sparse_attention(q, k, v, pattern, **kw)
+    ref, ref_lse = attnnb.attention(q, k, v, mask=pattern.to_mask(), **kw)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
+
+
+@pytest.mark.parametrize("top_k", [3, 100])  # a gathered row list, and the masked sweep
+def test_topk_dropout_cpu_equals_reference(top_k):
+    rng = np.random.default_rng(10)
+    q, k, v = _qkv(rng, B=1, Hq=2, Hk=2, Lq=70, Lk=130, D=8, Dv=8)
+    kw = dict(dropout_p=0.4, seed=8, causal=True, return_lse=True)
+    (out, lse), pb = attnnb.vjp(attnnb.topk_attention, q, k, v, top_k, backend="cpu", **kw)
+    (ref, ref_lse), pb_ref = attnnb.vjp(attnnb.topk_attention, q, k, v, top_k,
+                                        backend="reference", **kw)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
+    plain = attnnb.topk_attention(q, k, v, top_k, causal=True, return_lse=True,
+                                  backend="cpu")[1]
+    np.testing.assert_array_equal(lse, plain)  # the LSE before dropout
+    dout = rng.standard_normal(out.shape)
+    g, r = pb(dout), pb_ref(dout)
+    for name in r:
+        np.testing.assert_allclose(g[name], r[name], rtol=1e-11, atol=1e-13, err_msg=name)
+
+
+def test_sparse_gradients_with_dropout_against_reference_and_fd():
+    from attnnb import patterns
+
+    rng = np.random.default_rng(11)
+    q, k, v = _qkv(rng, B=1, Hq=2, Hk=1, Lq=9, Lk=9)
+    pattern = patterns.local(9, 3)
+    kw = dict(dropout_p=0.3, seed=3)
+    out, pb = attnnb.vjp(attnnb.sparse_attention, q, k, v, pattern, backend="cpu", **kw)
+    _, pb_ref = attnnb.vjp(attnnb.sparse_attention, q, k, v, pattern, backend="reference",
+                           **kw)
+    dout = rng.standard_normal(out.shape)
+    g, r = pb(dout), pb_ref(dout)
+    for name in r:
+        np.testing.assert_allclose(g[name], r[name], rtol=1e-11, atol=1e-13, err_msg=name)
+    eps = 1e-6
+    for _ in range(5):
+        idx = tuple(rng.integers(0, n) for n in q.shape)
+        plus, minus = q.copy(), q.copy()
+        plus[idx] += eps
+        minus[idx] -= eps
+        fd = np.sum(dout * (attnnb.sparse_attention(plus, k, v, pattern, **kw)
+                            - attnnb.sparse_attention(minus, k, v, pattern, **kw))) / (2 * eps)
+        assert abs(fd - g["q"][idx]) <= 1e-6 * (1 + abs(fd))

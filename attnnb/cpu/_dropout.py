@@ -16,10 +16,9 @@ import numpy as np
 from .. import _dropout
 from ._jit import inner
 
-_mix32 = inner(_dropout.mix32)
-_row_key = inner(_dropout.row_key)
-_column_word = inner(_dropout.column_word)
-_kept = inner(_dropout.kept)
+_row_key = _dropout.rebound(_dropout.row_key, inner)
+_column_word = _dropout.rebound(_dropout.column_word, inner)
+_kept = _dropout.rebound(_dropout.kept, inner)
 
 
 def kernel_dropout(problem) -> np.ndarray:
@@ -43,14 +42,14 @@ def row_keys(dropout, b, h, i0, nq, keys):
 @inner
 def row_key(dropout, b, h, i):
     """The key of row ``(b, h, i)`` (:func:`attnnb._dropout.row_key`)."""
-    return _row_key(_mix32, dropout[0], dropout[1], b, h, i)
+    return _row_key(dropout[0], dropout[1], b, h, i)
 
 
 @inner
 def column_words(dropout, j0, nk, words):
     """``words[c]`` = the word of key ``j0 + c`` for ``c < nk``."""
     for c in range(nk):
-        words[c] = _column_word(_mix32, j0 + c)
+        words[c] = _column_word(j0 + c)
 
 
 @inner
@@ -66,14 +65,29 @@ def drop_tile(P, dropout, keys, j0, words):
     for r in range(nq):
         key = keys[r]
         for c in range(nk):
-            if not _kept(_mix32, key, words[c], threshold):
+            if not _kept(key, words[c], threshold):
                 P[r, c] = 0.0
+
+
+@inner
+def drop_listed(weights, key_index, n, dropout, key):
+    """Zero ``weights[x]`` where key ``key_index[x]`` of the row keyed ``key`` is dropped
+    (``x < n``); returns whether any was (False without dropout)."""
+    if dropout[2] == 0:
+        return False
+    dropped = False
+    for x in range(n):
+        word = _column_word(key_index[x])
+        if not _kept(key, word, dropout[2]):
+            weights[x] = 0.0
+            dropped = True
+    return dropped
 
 
 @inner
 def kept_factor(dropout, key, word, scale):
     """``scale`` (``1 / (1 - p)``) where the element is kept, else 0."""
-    return scale if _kept(_mix32, key, word, dropout[2]) else 0.0 * scale
+    return scale if _kept(key, word, dropout[2]) else 0.0 * scale
 
 
 def scale_kept(out, problem):

@@ -43,6 +43,7 @@ import numpy as np
 
 from .. import _selection
 from ._blocks import COLS
+from ._dropout import drop_listed
 from ._exp import exp_shifted_sum_at, maxnum
 from ._jit import blocks, inner, wide_vectors
 from ._views import flat
@@ -346,7 +347,7 @@ def _weighted_rows(p, cnt, vflat, idx, dv, c0, blk):
 
 
 @inner
-def gather_row(r, cval, cidx, cnt, vh, m, l, acc, pbuf, blk):
+def gather_row(r, cval, cidx, cnt, vh, m, l, acc, pbuf, blk, dropout, key):
     """Softmax of row ``r`` over the ``cnt`` keys :func:`select_row` kept.
 
     Sets the task's state for :func:`~attnnb.cpu._tiles.finish_rows`:
@@ -357,7 +358,10 @@ def gather_row(r, cval, cidx, cnt, vh, m, l, acc, pbuf, blk):
     first, so that their values leave no trace even when Inf or NaN (as in
     the tiled sweep).  ``acc[r]`` starts at zero; ``pbuf`` and ``blk`` are
     scratch of :func:`scratch_size` ``(cnt)`` and ``COLS`` values;
-    ``cval`` is padded and ``cidx[:cnt]`` reordered.
+    ``cval`` is padded and ``cidx[:cnt]`` reordered.  With ``dropout``
+    (:func:`attnnb.cpu._dropout.kernel_dropout`; ``key`` the row's key) the
+    dropped keys' weights leave the list after the sum, so that the LSE is
+    that of the weights before dropout.
     """
     if cnt < 0:
         m[r] = np.nan
@@ -372,7 +376,8 @@ def gather_row(r, cval, cidx, cnt, vh, m, l, acc, pbuf, blk):
     l[r] = exp_shifted_sum_at(cval, 0, pbuf, 0, mx, cb * CHUNK)
     n = U(cnt)
     tiny = pbuf.dtype.type(np.finfo(pbuf.dtype).tiny)
-    if count_at_least(pbuf, cb, tiny) < cnt:  # weights that underflowed (or subnormal ones)
+    dropped = drop_listed(pbuf, cidx, cnt, dropout, key)
+    if dropped or count_at_least(pbuf, cb, tiny) < cnt:  # weights that are 0 (or subnormal)
         n = U(0)
         for x in range(U(cnt)):
             pbuf[n] = pbuf[x]

@@ -14,6 +14,7 @@ import numpy as np
 from numba import prange
 
 from .._codes import NORMALIZER_CODES, RELU_EXPM1
+from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
 from ._host import run_sweep
 from ._jit import kernel, wide_vectors
 from ._sparse_tiles import csr_tile_mask
@@ -21,9 +22,10 @@ from ._task import query_task, sweep_geometry
 from ._tiles import (
     TILE_K,
     TILE_Q,
+    add_weighted_values,
     finish_rows,
     modify_logits,
-    online_update,
+    online_weights,
     tile_logits_t,
     view2d,
 )
@@ -31,12 +33,13 @@ from ._tiles import (
 
 @kernel
 def sparse_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                  causal, normalizer, p_heads, indptr, indices, tile_ptr, tile_idx, tile_full,
-                  out, lse):
+                  causal, normalizer, dropout, p_heads, indptr, indices, tile_ptr, tile_idx,
+                  tile_full, out, lse):
     """Leading arguments as every tiled kernel's (:mod:`attnnb.cpu._host`); ``bias``,
     ``mask`` and ``causal`` are never read (a pattern carries the whole allowed set).
 
-    ``p_heads`` is the pattern's head count (1: shared by all query heads).
+    ``p_heads`` is the pattern's head count (1: shared by all query heads);
+    ``dropout`` as the dense kernel's (:func:`attnnb.cpu.attention.attention_kernel`).
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, _, _ = sweep_geometry(q, k, v, TILE_Q, False)
     for task in prange(B * Hq * n_qt):
@@ -49,6 +52,9 @@ def sparse_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logk
         cursor = np.empty(nq, np.int64)
         for r in range(nq):
             cursor[r] = indptr[row0 + r]
+        keys = np.empty(nq, np.int64)
+        words = np.empty(TILE_K, np.int64)
+        row_keys(dropout, b, h, i0, nq, keys)
         for p in range(tile_ptr[tr], tile_ptr[tr + 1]):
             t = tile_idx[p]
             j0 = t * TILE_K
@@ -64,13 +70,16 @@ def sparse_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logk
             F = view2d(F_flat, nq, nk) if normalizer == RELU_EXPM1 else S
             modify_logits(S, F, i0, j0, Lk, bias[0, 0], False, mask[0, 0], False, logks[b],
                           has_ks, normalizer)
-            online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_ok[b, g, t], normalizer)
+            P = online_weights(S, F, m, l, acc, P_flat, normalizer)
+            drop_tile(P, dropout, keys, j0, words)
+            add_weighted_values(P, vh, j0, v_ok[b, g, t], acc, T_flat)
         finish_rows(acc, m, l, normalizer, out[b, h, i0 : i0 + nq], lse[b, h, i0 : i0 + nq])
 
 
 def sparse_attention(problem, pattern):
     """Attention of a canonical problem over ``pattern``; returns ``(out, lse)``."""
     layout = pattern.blocks(TILE_Q, TILE_K)
-    return run_sweep(sparse_kernel, problem, NORMALIZER_CODES[problem.normalizer],
-                     pattern.n_heads, pattern.indptr, pattern.indices, layout.tile_ptr,
-                     layout.tile_idx, layout.tile_full)
+    out, lse = run_sweep(sparse_kernel, problem, NORMALIZER_CODES[problem.normalizer],
+                         kernel_dropout(problem), pattern.n_heads, pattern.indptr,
+                         pattern.indices, layout.tile_ptr, layout.tile_idx, layout.tile_full)
+    return scale_kept(out, problem), lse

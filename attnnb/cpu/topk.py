@@ -19,16 +19,18 @@ import numpy as np
 from numba import prange
 
 from .._codes import SOFTMAX
+from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
 from ._host import run_sweep
 from ._jit import kernel, wide_vectors
 from ._task import query_task, sweep_geometry
 from ._tiles import (
     TILE_K,
     TILE_Q,
+    add_weighted_values,
     finish_rows,
     key_tiles_seen,
     modify_logits,
-    online_update,
+    online_weights,
     tile_logits_t,
     view2d,
 )
@@ -41,13 +43,14 @@ GATHER_BELOW = 2
 
 @kernel
 def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                causal, top_k, thr_rows, cut_rows, out, lse):
+                causal, top_k, dropout, thr_rows, cut_rows, out, lse):
     """One task per (batch, query head, query tile); leading arguments as every tiled
     kernel's (:mod:`attnnb.cpu._host`), ``bias`` a placeholder (never read).
 
     ``thr_rows``, ``cut_rows`` ``(B, Hq, Lq)`` receive each row's selection
     (:func:`~attnnb.cpu._topk_rows.select_row`), which the backward pass
-    holds fixed.
+    holds fixed.  ``dropout`` as the dense kernel's: the kept keys' weights are
+    dropped after the selection and the row's sum.
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
     for task in prange(B * Hq * n_qt):
@@ -61,6 +64,9 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
         cidx, itmp, hist = np.empty(w, np.int64), np.empty(w, np.int64), np.empty(BUCKETS, np.int64)
         thr = np.empty(nq, q.dtype)
         cut = np.empty(nq, np.int64)
+        keys = np.empty(nq, np.int64)
+        words = np.empty(TILE_K, np.int64)
+        row_keys(dropout, b, h, i0, nq, keys)
         last = key_tiles_seen(i0, nq, diag, n_kt)
         n_seen = min(Lk, last * TILE_K)  # keys beyond the causal limit of the whole tile
         # pass 1: logits of every allowed key
@@ -78,7 +84,7 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
                                              itmp, hist)
             thr_rows[b, h, i0 + r], cut_rows[b, h, i0 + r] = thr[r], cut[r]
             if gather:
-                gather_row(r, cval, cidx, cnt, vh, m, l, acc, ftmp, T_flat)
+                gather_row(r, cval, cidx, cnt, vh, m, l, acc, ftmp, T_flat, dropout, keys[r])
         # many: pass 2 is the masked sweep over the same tiles, through the shared online
         # softmax
         if not gather:
@@ -87,7 +93,9 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
                 nk = min(TILE_K, Lk - j0)
                 S = view2d(S_flat, nq, nk)
                 select_tile(R, j0, nk, thr, cut, S)
-                online_update(S, S, m, l, acc, P_flat, T_flat, vh, j0, v_ok[b, g, t], SOFTMAX)
+                P = online_weights(S, S, m, l, acc, P_flat, SOFTMAX)
+                drop_tile(P, dropout, keys, j0, words)
+                add_weighted_values(P, vh, j0, v_ok[b, g, t], acc, T_flat)
         finish_rows(acc, m, l, SOFTMAX, out[b, h, i0 : i0 + nq], lse[b, h, i0 : i0 + nq])
 
 
@@ -102,8 +110,8 @@ def topk_selection(problem, top_k):
     B, Hq, _, Lq, _, _, _ = problem.shape
     thr = np.zeros((B, Hq, Lq), problem.q.dtype)
     cut = np.zeros((B, Hq, Lq), np.int64)
-    out, lse = run_sweep(topk_kernel, problem, int(top_k), thr, cut)
-    return out, lse, thr, cut
+    out, lse = run_sweep(topk_kernel, problem, int(top_k), kernel_dropout(problem), thr, cut)
+    return scale_kept(out, problem), lse, thr, cut
 
 
 def topk_attention(problem, top_k):

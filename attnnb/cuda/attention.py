@@ -11,6 +11,7 @@ import numpy as np
 from numba import cuda
 
 from .._codes import NORMALIZER_CODES
+from .._dropout import refuse_device_dropout
 from ._arrays import device_problem, finish, outputs
 from ._micro import micro_functions, ptx_cases, tiled_kernel, tiling_for
 from ._tiles import device_functions
@@ -69,9 +70,7 @@ def attention(problem):
     output for float16 inputs, LSE in float32); host problems return NumPy
     arrays in the compute dtype.
     """
-    if problem.dropout_p:
-        raise NotImplementedError("dropout_p > 0 on the cuda backend: not yet (the reference "
-                                  "and cpu backends have it)")
+    refuse_device_dropout(problem)
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
     a = device_problem(problem)
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)

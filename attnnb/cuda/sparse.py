@@ -16,6 +16,7 @@ import numpy as np
 from numba import cuda
 
 from .._codes import NORMALIZER_CODES
+from .._dropout import refuse_device_dropout
 from ._arrays import device_problem, finish, outputs
 from ._micro import micro_functions, ptx_cases, tiled_kernel, tiling_for
 from ._tiles import device_functions
@@ -80,6 +81,7 @@ def sparse_attention(problem, pattern):
     The pattern's CSR arrays and block layout are copied to the device on
     each call (they are host objects).  Device problems return device arrays.
     """
+    refuse_device_dropout(problem)
     B, Hq, _, Lq, _, D, Dv = problem.shape
     a = device_problem(problem)
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)

@@ -23,6 +23,7 @@ from numba import cuda
 
 from .. import _selection
 from .._codes import SOFTMAX
+from .._dropout import refuse_device_dropout
 from ._arrays import device_problem, finish, outputs
 from ._micro import U32, micro_functions, ptx_cases, tiled_kernel, tiling_for
 from ._tiles import device_functions
@@ -152,6 +153,7 @@ def topk_selection(problem, top_k, a=None):
     cut``, or ``s`` is NaN.  ``a``: the problem's device arrays when already
     made (:func:`~attnnb.cuda._arrays.device_problem`).
     """
+    refuse_device_dropout(problem)
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
     a = device_problem(problem) if a is None else a
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)

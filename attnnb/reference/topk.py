@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._common import allowed_set, apply_weights, expand_kv_heads, logits, normalize
+from .attention import dropout_factors
 
 
 def topk_selection(s, allowed, log_key_size, top_k):
@@ -36,4 +37,7 @@ def topk_attention(problem, top_k):
     lks = None if problem.log_key_size is None else problem.log_key_size.astype(np.float64)
     keep = topk_selection(s, allowed, lks, top_k)
     w, lse = normalize(s, keep, problem.log_key_size, "softmax")
+    factors = dropout_factors(problem)
+    if factors is not None:  # the selection and the LSE are those before dropout
+        w = w * factors
     return apply_weights(w, v, keep, problem.compute_dtype), np.asarray(lse)
