@@ -368,3 +368,35 @@ def test_ignored_and_unknown_keywords(recwarn, monkeypatch):
         atf.attention_forward(_Module(), q, k, v, None, some_new_keyword=1.5)
     with pytest.warns(UserWarning, match="output_attentions"):
         atf.attention_forward(_Module(), q, k, v, None, output_attentions=True)
+
+
+def test_bert_training_step_with_attention_dropout():
+    """BERT's default attention dropout (0.1) in train mode: an AdamW step runs through
+    attnnb's dropout, reproducibly under ``torch.manual_seed``; with the dropout at 0 the
+    same step gives eager's loss."""
+    def step(impl, dropout, seed):
+        torch.manual_seed(0)
+        config = transformers.BertConfig(**SMALL, max_position_embeddings=32,
+                                         hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=dropout)
+        model = transformers.AutoModelForMaskedLM.from_config(config, attn_implementation=impl)
+        model = model.double().train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids = _tokens(2, 9)
+        mask = torch.ones(2, 9, dtype=torch.long)
+        mask[1, 6:] = 0
+        torch.manual_seed(seed)
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return float(loss.detach()), [p.detach().clone() for p in model.parameters()]
+
+    loss, params = step("attnnb", 0.1, 1)
+    again, params_again = step("attnnb", 0.1, 1)
+    other, _ = step("attnnb", 0.1, 2)
+    assert loss == again and loss != other
+    assert all(torch.equal(a, b) for a, b in zip(params, params_again))
+    assert all(bool(torch.isfinite(p).all()) for p in params)
+    plain, _ = step("attnnb", 0.0, 1)
+    eager, _ = step("eager", 0.0, 1)
+    assert plain == pytest.approx(eager, rel=1e-10) and loss != plain
