@@ -70,23 +70,30 @@ def read_only(a):
     return a
 
 
-def dense_tiles(Lq, Lk, causal):
+def dense_tiles(Lq, Lk, causal, visible=None):
     """The dense (or causal) problem's tile lists: ``(row_ptr, row_kt, row_full)``.
 
     Query tile ``qt`` sees key tiles ``0 .. last - 1`` (all of them, or up to its
-    last row's causal limit); ``full`` is True throughout (the causal diagonal is
-    applied per element by ``modify_logits``, not from a pattern).  Typed as a
-    pattern's tile lists (:class:`attnnb.patterns.BlockLayout`: int64, int32 and
-    bool, read-only): Numba compiles a kernel once per argument types, so dense
-    and sparse gradients then share one compiled ``dq`` kernel.
+    last row's causal limit), and of those only the ``visible`` ones when given
+    (bool ``(n_qt, n_kt)``: a mask's tiles that some row may attend,
+    :func:`attnnb.cpu._mask_tiles.visible_tiles`); ``full`` is True throughout
+    (the causal diagonal and a mask are applied per element by
+    ``modify_logits``, not from a pattern).  Typed as a pattern's tile lists
+    (:class:`attnnb.patterns.BlockLayout`: int64, int32 and bool, read-only):
+    Numba compiles a kernel once per argument types, so dense and sparse
+    gradients then share one compiled ``dq`` kernel.
     """
     n_qt, n_kt = -(-Lq // TILE_Q), -(-Lk // TILE_K)
     diag = Lk - Lq if causal else Lk
     i_last = np.minimum(np.arange(1, n_qt + 1) * TILE_Q, Lq) - 1
     last = np.clip((i_last + diag) // TILE_K + 1, 0, n_kt)
-    row_ptr = np.concatenate([[0], np.cumsum(last)]).astype(np.int64)
-    row_kt = (np.arange(row_ptr[-1]) - np.repeat(row_ptr[:-1], last)).astype(np.int32)
-    return read_only(row_ptr), read_only(row_kt), read_only(np.ones(row_kt.size, np.bool_))
+    seen = np.arange(n_kt)[None, :] < last[:, None]
+    if visible is not None:
+        seen &= visible
+    qt, kt = np.nonzero(seen)  # row-major: by query tile, key tiles increasing
+    row_ptr = np.concatenate([[0], np.cumsum(np.bincount(qt, minlength=n_qt))])
+    return (read_only(row_ptr.astype(np.int64)), read_only(kt.astype(np.int32)),
+            read_only(np.ones(kt.size, np.bool_)))
 
 
 def by_key_tile(row_ptr, row_kt, row_full, n_qt, n_kt):

@@ -11,12 +11,14 @@ from ._blocks import ROWS
 from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
 from ._host import run_sweep
 from ._jit import kernel, wide_vectors
+from ._mask_tiles import EMPTY, FULL, mask_tile_classes, no_tile_map, tile_class
 from ._splits import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS, key_splits, merge_split_rows
 from ._task import query_task, sweep_geometry
 from ._tiles import (
     KEY_BLOCK_ROWS,
     SWEEP_TILE_Q,
     TILE_K,
+    TILE_Q,
     add_weighted_values,
     finish_rows,
     key_tiles_seen,
@@ -35,7 +37,8 @@ from ._views import keep_alive, unowned
 
 @kernel
 def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                     causal, normalizer, dropout, n_split, part_out, part_lse, out, lse):
+                     causal, normalizer, dropout, mask_tiles, n_split, part_out, part_lse, out,
+                     lse):
     """One task per (batch, query head, query tile, key split); see :mod:`attnnb.cpu._tiles`.
 
     Leading arguments as every tiled kernel's (:mod:`attnnb.cpu._host`).  With
@@ -54,6 +57,10 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
     ``dropout`` (:func:`attnnb.cpu._dropout.kernel_dropout`): the dropped
     weights of each tile are zeroed after they have entered the row's sum, so
     the LSE is that of the weights before dropout; the host scales ``out``.
+    ``mask_tiles``: the mask's tile map (:mod:`attnnb.cpu._mask_tiles`, read
+    only with ``has_mask``): key tiles the mask hides from every row of the
+    task are not visited, and those it allows whole are not masked element
+    by element.
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, SWEEP_TILE_Q, causal)
     local_tiles = Lq <= LOCAL_TILE_ROWS
@@ -84,6 +91,12 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
         kh, bias_bh, mask_bh, logks_b = k[b, g], bias[b, h], mask[b, h], logks[b]
         last = min(key_tiles_seen(i0, nq, diag, n_kt), (split + 1) * per_split)
         for t in range(split * per_split, last):
+            masked_here = has_mask
+            if has_mask:
+                cls = tile_class(mask_tiles, b, h, i0 // TILE_Q, (i0 + nq - 1) // TILE_Q, t)
+                if cls == EMPTY:
+                    continue
+                masked_here = cls != FULL
             j0 = t * TILE_K
             nk = min(TILE_K, Lk - j0)
             # the key tile: from the filled buffer, or transposed here (decoding)
@@ -106,7 +119,7 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
                 S = tile_logits_t(qs, tiles, tile_j0, nk, S_flat)
             # relu_expm1 keeps the logits and the kernel values apart (see modify_logits)
             F = view2d(F_flat, nq, nk) if normalizer == RELU_EXPM1 else S
-            modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b,
+            modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, masked_here, logks_b,
                           has_ks, normalizer)
             P = online_weights(S, F, m, l, acc, P_flat, normalizer)
             drop_tile(P, dropout, keys, j0, words)
@@ -131,7 +144,8 @@ def attention(problem):
     dt = problem.q.dtype
     part_out = np.empty((n_split if n_split > 1 else 0, B, Hq, Lq, Dv), dt)
     part_lse = np.empty(part_out.shape[:4], dt)
+    tile_map = no_tile_map() if problem.mask is None else mask_tile_classes(problem.mask)
     out, lse = run_sweep(attention_kernel, problem, NORMALIZER_CODES[problem.normalizer],
-                         kernel_dropout(problem), n_split, part_out, part_lse,
+                         kernel_dropout(problem), tile_map, n_split, part_out, part_lse,
                          key_tiles=Lq > LOCAL_TILE_ROWS)
     return scale_kept(out, problem), lse

@@ -63,6 +63,7 @@ from ._grad_tiles import (
 )
 from ._host import score_arguments
 from ._jit import inner, kernel, launch, wide_vectors
+from ._mask_tiles import mask_tile_classes, visible_tiles
 from ._prologue import filled_kv_tiles
 from ._sparse_tiles import csr_tile_mask
 from ._splits import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS
@@ -485,7 +486,9 @@ def tiled_vjp(problem, out, lse, dout, dlse, need_bias, pattern=None, selection=
         # placeholders typed as a Pattern's arrays: one compiled kernel for both paths
         indptr, indices = read_only(np.zeros(1, np.int64)), read_only(np.zeros(1, np.int32))
         p_heads = 1
-        rows = dense_tiles(Lq, Lk, problem.causal)
+        visible = (None if problem.mask is None else
+                   visible_tiles(mask_tile_classes(problem.mask), n_qt, n_kt))
+        rows = dense_tiles(Lq, Lk, problem.causal, visible)
     else:
         layout = pattern.blocks(TILE_Q, TILE_K)
         p_heads, indptr, indices = pattern.n_heads, pattern.indptr, pattern.indices
