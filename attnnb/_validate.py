@@ -131,6 +131,10 @@ class Problem:
         §1.14); 0 means none.
     seed : int
         The dropout generator's seed, ``[0, 2**64)`` (:mod:`attnnb._dropout`).
+    sinks : array ``(B, Hq)`` or None
+        Learned sink logits (docs/contract.md §1.15), in the compute dtype; the
+        problem's ``normalizer`` is then ``"softmax1"``, whose ``+1`` is the
+        case of a sink of 0.
     """
 
     q: Any
@@ -148,6 +152,7 @@ class Problem:
     on_device: bool = False
     dropout_p: float = 0.0
     seed: int = 0
+    sinks: Any = None
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int, int]:
@@ -315,9 +320,29 @@ def _kernel_ready(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return out if out.flags.writeable else out.copy()
 
 
+def check_sinks(sinks, normalizer, batch_shape, squeeze, B, Hq, dtype):
+    """``sinks`` (real, broadcastable to ``(*batch, Hq)``) as a ``(B, Hq)`` array in
+    ``dtype``; only with ``normalizer="softmax"``."""
+    arr = as_named_array("sinks", sinks)
+    if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
+        raise TypeError(f"sinks must be a real numeric array; got dtype {arr.dtype}")
+    if normalizer != "softmax":
+        raise ValueError("sinks add e^sink to softmax's denominator: pass "
+                         f"normalizer='softmax' (softmax1 is a sink of 0); got {normalizer!r}")
+    full = batch_shape + (() if squeeze else (Hq,))
+    try:
+        view = np.broadcast_to(arr, full)
+    except ValueError:
+        raise ValueError(f"sinks of shape {arr.shape} cannot be broadcast to {full} "
+                         "(batch..., query heads)") from None
+    if not np.isfinite(view).all():
+        raise ValueError("sinks must be finite")
+    return np.ascontiguousarray(view.astype(dtype).reshape(B, Hq))
+
+
 def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=False,
                       scale=None, normalizer="softmax", head_pairs=False, dropout_p=0.0,
-                      seed=None) -> Problem:
+                      seed=None, sinks=None) -> Problem:
     """Validate the arguments of :func:`attnnb.attention` into a :class:`Problem`."""
     check_normalizer(normalizer)
     dropout_p, seed = check_dropout(dropout_p, seed)
@@ -332,8 +357,14 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
     prob = Problem(q4, k4, v4, causal=causal, scale=scl, normalizer=normalizer,
                    batch_shape=batch, squeeze_head=squeeze, out_dtype=out_dtype,
                    on_device=on_dev, dropout_p=dropout_p, seed=seed)
-    for name, x in (("mask", mask), ("bias", bias), ("key_size", key_size)):
+    for name, x in (("mask", mask), ("bias", bias), ("key_size", key_size), ("sinks", sinks)):
         refuse_unreadable_tensor(name, x)
+    if sinks is not None:
+        if on_dev or is_device_array(sinks):
+            raise NotImplementedError("sinks on the cuda backend: not yet (the reference and "
+                                      "cpu backends have them)")
+        prob.sinks = check_sinks(sinks, normalizer, batch, squeeze, B, Hq, comp)
+        prob.normalizer = "softmax1"
     if on_dev:  # host or device mask / bias / key_size: see attnnb/_device.py
         from ._device import device_extras
 

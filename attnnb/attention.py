@@ -8,7 +8,8 @@ from ._dropout import refuse_lazy_dropout
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
-              normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None, backend=None):
+              normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None, sinks=None,
+              backend=None):
     """Scaled dot-product attention with masks, bias, key sizes and other normalizers.
 
     Parameters
@@ -46,6 +47,11 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         ``(Lq, Lk)`` is stored.
     seed : int in ``[0, 2**64)``, optional
         Required when ``dropout_p > 0``.
+    sinks : real array broadcastable to ``(*batch, Hq)``, optional
+        Learned attention sinks (gpt-oss, StreamingLLM): a logit per query
+        head in the denominator only, ``w_j = e^{s_j} / (e^{sink} + sum_k
+        e^{s_k})``, with ``normalizer="softmax"`` (``softmax1`` is the sink 0).
+        ``lse`` excludes the sink; :func:`attnnb.vjp` gives its gradient.
     backend : {None, "auto", "reference", "cpu", "cuda"}
         None reads :func:`attnnb.use_backend`, then ``ATTNNB_BACKEND``,
         then "auto" (cuda for device arrays, else cpu).
@@ -67,8 +73,11 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         from ._dask.ops import attention as lazy
 
         refuse_lazy_dropout(dropout_p)
+        if sinks is not None:
+            raise NotImplementedError("sinks with Dask arrays: not yet; compute the arrays "
+                                      "first")
         return lazy(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                     scale=scale, normalizer=normalizer, return_lse=return_lse, backend=backend)
     return _eager.attention(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                             scale=scale, normalizer=normalizer, return_lse=return_lse,
-                            dropout_p=dropout_p, seed=seed, backend=backend)
+                            dropout_p=dropout_p, seed=seed, sinks=sinks, backend=backend)

@@ -83,7 +83,7 @@ __all__ = ["attention", "diff_attention", "scaled_dot_product_attention", "spars
            "topk_attention"]
 
 _NAMESPACE = "attnnb"
-_DIFFERENTIABLE = ("q", "k", "v", "bias", "key_size", "lam")
+_DIFFERENTIABLE = ("q", "k", "v", "bias", "key_size", "lam", "sinks")
 
 
 # ---------------------------------------------------------------------------
@@ -187,7 +187,7 @@ _FUNCTIONS = {
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("mask", "Tensor?"),
                    ("bias", "Tensor?"), ("key_size", "Tensor?"), ("causal", "bool"),
                    *_STATIC_TAIL, ("normalizer", "str"), ("dropout_p", "float"),
-                   ("seed", "int"), ("backend", "str?")),
+                   ("seed", "int"), ("sinks", "Tensor?"), ("backend", "str?")),
                   True),
         _Function("sparse_attention", _np_sparse_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"),
@@ -390,8 +390,9 @@ def _finish(out, lse, result_dtype, return_lse):
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
-              normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None, backend=None):
-    """:func:`attnnb.attention` on tensors, differentiable in q, k, v, bias and key_size.
+              normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None, sinks=None,
+              backend=None):
+    """:func:`attnnb.attention` on tensors, differentiable in q, k, v, bias, key_size, sinks.
 
     Parameters and results as :func:`attnnb.attention`, with ``torch.Tensor``
     for arrays (``mask``, ``bias`` and ``key_size`` may also be NumPy arrays
@@ -417,7 +418,7 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         _optional("bias", bias, q.device, floating=True),
         _optional("key_size", key_size, q.device, floating=True),
         check_bool("causal", causal), _scale(scale), normalizer, dropout_p, seed,
-        _chosen(backend))
+        _optional("sinks", sinks, q.device, floating=True), _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 
@@ -490,7 +491,7 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False):
+                                 is_causal=False, scale=None, enable_gqa=False, *, sinks=None):
     """A drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
     Same arguments, meaning and refusals as PyTorch's function (torch 2.13):
@@ -503,7 +504,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     keys ``j <= i``, also when ``L != S``); ``scale`` defaults to
     ``1 / sqrt(E)``; ``enable_gqa`` lets ``Hq`` be a multiple of ``H``.  So
     that a model switches to attnnb by replacing this one function.  How
-    each argument is read: :mod:`attnnb._torch_sdpa`.
+    each argument is read: :mod:`attnnb._torch_sdpa`.  One keyword of
+    attnnb's own, ``sinks`` (a tensor broadcastable to the query heads,
+    differentiable), adds learned attention sinks (:func:`attention`).
 
     Raises
     ------
@@ -533,5 +536,5 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         rows, keys = slice(seg.row_start, seg.row_stop), slice(0, seg.key_stop)
         outs.append(attention(query[..., rows, :], key[..., keys, :], value[..., keys, :],
                               mask=plan.mask, bias=plan.bias, causal=seg.causal, scale=scale,
-                              dropout_p=dropout_p, seed=seed))
+                              dropout_p=dropout_p, seed=seed, sinks=sinks))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)

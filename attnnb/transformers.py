@@ -45,11 +45,13 @@ Choices made
 * **Sliding window** (``sliding_window``, Mistral, Gemma 2, ...): read from
   the mask, which transformers builds with the window in it whenever the
   window binds; the argument itself is not needed.
+* **Attention sinks** (``s_aux``, gpt-oss: a learned logit per head in the
+  softmax's denominator only): the drop-in's ``sinks``, with a gradient
+  (docs/contract.md §1.15).
 * **Refused** with ``NotImplementedError``, naming the argument: ``softcap``
-  (logit soft-capping, Gemma 2), ``s_aux`` and ``sinks`` (attention sinks,
-  gpt-oss), ``indices`` and ``block_indices`` (sparse attention chosen by
-  an indexer, DeepSeek-V3.2 and MiniMax): they change the result and attnnb
-  does not compute them yet.
+  (logit soft-capping, Gemma 2), ``indices`` and ``block_indices`` (sparse
+  attention chosen by an indexer, DeepSeek-V3.2 and MiniMax): they change
+  the result and attnnb does not compute them yet.
 * **Ignored**, as they do not change the result here: ``position_ids``,
   ``cu_seq_lens_q``, ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``
   and ``seq_idx`` (packed sequences reach this function through the mask,
@@ -87,8 +89,6 @@ NAME = "attnnb"
 # Keywords that models pass and whose result attnnb cannot produce yet: name -> what it is.
 _REFUSED = {
     "softcap": "logit soft-capping",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
     "indices": "sparse attention over indexer-selected keys",
     "block_indices": "sparse attention over indexer-selected key blocks",
 }
@@ -153,6 +153,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       value: torch.Tensor, attention_mask: torch.Tensor | None,
                       dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, position_bias: torch.Tensor | None = None,
+                      s_aux: torch.Tensor | None = None,
                       **kwargs) -> tuple[torch.Tensor, None]:
     """The attention of one layer, as transformers' ``AttentionInterface`` calls it.
 
@@ -182,10 +183,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         more than one query, as in transformers' SDPA integration.
     position_bias : torch.Tensor, optional
         Added to the logits (T5's relative position bias), with a gradient.
+    s_aux : torch.Tensor, optional
+        ``(heads,)`` learned attention sinks (gpt-oss; ``sinks`` is read as the
+        same), with a gradient.
     **kwargs
-        ``softcap``, ``s_aux``, ``sinks``, ``indices`` and ``block_indices``
-        raise ``NotImplementedError`` when not None; ``sliding_window`` is
-        already in the mask; the others are listed in the module docstring.
+        ``softcap``, ``indices`` and ``block_indices`` raise
+        ``NotImplementedError`` when not None; ``sliding_window`` is already in
+        the mask; the others are listed in the module docstring.
 
     Returns
     -------
@@ -202,6 +206,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         From the drop-in: ``dropout`` outside ``[0, 1]``, and PyTorch's other
         refusals.
     """
+    if s_aux is None:  # the same sinks under the name some models use
+        s_aux = kwargs.pop("sinks", None)
     _check_kwargs(module, kwargs)
     q_len = query.shape[-2]
     if is_causal is None:
@@ -214,7 +220,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         causal = False
     out = _attnnb_torch.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling,
-        enable_gqa=key.shape[-3] != query.shape[-3])
+        enable_gqa=key.shape[-3] != query.shape[-3], sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 

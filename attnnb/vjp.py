@@ -362,6 +362,44 @@ class _KeySizes:
         return g.astype(self.dtype, copy=False)
 
 
+@dataclass(frozen=True)
+class _Sinks:
+    """Learned sinks as the user gave them (docs/contract.md §1.15).
+
+    A sink enters only the denominator: with ``r_i = sigmoid(lse_i - sink)``
+    (the row's weight mass, the LSE excluding the sink), ``d out_i / d sink =
+    -(1 - r_i) out_i``, so ``d sink = -sum_i (1 - r_i) (dout_i . out_i)``,
+    from the forward's ``out`` and ``lse`` alone, whichever backend ran
+    (the LSE's cotangent does not reach it).
+    """
+
+    shape: tuple
+    dtype: np.dtype
+    batch: tuple
+    squeeze: bool
+
+    @classmethod
+    def of(cls, sinks, problem):
+        return cls(tuple(np.shape(sinks)), _grad_dtype(sinks, problem.out_dtype),
+                   problem.batch_shape, problem.squeeze_head)
+
+    @staticmethod
+    def gradient(problem, out, lse, dout) -> np.ndarray:
+        """``d sink (B, Hq)`` in float64 from canonical ``out``, ``lse`` and ``dout``."""
+        lse = np.asarray(lse, np.float64)
+        sink = np.asarray(problem.sinks, np.float64)[:, :, None]
+        with np.errstate(over="ignore", invalid="ignore"):
+            rest = np.where(np.isneginf(lse), 0.0, 1.0 / (1.0 + np.exp(lse - sink)))
+        delta = np.einsum("bhid,bhid->bhi", np.asarray(dout, np.float64),
+                          np.asarray(out, np.float64))
+        return -np.sum(rest * delta, axis=-1)
+
+    def restore(self, g) -> np.ndarray:
+        g = np.asarray(g)
+        g = g.reshape(self.batch + (() if self.squeeze else g.shape[1:]))
+        return _sum_to_shape(g, self.shape).astype(self.dtype, copy=False)
+
+
 def _cotangent(name, x, shape, canonical, dtype, of, on_device=False):
     """Check a cotangent against its primal's shape; return it canonical.
 
@@ -431,6 +469,8 @@ class _Saved:
                                                     dlse, *self.tail)
             dlam = None
         raw = {"q": dq, "k": dk, "v": dv, "bias": dbias, "key_size": dlks, "lam": dlam}
+        if "sinks" in self.args:
+            raw["sinks"] = _Sinks.gradient(p, self.out, self.lse, dout)
         return {name: arg.restore(raw[name]) for name, arg in self.args.items()}
 
 
@@ -471,6 +511,8 @@ def _extra_args(a, problem, H, **given) -> dict:
         args["bias"] = _Pairwise.of(given["bias"], problem, H)
     if given.get("key_size") is not None:
         args["key_size"] = _KeySizes.of(given["key_size"], problem)
+    if given.get("sinks") is not None:
+        args["sinks"] = _Sinks.of(given["sinks"], problem)
     return args
 
 
@@ -481,13 +523,13 @@ def _dbias_tail(name, args) -> tuple:
     return (args["bias"].canonical if "bias" in args else None,)
 
 
-def _lse_function(name, a, forward, problem, extras, return_lse, bias=None):
+def _lse_function(name, a, forward, problem, extras, return_lse, bias=None, sinks=None):
     """Shared tail of attention, sparse_attention and topk_attention."""
     forward, backward = _operations(name, a["backend"], problem, forward)
     out_c, lse_c = forward(problem, *extras)
     out, lse = problem.restore(out_c, lse_c)
     Hq = problem.shape[1]
-    args = _extra_args(a, problem, Hq, bias=bias, key_size=a["key_size"])
+    args = _extra_args(a, problem, Hq, bias=bias, key_size=a["key_size"], sinks=sinks)
     saved = _Saved(name + "_vjp", backward, problem, extras, out_c, lse_c, out.shape, args,
                    _dbias_tail(name, args))
     return ((out, lse) if return_lse else out), saved, return_lse
@@ -498,8 +540,9 @@ def _attention(a, forward):
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"], bias=a["bias"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
                                 normalizer=a["normalizer"], dropout_p=a["dropout_p"],
-                                seed=a["seed"])
-    return _lse_function("attention", a, forward, problem, (), return_lse, bias=a["bias"])
+                                seed=a["seed"], sinks=a["sinks"])
+    return _lse_function("attention", a, forward, problem, (), return_lse, bias=a["bias"],
+                         sinks=a["sinks"])
 
 
 def _sparse_attention(a, forward):

@@ -137,11 +137,13 @@ def _op_cases():
     ip, ix, nh = at._pattern_tensors(pattern)
     lam = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
     bias = _t(rng, (6, 6))
+    sinks = _t(rng, (q.shape[-3],))
     q4, k4 = (torch.cat([x, x * 0.5], dim=1).detach().requires_grad_() for x in (q, k))
     ops = torch.ops.attnnb
     return {
         "attention": (ops.attention.default,
-                      (q, k, v, None, bias, None, True, None, "softmax", 0.3, 11, "cpu")),
+                      (q, k, v, None, bias, None, True, None, "softmax", 0.3, 11, sinks,
+                       "cpu")),
         "sparse_attention": (ops.sparse_attention.default,
                              (q, k, v, ip, ix, nh, None, None, "softmax", 0.2, 3, "cpu")),
         "topk_attention": (ops.topk_attention.default,

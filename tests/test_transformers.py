@@ -344,8 +344,6 @@ def test_position_bias_matches_sdpa_integration(mask_kind, is_causal):
 
 @pytest.mark.parametrize("name, value, words", [
     ("softcap", 30.0, "soft-capping"),
-    ("s_aux", torch.zeros(4), "sinks"),
-    ("sinks", torch.zeros(4), "sinks"),
     ("indices", torch.zeros(2, 5, 2, dtype=torch.int32), "indexer"),
 ])
 def test_refused_keywords(name, value, words):
@@ -400,3 +398,33 @@ def test_bert_training_step_with_attention_dropout():
     plain, _ = step("attnnb", 0.0, 1)
     eager, _ = step("eager", 0.0, 1)
     assert plain == pytest.approx(eager, rel=1e-10) and loss != plain
+
+
+def test_gpt_oss_sinks_against_eager():
+    """gpt-oss's learned sinks (``s_aux``) run as attnnb's ``sinks``: logits and every
+    parameter's gradient, the sinks' included, against eager (float32: the experts'
+    grouped products take no float64; sliding-window layers and full layers)."""
+    def build(impl):
+        torch.manual_seed(0)
+        config = transformers.GptOssConfig(
+            hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, num_local_experts=2,
+            num_experts_per_tok=1, sliding_window=4, max_position_embeddings=64,
+            initializer_range=0.2, layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+        return model.eval()
+
+    ref, ours = build("eager"), build("attnnb")
+    ids = _tokens(2, 9)
+    results = []
+    for model in (ref, ours):
+        logits = model(input_ids=ids).logits
+        sinks = [p for n, p in model.named_parameters() if n.endswith("sinks")]
+        assert sinks
+        grads = torch.autograd.grad(logits.square().mean(), list(model.parameters()))
+        results.append((logits, grads))
+    (ref_logits, ref_grads), (logits, grads) = results
+    _close(logits, ref_logits, 1e-5, "logits")
+    for g, r in zip(grads, ref_grads):
+        _close(g, r, 1e-4, "gradient")

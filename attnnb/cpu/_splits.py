@@ -64,7 +64,7 @@ def key_splits(batch: int, heads: int, lq: int, lk: int) -> int:
 
 
 @inner
-def merge_split_rows(part_out, part_lse, row, normalizer, out, lse):
+def merge_split_rows(part_out, part_lse, row, normalizer, sinks, out, lse):
     """Merge the key splits of one output row, ``row`` of ``B * H * Lq``.
 
     ``part_out (n_split, B, H, Lq, Dv)`` and ``part_lse (n_split, B, H, Lq)`` are
@@ -74,7 +74,8 @@ def merge_split_rows(part_out, part_lse, row, normalizer, out, lse):
     split makes the row NaN, splits that saw no key (``lse_s = -inf``) weigh
     nothing, and a row no split saw is empty (zeros, ``-inf``).  A weight
     that underflows to 0 skips its split, so that an Inf value behind it
-    leaves no trace, as inside the sweep.
+    leaves no trace, as inside the sweep.  ``sinks (B, H)``: ``softmax1``'s sink
+    logits (:func:`~attnnb.cpu._tiles.finish_rows`).
     """
     n_split, H, Lq = part_out.shape[0], part_out.shape[2], part_out.shape[3]
     b, h, i = row // (H * Lq), (row // Lq) % H, row % Lq
@@ -102,7 +103,7 @@ def merge_split_rows(part_out, part_lse, row, normalizer, out, lse):
             for c in range(orow.shape[0]):
                 orow[c] += w * prow[c]
     if normalizer == SOFTMAX1:
-        sig = sigmoid(row_lse)
+        sig = sigmoid(row_lse - sinks[b, h])
         for c in range(orow.shape[0]):
             orow[c] *= sig
     lse[b, h, i] = row_lse

@@ -555,16 +555,17 @@ def add_weighted_values(P, vh, j0, v_finite, acc, T_flat):
 
 
 @inner
-def finish_rows(acc, m, l, normalizer, out_rows, lse_rows):
+def finish_rows(acc, m, l, normalizer, sink, out_rows, lse_rows):
     """Write ``out = acc / Z`` and ``lse = m + log(l)`` for a task's rows.
 
     Rows whose allowed set is empty, or whose weights sum to zero, get zeros
     and ``lse = -inf``; rows that met a NaN logit get NaN.  For ``softmax1``
-    ``Z = l + exp(-m)`` (the ``+1`` in units of ``exp(m)``); the LSE excludes it.
+    ``Z = l + exp(sink - m)`` (the ``+e^sink`` in units of ``exp(m)``: 1 for
+    ``sink = 0``, a learned sink otherwise); the LSE excludes it.
 
     ``Z`` may be out of reach of a plain ``acc * (1 / Z)``.  ``softmax1``'s
-    ``exp(-m)`` overflows for very negative logits, so ``acc / Z`` is taken as
-    ``(acc / l) * sigmoid(lse)``: in that order, and in two passes, so that
+    ``exp(sink - m)`` overflows for very negative logits, so ``acc / Z`` is taken as
+    ``(acc / l) * sigmoid(lse - sink)``: in that order, and in two passes, so that
     the fast-math reassociation cannot form ``sigmoid(lse) / l`` (subnormal
     when ``m`` is).  ``relu_expm1``'s ``l`` would be tiny when all the row's
     positive logits are (``phi(s) ~ s``); :func:`online_update` keeps it
@@ -596,8 +597,8 @@ def finish_rows(acc, m, l, normalizer, out_rows, lse_rows):
             inv = 1.0 / z
             for c in range(dv):
                 out_rows[r, c] = acc[r, c] * inv
-            if normalizer == SOFTMAX1:  # 1 / (l + e^-m) = sigmoid(lse) / l
-                sig = sigmoid(lse)
+            if normalizer == SOFTMAX1:  # 1 / (l + e^(sink - m)) = sigmoid(lse - sink) / l
+                sig = sigmoid(lse - sink)
                 for c in range(dv):
                     out_rows[r, c] *= sig
 

@@ -37,8 +37,8 @@ from ._views import keep_alive, unowned
 
 @kernel
 def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                     causal, normalizer, dropout, mask_tiles, n_split, part_out, part_lse, out,
-                     lse):
+                     causal, normalizer, dropout, mask_tiles, sinks, n_split, part_out, part_lse,
+                     out, lse):
     """One task per (batch, query head, query tile, key split); see :mod:`attnnb.cpu._tiles`.
 
     Leading arguments as every tiled kernel's (:mod:`attnnb.cpu._host`).  With
@@ -60,7 +60,8 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
     ``mask_tiles``: the mask's tile map (:mod:`attnnb.cpu._mask_tiles`, read
     only with ``has_mask``): key tiles the mask hides from every row of the
     task are not visited, and those it allows whole are not masked element
-    by element.
+    by element.  ``sinks (B, Hq)``: ``softmax1``'s sink logits (zeros for
+    plain ``softmax1``, learned sinks otherwise; read only by ``softmax1``).
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, SWEEP_TILE_Q, causal)
     local_tiles = Lq <= LOCAL_TILE_ROWS
@@ -129,12 +130,21 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
         if n_split > 1:
             dest_out = part_out[split]
             dest_lse = part_lse[split]
-        finish_rows(acc, m, l, split_normalizer, dest_out[b, h, i0 : i0 + nq],
+        finish_rows(acc, m, l, split_normalizer, sinks[b, h], dest_out[b, h, i0 : i0 + nq],
                     dest_lse[b, h, i0 : i0 + nq])
         keep_alive(owners)
     if n_split > 1:  # B * Hq * Lq rows of n_split * Dv products: a serial loop is enough
         for row in range(B * Hq * Lq):
-            merge_split_rows(part_out, part_lse, row, normalizer, out, lse)
+            merge_split_rows(part_out, part_lse, row, normalizer, sinks, out, lse)
+
+
+def kernel_sinks(problem):
+    """``(B, Hq)`` sink logits for the kernel, C-contiguous: the problem's, or zeros
+    (``B * Hq`` of them: typed as real ones, so that one compiled kernel serves both)."""
+    if problem.sinks is not None:
+        return problem.sinks
+    B, Hq = problem.shape[:2]
+    return np.zeros((B, Hq), problem.q.dtype)
 
 
 def attention(problem):
@@ -146,6 +156,6 @@ def attention(problem):
     part_lse = np.empty(part_out.shape[:4], dt)
     tile_map = no_tile_map() if problem.mask is None else mask_tile_classes(problem.mask)
     out, lse = run_sweep(attention_kernel, problem, NORMALIZER_CODES[problem.normalizer],
-                         kernel_dropout(problem), tile_map, n_split, part_out, part_lse,
-                         key_tiles=Lq > LOCAL_TILE_ROWS)
+                         kernel_dropout(problem), tile_map, kernel_sinks(problem), n_split,
+                         part_out, part_lse, key_tiles=Lq > LOCAL_TILE_ROWS)
     return scale_kept(out, problem), lse

@@ -430,8 +430,9 @@ def row_terms(problem, out, lse, dout, dlse):
     """
     dt = problem.q.dtype
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        if problem.normalizer == "softmax1":
-            ratio = 1.0 / (1.0 + np.exp(-lse.astype(np.float64)))
+        if problem.normalizer == "softmax1":  # sigmoid(lse - sink): the sink 0 or learned
+            sink = 0.0 if problem.sinks is None else problem.sinks[:, :, None]
+            ratio = 1.0 / (1.0 + np.exp(sink - lse.astype(np.float64)))
         else:
             ratio = np.ones(lse.shape)
         delta = np.einsum("bhid,bhid->bhi", dout, out, dtype=np.float64)

@@ -118,7 +118,7 @@ def diff_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
         pairs = ((acc1, m1, l1, lse1), (acc2, m2, l2, lse2))
         for c in range(2):
             acc_c, m_c, l_c, lse_c = pairs[c]
-            finish_rows(acc_c, m_c, l_c, SOFTMAX, finished[c], lse_c)
+            finish_rows(acc_c, m_c, l_c, SOFTMAX, 0.0, finished[c], lse_c)
         if difference:
             for r in range(nq):  # empty rows of map 2 are zeros, and lam is finite
                 for c in range(Dv):

@@ -73,7 +73,8 @@ def sparse_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logk
             P = online_weights(S, F, m, l, acc, P_flat, normalizer)
             drop_tile(P, dropout, keys, j0, words)
             add_weighted_values(P, vh, j0, v_ok[b, g, t], acc, T_flat)
-        finish_rows(acc, m, l, normalizer, out[b, h, i0 : i0 + nq], lse[b, h, i0 : i0 + nq])
+        finish_rows(acc, m, l, normalizer, 0.0, out[b, h, i0 : i0 + nq],
+                    lse[b, h, i0 : i0 + nq])
 
 
 def sparse_attention(problem, pattern):

@@ -96,7 +96,7 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
                 P = online_weights(S, S, m, l, acc, P_flat, SOFTMAX)
                 drop_tile(P, dropout, keys, j0, words)
                 add_weighted_values(P, vh, j0, v_ok[b, g, t], acc, T_flat)
-        finish_rows(acc, m, l, SOFTMAX, out[b, h, i0 : i0 + nq], lse[b, h, i0 : i0 + nq])
+        finish_rows(acc, m, l, SOFTMAX, 0.0, out[b, h, i0 : i0 + nq], lse[b, h, i0 : i0 + nq])
 
 
 def topk_selection(problem, top_k):

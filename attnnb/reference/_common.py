@@ -66,7 +66,7 @@ def allowed_set(shape, mask=None, causal=False):
     return allowed
 
 
-def normalize(s, allowed, log_key_size=None, normalizer="softmax"):
+def normalize(s, allowed, log_key_size=None, normalizer="softmax", sink=0.0):
     """Attention weights and LSE from logits over the allowed set.
 
     Parameters
@@ -75,6 +75,9 @@ def normalize(s, allowed, log_key_size=None, normalizer="softmax"):
     allowed : bool ``(B, H, Lq, Lk)``.
     log_key_size : ``(B, Lk)`` or None, added to the logits (proportional attention).
     normalizer : ``"softmax"``, ``"softmax1"`` or ``"relu_expm1"``.
+    sink : float or float64 ``(B, H, 1, 1)``
+        ``softmax1``'s sink logit: the denominator is ``e^sink + S`` (1 + S by
+        default; learned sinks otherwise).
 
     Returns
     -------
@@ -88,8 +91,8 @@ def normalize(s, allowed, log_key_size=None, normalizer="softmax"):
     (``w`` and ``lse``); a ``-inf`` logit is a zero weight (see the module
     docstring).  The normaliser may be tiny (``relu_expm1`` with tiny positive
     logits: ``phi(s) ~ s``) and the weights are still ``e / z``.  For
-    ``softmax1`` the weights are ``(e / z) * sigmoid(lse)``, which equals
-    ``e / (z + e^-m)`` without overflowing ``e^-m`` for very negative logits.
+    ``softmax1`` the weights are ``(e / z) * sigmoid(lse - sink)``, which equals
+    ``e / (z + e^(sink - m))`` without overflowing for very negative logits.
     """
     t = s if log_key_size is None else s + log_key_size.astype(np.float64)[:, None, None, :]
     if normalizer == "relu_expm1":
@@ -111,8 +114,9 @@ def normalize(s, allowed, log_key_size=None, normalizer="softmax"):
         lse = m_safe + np.log(z)
         w = np.where(z > 0, e / np.where(z > 0, z, 1.0), 0.0)
         if normalizer == "softmax1":
-            a = np.exp(-np.abs(lse))  # sigmoid(lse) = 1 / (1 + e^-lse), stably
-            w = w * np.where(lse >= 0, 1.0 / (1.0 + a), a / (1.0 + a))
+            x = lse - sink  # sigmoid(lse - sink) = S / (e^sink + S), stably
+            a = np.exp(-np.abs(x))
+            w = w * np.where(x >= 0, 1.0 / (1.0 + a), a / (1.0 + a))
     lse = np.where(z > 0, lse, -np.inf)[..., 0]
     w = np.where(nan_row, np.nan, w)
     lse = np.where(nan_row[..., 0], np.nan, lse)

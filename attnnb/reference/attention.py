@@ -8,6 +8,13 @@ from .._dropout import keep_mask, keep_scale
 from ._common import allowed_set, apply_weights, expand_kv_heads, logits, normalize
 
 
+def sink_of(problem):
+    """float64 ``(B, Hq, 1, 1)`` sink logits of a problem with sinks, else 0."""
+    if problem.sinks is None:
+        return 0.0
+    return np.asarray(problem.sinks, np.float64)[:, :, None, None]
+
+
 def dropout_factors(problem):
     """float64 ``(B, Hq, Lq, Lk)`` factors of the weights under the problem's dropout:
     ``1 / (1 - p)`` where kept, 0 where dropped; None without dropout."""
@@ -29,7 +36,7 @@ def attention_weights(problem):
     k = expand_kv_heads(problem.k, Hq)
     s = logits(problem.q, k, problem.scale, problem.bias)
     allowed = allowed_set((B, Hq, Lq, Lk), problem.mask, problem.causal)
-    w, lse = normalize(s, allowed, problem.log_key_size, problem.normalizer)
+    w, lse = normalize(s, allowed, problem.log_key_size, problem.normalizer, sink_of(problem))
     return w, lse, allowed
 
 

@@ -48,7 +48,7 @@ import dataclasses
 import numpy as np
 
 from ._common import allowed_set, apply_weights, expand_kv_heads, logits, normalize
-from .attention import dropout_factors
+from .attention import dropout_factors, sink_of
 from .diff import pair_key_heads
 from .sparse import pattern_mask
 from .topk import topk_selection
@@ -77,7 +77,7 @@ def _sum_to(x: np.ndarray, shape) -> np.ndarray:
     return x.sum(axis=axes, keepdims=True) if axes else x
 
 
-def _softmax_backward(s, allowed, log_key_size, normalizer, dw, dlse):
+def _softmax_backward(s, allowed, log_key_size, normalizer, dw, dlse, sink=0.0):
     """Backward through the normalizer of one stream of weights.
 
     Parameters
@@ -92,6 +92,8 @@ def _softmax_backward(s, allowed, log_key_size, normalizer, dw, dlse):
         The cotangent of the weights ``w``; only its allowed entries are read.
     dlse : float64 ``(B, H, Lq)`` or None
         The cotangent of the LSE; None means zero.
+    sink : float or float64 ``(B, H, 1, 1)``
+        ``softmax1``'s sink logit (its denominator is ``e^sink + S``).
 
     Returns
     -------
@@ -104,14 +106,15 @@ def _softmax_backward(s, allowed, log_key_size, normalizer, dw, dlse):
         queries for the gradient); zeros when there are no key sizes.
     """
     lks = None if log_key_size is None else log_key_size.astype(np.float64)
-    w, lse = normalize(s, allowed, lks, normalizer)
+    w, lse = normalize(s, allowed, lks, normalizer, sink)
     w = np.where(allowed, w, 0.0)  # a NaN row's weights are NaN only where it reads
     t = s if lks is None else s + lks[:, None, None, :]
     if normalizer == "relu_expm1":
         counted = allowed & ~(s <= 0)  # as the forward: a NaN logit stays counted
     else:
         counted = allowed
-    log_z = np.logaddexp(lse, 0.0) if normalizer == "softmax1" else lse
+    log_z = np.logaddexp(lse, np.reshape(sink, np.shape(sink)[:-1])) \
+        if normalizer == "softmax1" else lse
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         # a row is live when it has weight; NaN rows stay live so that NaN propagates
         live = counted & ~np.isneginf(lse)[..., None]
@@ -133,7 +136,7 @@ def _softmax_backward(s, allowed, log_key_size, normalizer, dw, dlse):
 
 
 def _weights_backward(problem_q, k_exp, v_exp, scale, s, allowed, log_key_size,
-                      normalizer, dout, dlse, dropout=None):
+                      normalizer, dout, dlse, dropout=None, sink=0.0):
     """Gradients of one dense stream ``out = w(s) @ v`` with query-head-expanded k, v.
 
     With ``dropout`` (the factors ``z`` of :func:`~attnnb.reference.attention.dropout_factors`)
@@ -149,7 +152,8 @@ def _weights_backward(problem_q, k_exp, v_exp, scale, s, allowed, log_key_size,
         dw = np.matmul(dout, _t(v_exp.astype(np.float64)))
         if dropout is not None:
             dw = dw * dropout
-    w, ds, dlog_size = _softmax_backward(s, allowed, log_key_size, normalizer, dw, dlse)
+    w, ds, dlog_size = _softmax_backward(s, allowed, log_key_size, normalizer, dw, dlse,
+                                         sink)
     if dropout is not None:
         w = w * dropout
     q = problem_q.astype(np.float64)
@@ -179,7 +183,7 @@ def _masked_vjp(problem, allowed, bias, dout, dlse, dbias_shape, normalizer):
     s = logits(problem.q, k, problem.scale, bias)
     grads = _weights_backward(problem.q, k, v, problem.scale, s, allowed,
                               problem.log_key_size, normalizer, dout, dlse,
-                              dropout_factors(problem))
+                              dropout_factors(problem), sink_of(problem))
     return _finish(problem, *grads, dbias_shape)
 
 
