@@ -121,6 +121,12 @@ def refuse_lazy_dropout(dropout_p) -> None:
                                   "first, or pass dropout_p=0.0")
 
 
+def refuse_lazy_sinks(sinks) -> None:
+    """Dask arrays take no learned sinks yet."""
+    if sinks is not None:
+        raise NotImplementedError("sinks with Dask arrays: not yet; compute the arrays first")
+
+
 def refuse_device_dropout(problem) -> None:
     """The cuda backend has no dropout yet."""
     if problem.dropout_p:

@@ -31,11 +31,11 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
-                     return_lse=False, dropout_p=0.0, seed=None, backend=None):
+                     return_lse=False, dropout_p=0.0, seed=None, sinks=None, backend=None):
     """:func:`attnnb.sparse_attention` of in-memory arrays."""
     return_lse = check_bool("return_lse", return_lse)
     problem = attention_problem(q, k, v, key_size=key_size, scale=scale, normalizer=normalizer,
-                                dropout_p=dropout_p, seed=seed)
+                                dropout_p=dropout_p, seed=seed, sinks=sinks)
     B, Hq, _, Lq, Lk, _, _ = problem.shape
     check_pattern(pattern, Lq, Lk, Hq)
     out, lse = _dispatch.call("sparse_attention", backend, problem.on_device, problem, pattern)
@@ -44,12 +44,12 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, dropout_p=0.0, seed=None, backend=None):
+                   return_lse=False, dropout_p=0.0, seed=None, sinks=None, backend=None):
     """:func:`attnnb.topk_attention` of in-memory arrays."""
     return_lse = check_bool("return_lse", return_lse)
     top_k = check_top_k(top_k)
     problem = attention_problem(q, k, v, mask=mask, key_size=key_size, causal=causal,
-                                scale=scale, dropout_p=dropout_p, seed=seed)
+                                scale=scale, dropout_p=dropout_p, seed=seed, sinks=sinks)
     out, lse = _dispatch.call("topk_attention", backend, problem.on_device, problem, top_k)
     out, lse = problem.restore(out, lse)
     return (out, lse) if return_lse else out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import _eager
 from ._dask import any_dask
-from ._dropout import refuse_lazy_dropout
+from ._dropout import refuse_lazy_dropout, refuse_lazy_sinks
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
@@ -73,9 +73,7 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         from ._dask.ops import attention as lazy
 
         refuse_lazy_dropout(dropout_p)
-        if sinks is not None:
-            raise NotImplementedError("sinks with Dask arrays: not yet; compute the arrays "
-                                      "first")
+        refuse_lazy_sinks(sinks)
         return lazy(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                     scale=scale, normalizer=normalizer, return_lse=return_lse, backend=backend)
     return _eager.attention(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from . import _eager
 from ._dask import any_dask
-from ._dropout import refuse_lazy_dropout
+from ._dropout import refuse_lazy_dropout, refuse_lazy_sinks
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
-                     return_lse=False, dropout_p=0.0, seed=None, backend=None):
+                     return_lse=False, dropout_p=0.0, seed=None, sinks=None, backend=None):
     """Attention over a sparse pattern, at a cost proportional to its allowed pairs.
 
     Equal to ``attention(q, k, v, mask=pattern.to_mask(), ...)``: each query's
@@ -32,6 +32,8 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     dropout_p, seed
         Attention dropout, as in :func:`attnnb.attention`: the same decisions
         as dense attention with the pattern as a mask and the same seed.
+    sinks : real array broadcastable to ``(*batch, Hq)``, optional
+        Learned attention sinks, as in :func:`attnnb.attention`.
     backend : {None, "auto", "reference", "cpu", "cuda"}
 
     Returns
@@ -62,15 +64,16 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
         from ._dask.ops import sparse_attention as lazy
 
         refuse_lazy_dropout(dropout_p)
+        refuse_lazy_sinks(sinks)
         return lazy(q, k, v, pattern, key_size=key_size, scale=scale, normalizer=normalizer,
                     return_lse=return_lse, backend=backend)
     return _eager.sparse_attention(q, k, v, pattern, key_size=key_size, scale=scale,
                                    normalizer=normalizer, return_lse=return_lse,
-                                   dropout_p=dropout_p, seed=seed, backend=backend)
+                                   dropout_p=dropout_p, seed=seed, sinks=sinks, backend=backend)
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, dropout_p=0.0, seed=None, backend=None):
+                   return_lse=False, dropout_p=0.0, seed=None, sinks=None, backend=None):
     """Softmax attention over each query's ``top_k`` largest allowed weights.
 
     Query ``i`` ranks its allowed keys (``mask``, ``causal``) by
@@ -94,6 +97,9 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     dropout_p, seed
         Attention dropout over the kept keys' weights, as in
         :func:`attnnb.attention` (the selection is made before dropout).
+    sinks : real array broadcastable to ``(*batch, Hq)``, optional
+        Learned attention sinks over the kept keys, as in :func:`attnnb.attention`
+        (they take no part in the selection).
     backend : {None, "auto", "reference", "cpu", "cuda"}
 
     Returns
@@ -112,8 +118,9 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
         from ._dask.ops import topk_attention as lazy
 
         refuse_lazy_dropout(dropout_p)
+        refuse_lazy_sinks(sinks)
         return lazy(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size, scale=scale,
                     return_lse=return_lse, backend=backend)
     return _eager.topk_attention(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size,
                                  scale=scale, return_lse=return_lse, dropout_p=dropout_p,
-                                 seed=seed, backend=backend)
+                                 seed=seed, sinks=sinks, backend=backend)

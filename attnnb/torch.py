@@ -194,12 +194,13 @@ _FUNCTIONS = {
                    ("pattern_indptr", "Tensor"), ("pattern_indices", "Tensor"),
                    ("pattern_heads", "int"), ("key_size", "Tensor?"), *_STATIC_TAIL,
                    ("normalizer", "str"), ("dropout_p", "float"), ("seed", "int"),
-                   ("backend", "str?")),
+                   ("sinks", "Tensor?"), ("backend", "str?")),
                   True),
         _Function("topk_attention", _np_topk_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("top_k", "int"),
                    ("mask", "Tensor?"), ("causal", "bool"), ("key_size", "Tensor?"),
-                   *_STATIC_TAIL, ("dropout_p", "float"), ("seed", "int"), ("backend", "str?")),
+                   *_STATIC_TAIL, ("dropout_p", "float"), ("seed", "int"), ("sinks", "Tensor?"),
+                   ("backend", "str?")),
                   True),
         _Function("diff_attention", _np_diff_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("lam", "Tensor"),
@@ -435,8 +436,8 @@ def _pattern_tensors(pattern) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
-                     return_lse=False, dropout_p=0.0, seed=None, backend=None):
-    """:func:`attnnb.sparse_attention` on tensors, differentiable in q, k, v and key_size.
+                     return_lse=False, dropout_p=0.0, seed=None, sinks=None, backend=None):
+    """:func:`attnnb.sparse_attention` on tensors, differentiable in q, k, v, key_size, sinks.
 
     ``pattern`` is an :class:`attnnb.patterns.Pattern` (a constant).
     Parameters and results otherwise as :func:`attention` here (dropout too).
@@ -448,13 +449,13 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     out, lse = _OPS["sparse_attention"](
         q, k, v, indptr, indices, heads,
         _optional("key_size", key_size, q.device, floating=True), _scale(scale), normalizer,
-        dropout_p, seed, _chosen(backend))
+        dropout_p, seed, _optional("sinks", sinks, q.device, floating=True), _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, dropout_p=0.0, seed=None, backend=None):
-    """:func:`attnnb.topk_attention` on tensors, differentiable in q, k, v and key_size.
+                   return_lse=False, dropout_p=0.0, seed=None, sinks=None, backend=None):
+    """:func:`attnnb.topk_attention` on tensors, differentiable in q, k, v, key_size, sinks.
 
     The selection (each row's ``top_k`` keys) is a constant of the
     gradient, as in :func:`attnnb.vjp`.  Parameters and results otherwise
@@ -467,7 +468,8 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     out, lse = _OPS["topk_attention"](
         q, k, v, int(top_k.__index__()), _optional("mask", mask, q.device, floating=False),
         check_bool("causal", causal), _optional("key_size", key_size, q.device, floating=True),
-        _scale(scale), dropout_p, seed, _chosen(backend))
+        _scale(scale), dropout_p, seed, _optional("sinks", sinks, q.device, floating=True),
+        _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 

@@ -549,10 +549,11 @@ def _sparse_attention(a, forward):
     return_lse = check_bool("return_lse", a["return_lse"])
     problem = attention_problem(a["q"], a["k"], a["v"], key_size=a["key_size"],
                                 scale=a["scale"], normalizer=a["normalizer"],
-                                dropout_p=a["dropout_p"], seed=a["seed"])
+                                dropout_p=a["dropout_p"], seed=a["seed"], sinks=a["sinks"])
     _, Hq, _, Lq, Lk, _, _ = problem.shape
     pattern = check_pattern(a["pattern"], Lq, Lk, Hq)
-    return _lse_function("sparse_attention", a, forward, problem, (pattern,), return_lse)
+    return _lse_function("sparse_attention", a, forward, problem, (pattern,), return_lse,
+                         sinks=a["sinks"])
 
 
 def _topk_attention(a, forward):
@@ -560,8 +561,9 @@ def _topk_attention(a, forward):
     top_k = check_top_k(a["top_k"])
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
-                                dropout_p=a["dropout_p"], seed=a["seed"])
-    return _lse_function("topk_attention", a, forward, problem, (top_k,), return_lse)
+                                dropout_p=a["dropout_p"], seed=a["seed"], sinks=a["sinks"])
+    return _lse_function("topk_attention", a, forward, problem, (top_k,), return_lse,
+                         sinks=a["sinks"])
 
 
 def _diff_attention(a, forward):

@@ -140,3 +140,42 @@ def test_torch_sinks_gradcheck_and_drop_in():
     expected = _with_sink_column(*(x.detach().numpy() for x in (q, k, v)),
                                  sinks.detach().numpy(), causal=True)
     np.testing.assert_allclose(out.detach().numpy(), expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_sinks_equal_masked_dense_sinks(backend):
+    from attnnb import patterns
+
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, Lq=150, Lk=150)
+    sinks = rng.standard_normal(4)
+    pattern = patterns.local(150, 40, causal=True)
+    (out, lse), pb = attnnb.vjp(attnnb.sparse_attention, q, k, v, pattern, sinks=sinks,
+                                return_lse=True, backend=backend)
+    (ref, ref_lse), pb_ref = attnnb.vjp(attnnb.attention, q, k, v, mask=pattern.to_mask(),
+                                        sinks=sinks, return_lse=True, backend=backend)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
+    dout = rng.standard_normal(out.shape)
+    g, r = pb(dout), pb_ref(dout)
+    for n in ("q", "k", "v", "sinks"):
+        np.testing.assert_allclose(g[n], r[n], rtol=1e-11, atol=1e-13, err_msg=n)
+
+
+@pytest.mark.parametrize("top_k", [3, 100])  # the gathered rows and the masked sweep
+def test_topk_sinks_cpu_equal_the_reference(top_k):
+    rng = np.random.default_rng(6)
+    q, k, v = _qkv(rng, Lq=70, Lk=130)
+    sinks = rng.standard_normal(4)
+    kw = dict(sinks=sinks, causal=True, return_lse=True)
+    (out, lse), pb = attnnb.vjp(attnnb.topk_attention, q, k, v, top_k, backend="cpu", **kw)
+    (ref, ref_lse), pb_ref = attnnb.vjp(attnnb.topk_attention, q, k, v, top_k,
+                                        backend="reference", **kw)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
+    plain = attnnb.topk_attention(q, k, v, top_k, causal=True, backend="cpu")
+    assert not np.allclose(out, plain)
+    dout = rng.standard_normal(out.shape)
+    g, r = pb(dout), pb_ref(dout)
+    for n in ("q", "k", "v", "sinks"):
+        np.testing.assert_allclose(g[n], r[n], rtol=1e-11, atol=1e-13, err_msg=n)

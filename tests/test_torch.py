@@ -145,9 +145,10 @@ def _op_cases():
                       (q, k, v, None, bias, None, True, None, "softmax", 0.3, 11, sinks,
                        "cpu")),
         "sparse_attention": (ops.sparse_attention.default,
-                             (q, k, v, ip, ix, nh, None, None, "softmax", 0.2, 3, "cpu")),
+                             (q, k, v, ip, ix, nh, None, None, "softmax", 0.2, 3, sinks,
+                              "cpu")),
         "topk_attention": (ops.topk_attention.default,
-                           (q, k, v, 2, None, False, None, 0.7, 0.0, 0, "cpu")),
+                           (q, k, v, 2, None, False, None, 0.7, 0.0, 0, sinks, "cpu")),
         "diff_attention": (ops.diff_attention.default,
                            (q4, k4, v, lam, None, None, None, True, None, "difference", "cpu")),
     }

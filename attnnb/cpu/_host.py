@@ -72,6 +72,15 @@ def score_arguments(problem):
     return bias, mask, logks
 
 
+def kernel_sinks(problem):
+    """``(B, Hq)`` sink logits for a kernel, C-contiguous: the problem's, or zeros
+    (``B * Hq`` of them: typed as real ones, so that one compiled kernel serves both)."""
+    if problem.sinks is not None:
+        return problem.sinks
+    B, Hq = problem.shape[:2]
+    return np.zeros((B, Hq), problem.q.dtype)
+
+
 def run_sweep(kernel_fn, problem, *own, out_heads=None, key_tiles=True):
     """Launch a tiled kernel on a canonical problem; returns ``(out, lse)``.
 

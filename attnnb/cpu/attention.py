@@ -9,7 +9,7 @@ from numba import prange
 from .._codes import NORMALIZER_CODES, RELU_EXPM1, SOFTMAX, SOFTMAX1
 from ._blocks import ROWS
 from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
-from ._host import run_sweep
+from ._host import kernel_sinks, run_sweep
 from ._jit import kernel, wide_vectors
 from ._mask_tiles import EMPTY, FULL, mask_tile_classes, no_tile_map, tile_class
 from ._splits import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS, key_splits, merge_split_rows
@@ -136,15 +136,6 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
     if n_split > 1:  # B * Hq * Lq rows of n_split * Dv products: a serial loop is enough
         for row in range(B * Hq * Lq):
             merge_split_rows(part_out, part_lse, row, normalizer, sinks, out, lse)
-
-
-def kernel_sinks(problem):
-    """``(B, Hq)`` sink logits for the kernel, C-contiguous: the problem's, or zeros
-    (``B * Hq`` of them: typed as real ones, so that one compiled kernel serves both)."""
-    if problem.sinks is not None:
-        return problem.sinks
-    B, Hq = problem.shape[:2]
-    return np.zeros((B, Hq), problem.q.dtype)
 
 
 def attention(problem):

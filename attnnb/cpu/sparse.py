@@ -15,7 +15,7 @@ from numba import prange
 
 from .._codes import NORMALIZER_CODES, RELU_EXPM1
 from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
-from ._host import run_sweep
+from ._host import kernel_sinks, run_sweep
 from ._jit import kernel, wide_vectors
 from ._sparse_tiles import csr_tile_mask
 from ._task import query_task, sweep_geometry
@@ -33,13 +33,14 @@ from ._tiles import (
 
 @kernel
 def sparse_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                  causal, normalizer, dropout, p_heads, indptr, indices, tile_ptr, tile_idx,
-                  tile_full, out, lse):
+                  causal, normalizer, dropout, sinks, p_heads, indptr, indices, tile_ptr,
+                  tile_idx, tile_full, out, lse):
     """Leading arguments as every tiled kernel's (:mod:`attnnb.cpu._host`); ``bias``,
     ``mask`` and ``causal`` are never read (a pattern carries the whole allowed set).
 
     ``p_heads`` is the pattern's head count (1: shared by all query heads);
-    ``dropout`` as the dense kernel's (:func:`attnnb.cpu.attention.attention_kernel`).
+    ``dropout`` and ``sinks`` as the dense kernel's
+    (:func:`attnnb.cpu.attention.attention_kernel`).
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, _, _ = sweep_geometry(q, k, v, TILE_Q, False)
     for task in prange(B * Hq * n_qt):
@@ -73,7 +74,7 @@ def sparse_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logk
             P = online_weights(S, F, m, l, acc, P_flat, normalizer)
             drop_tile(P, dropout, keys, j0, words)
             add_weighted_values(P, vh, j0, v_ok[b, g, t], acc, T_flat)
-        finish_rows(acc, m, l, normalizer, 0.0, out[b, h, i0 : i0 + nq],
+        finish_rows(acc, m, l, normalizer, sinks[b, h], out[b, h, i0 : i0 + nq],
                     lse[b, h, i0 : i0 + nq])
 
 
@@ -81,6 +82,7 @@ def sparse_attention(problem, pattern):
     """Attention of a canonical problem over ``pattern``; returns ``(out, lse)``."""
     layout = pattern.blocks(TILE_Q, TILE_K)
     out, lse = run_sweep(sparse_kernel, problem, NORMALIZER_CODES[problem.normalizer],
-                         kernel_dropout(problem), pattern.n_heads, pattern.indptr,
+                         kernel_dropout(problem), kernel_sinks(problem), pattern.n_heads,
+                         pattern.indptr,
                          pattern.indices, layout.tile_ptr, layout.tile_idx, layout.tile_full)
     return scale_kept(out, problem), lse

@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .._codes import SOFTMAX
+from .._codes import NORMALIZER_CODES, SOFTMAX
 from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
-from ._host import run_sweep
+from ._host import kernel_sinks, run_sweep
 from ._jit import kernel, wide_vectors
 from ._task import query_task, sweep_geometry
 from ._tiles import (
@@ -43,14 +43,15 @@ GATHER_BELOW = 2
 
 @kernel
 def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                causal, top_k, dropout, thr_rows, cut_rows, out, lse):
+                causal, top_k, dropout, normalizer, sinks, thr_rows, cut_rows, out, lse):
     """One task per (batch, query head, query tile); leading arguments as every tiled
     kernel's (:mod:`attnnb.cpu._host`), ``bias`` a placeholder (never read).
 
     ``thr_rows``, ``cut_rows`` ``(B, Hq, Lq)`` receive each row's selection
     (:func:`~attnnb.cpu._topk_rows.select_row`), which the backward pass
     holds fixed.  ``dropout`` as the dense kernel's: the kept keys' weights are
-    dropped after the selection and the row's sum.
+    dropped after the selection and the row's sum.  ``normalizer``: ``SOFTMAX``, or
+    ``SOFTMAX1`` with the ``sinks (B, Hq)`` in the denominator.
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
     for task in prange(B * Hq * n_qt):
@@ -96,7 +97,8 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
                 P = online_weights(S, S, m, l, acc, P_flat, SOFTMAX)
                 drop_tile(P, dropout, keys, j0, words)
                 add_weighted_values(P, vh, j0, v_ok[b, g, t], acc, T_flat)
-        finish_rows(acc, m, l, SOFTMAX, 0.0, out[b, h, i0 : i0 + nq], lse[b, h, i0 : i0 + nq])
+        finish_rows(acc, m, l, normalizer, sinks[b, h], out[b, h, i0 : i0 + nq],
+                    lse[b, h, i0 : i0 + nq])
 
 
 def topk_selection(problem, top_k):
@@ -110,7 +112,8 @@ def topk_selection(problem, top_k):
     B, Hq, _, Lq, _, _, _ = problem.shape
     thr = np.zeros((B, Hq, Lq), problem.q.dtype)
     cut = np.zeros((B, Hq, Lq), np.int64)
-    out, lse = run_sweep(topk_kernel, problem, int(top_k), kernel_dropout(problem), thr, cut)
+    out, lse = run_sweep(topk_kernel, problem, int(top_k), kernel_dropout(problem),
+                         NORMALIZER_CODES[problem.normalizer], kernel_sinks(problem), thr, cut)
     return scale_kept(out, problem), lse, thr, cut
 
 

@@ -246,7 +246,7 @@ def topk_attention_vjp(problem, top_k, out, lse, dout, dlse=None):
     allowed = allowed_set((B, Hq, Lq, Lk), problem.mask, problem.causal)
     lks = None if problem.log_key_size is None else problem.log_key_size.astype(np.float64)
     keep = topk_selection(s, allowed, lks, top_k)
-    return _masked_vjp(problem, keep, None, dout, dlse, None, "softmax")
+    return _masked_vjp(problem, keep, None, dout, dlse, None, problem.normalizer)
 
 
 def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._common import allowed_set, apply_weights, expand_kv_heads, logits, normalize
-from .attention import dropout_factors
+from .attention import dropout_factors, sink_of
 
 
 def topk_selection(s, allowed, log_key_size, top_k):
@@ -36,7 +36,7 @@ def topk_attention(problem, top_k):
     allowed = allowed_set((B, Hq, Lq, Lk), problem.mask, problem.causal)
     lks = None if problem.log_key_size is None else problem.log_key_size.astype(np.float64)
     keep = topk_selection(s, allowed, lks, top_k)
-    w, lse = normalize(s, keep, problem.log_key_size, "softmax")
+    w, lse = normalize(s, keep, problem.log_key_size, problem.normalizer, sink_of(problem))
     factors = dropout_factors(problem)
     if factors is not None:  # the selection and the LSE are those before dropout
         w = w * factors
