@@ -5,7 +5,7 @@ A kernel that drops weights takes ``dropout = [seed_lo, seed_hi, threshold]``
 :func:`kernel_dropout` builds it on the host, ``threshold = 0`` when nothing
 is dropped), forms its rows' keys once per task
 (:func:`row_keys`) and applies the decisions to each weight tile
-(:func:`drop_tile`, forward; :func:`kept_factor`, backward).  The decisions
+(:func:`drop_tile`, forward; :func:`keep_factors`, backward).  The decisions
 are the reference backend's bit for bit: the same integer functions.
 """
 
@@ -85,9 +85,16 @@ def drop_listed(weights, key_index, n, dropout, key):
 
 
 @inner
-def kept_factor(dropout, key, word, scale):
-    """``scale`` (``1 / (1 - p)``) where the element is kept, else 0."""
-    return scale if _kept(key, word, dropout[2]) else 0.0 * scale
+def keep_factors(Z, dropout, b, h, i0, j0, words, scale):
+    """``Z[r, c]`` = ``scale`` (``1 / (1 - p)``) where element ``(b, h, i0 + r, j0 + c)``
+    is kept, else 0, for the ``(nq, nk)`` tile ``Z``; ``words`` is scratch of ``TILE_K``
+    int64."""
+    nq, nk = Z.shape
+    column_words(dropout, j0, nk, words)
+    for r in range(nq):
+        key = row_key(dropout, b, h, i0 + r)
+        for c in range(nk):
+            Z[r, c] = scale if _kept(key, words[c], dropout[2]) else 0.0 * scale
 
 
 def scale_kept(out, problem):

@@ -51,7 +51,7 @@ from .._bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
 from .._codes import NORMALIZER_CODES, RELU_EXPM1
 from .._dropout import keep_scale
 from ._blocks import ROWS
-from ._dropout import column_words, kept_factor, kernel_dropout, row_key
+from ._dropout import keep_factors, kernel_dropout
 from ._exp import exp_shifted
 from ._grad_tiles import (
     by_key_tile,
@@ -248,38 +248,37 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, by_keys, b, h, p
         dP = tile_logits_t(do, vth, tile_j0, nk, dP_flat)
     W = view2d(W_flat, nq, nk)
     dS = view2d(dS_flat, nq, nk)
-    dropout = pair.dropout
-    dropping = dropout[2] != 0
+    dropping = pair.dropout[2] != 0
     Wd = view2d(Wd_flat, nq, nk) if dropping else W
-    if dropping:
-        column_words(dropout, j0, nk, words)
+    if dropping:  # dP = z (dout . v) before the loop, which stays the plain one
+        keep_factors(Wd, pair.dropout, b, h, i0, j0, words, pair.keep_scale)
+        for r in range(nq):
+            for c in range(nk):
+                dP[r, c] *= Wd[r, c]
     for r in range(nq):
         lse = lse_bh[i0 + r]
         if lse == -np.inf:  # an empty row: no weight, no gradient
             W[r, :] = 0.0
             dS[r, :] = 0.0
             dP[r, :] = 0.0
-            Wd[r, :] = 0.0
             continue
         exp_shifted(S[r], W[r], lse, nk)  # p = exp(s' - lse)
         ratio, delta = ratio_bh[i0 + r], delta_bh[i0 + r]
-        if dropping:
-            key = row_key(dropout, b, h, i0 + r)
         for c in range(nk):
             p = ratio * W[r, c]
             if p == 0.0:  # a key the row does not weigh: its value never reaches it
                 dS[r, c] = 0.0
                 dP[r, c] = 0.0
                 W[r, c] = 0.0
-                Wd[r, c] = 0.0
                 continue
-            z = kept_factor(dropout, key, words[c], pair.keep_scale) if dropping else 1.0
-            grad = dP[r, c] * z - delta if dropping else dP[r, c] - delta
+            grad = dP[r, c] - delta
             dS[r, c] = p * grad
             dP[r, c] = grad
             W[r, c] = p * F[r, c] if normalizer == RELU_EXPM1 else p
-            if dropping:
-                Wd[r, c] = W[r, c] * z
+    if dropping:  # the weights that reach the values: z w
+        for r in range(nq):
+            for c in range(nk):
+                Wd[r, c] *= W[r, c]
     return W, dS, dP, Wd
 
 
