@@ -23,8 +23,8 @@ What they do with tensors
   price of two synchronisations per call.  No GPU was available to test
   this path; the tests that need one skip.
 * **Autograd**: gradients flow into every floating tensor argument that
-  requires grad: ``q``, ``k``, ``v``, ``bias``, ``key_size``, ``lam``
-  (``mask`` and patterns are constants).  The backward operator uses the
+  requires grad: ``q``, ``k``, ``v``, ``bias``, ``key_size``, ``lam``,
+  ``sinks`` (``mask`` and patterns are constants).  The backward operator uses the
   forward's saved ``out`` and ``lse`` (the forward is not run again; the
   differential forward keeps no LSE and its backward recomputes the two
   streams', as :func:`attnnb.vjp` does).  Cotangents of outputs that were
@@ -33,6 +33,9 @@ What they do with tensors
   (:func:`attnnb.use_backend` of the calling thread, then ``ATTNNB_BACKEND``,
   then ``"auto"``; under ``torch.compile``, when it is traced) and the backward
   runs on the same backend, as :func:`attnnb.vjp`'s pullback does.
+* **Dropout** (``dropout_p > 0``): the seed is an operator argument, drawn
+  from PyTorch's default generator when not given; under ``torch.compile``
+  that draw (an ``.item()``) breaks the graph, so pass ``seed=`` there.
 * **torch.compile** sees each call as one operator (fake-tensor rules are
   registered, so it traces without running the kernels and without a graph
   break), and ``torch.library.opcheck`` passes on all eight.
