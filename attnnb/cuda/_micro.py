@@ -44,9 +44,11 @@ import numpy as np
 from numba import config, cuda
 
 from .._codes import RELU_EXPM1
+from ._dropout import column_word, kept
 from ._tiles import SHARED_BYTES, cached_kernel, device_functions
 
 U32 = numba.uint32
+I64 = numba.int64  # the dropout generator's words are computed in 64-bit integers
 ALIGN = None if config.ENABLE_CUDASIM else 16  # the simulator takes no alignment
 
 
@@ -479,18 +481,32 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
                 O[r * TO + e] += coef[r] * T[r * TO + e]
 
     @cuda.jit(device=True)
+    def drop_stored(Pt, row0, key0, j0, keys, threshold):
+        """Zero the dropped weights of the thread's micro-tile in ``Pt`` (rows keyed by
+        ``keys``, :mod:`attnnb.cuda._dropout`; keys ``j0 + key0 + c``)."""
+        for c in range(TN):
+            word = column_word(I64(j0 + key0 + c))
+            for r in range(TM):
+                if not kept(keys[r], word, threshold):
+                    Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] = ZERO
+
+    @cuda.jit(device=True)
     def online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, tile, KV, Pt, red, rows,
-                    flag, t, row0, key0, col0, O, T):
+                    flag, t, row0, key0, col0, O, T, keys, threshold):
         """One key tile of the online softmax after its logits ``S`` (factors ``F``) are
         final: row maxima, weights to ``Pt``, the value tile staged in ``KV`` (over the
         key tile: the row reduction's barriers come first), ``O = O * alpha + P V``.
 
         ``tile`` names this step (unique within the sweep) for the non-finite flag.
-        Every thread must call it.
+        With a dropout ``threshold`` (0: none; a constant 0 compiles the test away) the
+        dropped weights leave ``Pt`` after they entered the row sums (rows keyed by
+        ``keys``).  Every thread must call it.
         """
         thread_max(S, part)
         row_reduce(red, rows, t, row0, key0, part, part, True)  # ends with syncthreads
         tile_weights(S, F, m, l, alpha, part, normalizer, Pt, row0, key0)
+        if threshold != 0:
+            drop_stored(Pt, row0, key0, j0, keys, threshold)
         if stage_values(vh, j0, nk, KV):
             flag[0] = CAST(tile)
         cuda.syncthreads()

@@ -11,13 +11,13 @@ import numpy as np
 from numba import cuda
 
 from .._codes import NORMALIZER_CODES
-from .._dropout import refuse_device_dropout
 from ._arrays import device_problem, finish, outputs
-from ._micro import micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._dropout import kernel_dropout, row_key
+from ._micro import I64, micro_functions, ptx_cases, tiled_kernel, tiling_for
 from ._tiles import device_functions
 
 
-def build_dense(dtype, tiling):
+def build_dense(dtype, tiling, dropout=False):
     """The register-tiled dense kernel for one compute dtype and :class:`Tiling`
     (not compiled yet; launch with ``tiling.threads`` threads per block).
 
@@ -25,7 +25,10 @@ def build_dense(dtype, tiling):
     ``v (B, Hk, Lk, Dv)`` of any floating dtype, ``scale`` (compute dtype),
     ``bias`` / ``mask`` (4-D, each axis full or 1) with their flags,
     ``logks (B or 1, Lk or 1)`` with its flag, ``causal``, the normalizer
-    code, ``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)``.
+    code, the dropout's ``seed_lo, seed_hi, threshold, keep``
+    (:func:`attnnb.cuda._dropout.kernel_dropout`; read only by the ``dropout``
+    build, a kernel of its own so that the others carry none of it),
+    ``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)``.
 
     With ``causal`` the sweep stops at the last key tile the block's last
     query may see (causal tile skipping); the diagonal is applied per element.
@@ -37,13 +40,18 @@ def build_dense(dtype, tiling):
     block_tile, begin_tile, stage_transposed = f.block_tile, f.begin_tile, f.stage_transposed
     tile_scores, modify_tile = f.tile_scores, f.modify_tile
     online_tile, finish_tile = f.online_tile, f.finish_tile
+    TM, N_O, DROPOUT = f.TM, f.N_O, dropout
 
     def dense_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                               causal, normalizer, out, lse):
+                               causal, normalizer, seed_lo, seed_hi, threshold, keep, out, lse):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
         (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
          T) = begin_tile(q[b, h], i0, scale)
+        keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
+        if DROPOUT:
+            for r in range(TM):
+                keys[r] = row_key(seed_lo, seed_hi, I64(b), I64(h), I64(i0 + row0 + r))
         diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
         kh = k[b, g]
         vh = v[b, g]
@@ -56,7 +64,11 @@ def build_dense(dtype, tiling):
             modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                         has_mask, logks, has_ks, normalizer)
             online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, tile, KV, Pt, red,
-                        rows, flag, t, row0, key0, col0, O, T)
+                        rows, flag, t, row0, key0, col0, O, T, keys,
+                        threshold if DROPOUT else 0)
+        if DROPOUT:  # the kept weights' factor, once on the accumulated values
+            for e in range(N_O):
+                O[e] *= keep
         finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
                     out[b, h], lse[b, h])
 
@@ -70,17 +82,19 @@ def attention(problem):
     output for float16 inputs, LSE in float32); host problems return NumPy
     arrays in the compute dtype.
     """
-    refuse_device_dropout(problem)
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
     a = device_problem(problem)
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)
     if Lq and B * Hq:
         tiling = tiling_for(a.dtype, D, Dv)
-        kernel = tiled_kernel("dense", build_dense, a.dtype, tiling)
+        dropping = bool(problem.dropout_p)
+        kernel = tiled_kernel("dense-dropout" if dropping else "dense",
+                              lambda dt, t: build_dense(dt, t, dropping), a.dtype, tiling)
         grid = (B * Hq, (Lq + tiling.bq - 1) // tiling.bq)
         kernel[grid, tiling.threads](a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.has_bias,
                          a.mask, a.has_mask, a.logks, a.has_ks, problem.causal,
-                         NORMALIZER_CODES[problem.normalizer], out, lse)
+                         NORMALIZER_CODES[problem.normalizer],
+                         *kernel_dropout(problem, a.dtype), out, lse)
     return finish(a, out, lse)
 
 
@@ -91,7 +105,9 @@ def ptx_signatures():
     def argtypes(ty):
         arr4 = ty[:, :, :, ::1]
         return (arr4, arr4, arr4, ty, arr4, types.boolean, types.boolean[:, :, :, ::1],
-                types.boolean, ty[:, ::1], types.boolean, types.boolean, types.int64, arr4,
-                ty[:, :, ::1])
+                types.boolean, ty[:, ::1], types.boolean, types.boolean, types.int64,
+                types.int64, types.int64, types.int64, ty, arr4, ty[:, :, ::1])
 
-    return [case for d in (64, 128) for case in ptx_cases("dense", build_dense, argtypes, d, d)]
+    return ([case for d in (64, 128) for case in ptx_cases("dense", build_dense, argtypes, d, d)]
+            + ptx_cases("dense dropout", lambda dt, t: build_dense(dt, t, True), argtypes,
+                        64, 64))

@@ -52,6 +52,13 @@ Two kernels, as FlashAttention-2, for one or two score streams
   key_size`` per key head.  No two blocks of a launch write one element: no
   atomics, and the results are the same bit for bit from run to run.
 
+Dropout (dense attention; builds of their own, ``dropout=True``, so that the
+other kernels carry none of it): each thread forms its rows' keys per tile
+(:mod:`attnnb.cuda._dropout`) and :func:`pair_functions`' one-stream path
+scales ``dp`` by the factor ``z`` (``1 / (1 - p)`` kept, 0 dropped) before
+``g = z dp - delta`` and the weights that reach ``dV`` to ``z w``; the key
+sizes' term stays ``w g``.
+
 Each kernel has its own :class:`~attnnb.cuda._micro.Tiling`
 (:func:`backward_tiling`; the tile lists are built for each).  Threads and
 micro-tiles are the forward's (``(ty, tx)``: rows ``ty * TM``,
@@ -85,7 +92,8 @@ from .._codes import NORMALIZER_CODES, RELU_EXPM1, SOFTMAX, SOFTMAX1
 from .._device import device_view
 from ..patterns import BlockLayout
 from ._arrays import device_problem
-from ._micro import ALIGN, U32, Tiling, micro_functions, tiled_kernel, tiling_for
+from ._dropout import column_word, kept, kernel_dropout, row_key
+from ._micro import ALIGN, I64, U32, Tiling, micro_functions, tiled_kernel, tiling_for
 from ._tiles import cached_kernel, device_functions, key_tiles_seen
 
 ROW_THREADS = 128  # threads per block of the one-thread-per-element helper kernels
@@ -205,13 +213,15 @@ def pair_stream(streams: int, variant: str) -> tuple[int, int, bool]:
     return streams, 0, False
 
 
-def pair_functions(dtype, tiling: Tiling):
+def pair_functions(dtype, tiling: Tiling, dropout=False):
     """Device functions shared by both backward kernels: the weights and logit
-    gradients of one (query tile, key tile) pair in the thread's micro-tile."""
+    gradients of one (query tile, key tile) pair in the thread's micro-tile
+    (with ``dropout``, under the forward's keep decisions)."""
     f = micro_functions(np.dtype(dtype), tiling)
     t_ = device_functions(np.dtype(dtype))
-    ZERO, NINF = t_.ZERO, t_.NINF
+    ZERO, NINF, ONE = t_.ZERO, t_.NINF, t_.CAST(1)
     TM, TN, STREAMS, nt, N_S = tiling.tm, tiling.tn, tiling.streams, f.nt, f.N_S
+    DROPOUT = dropout
     N_ROWV = 3 if STREAMS == 1 else 5  # values a row: lse, r, delta / lse1, lse2, d1, e, lam
     N_RV = N_ROWV * TM  # (local array sizes must be plain constants)
     modify_tile, tile_scores, apply_tile_mask = f.modify_tile, f.tile_scores, f.apply_tile_mask
@@ -221,9 +231,12 @@ def pair_functions(dtype, tiling: Tiling):
 
     @cuda.jit(device=True)
     def single(S, F, dP, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
-               clipped, clip_row, words):
-        """One stream: ``S`` becomes ``ds``, ``dP`` becomes ``g`` (0 where the weight is),
-        ``F`` the weights.  ``rv``: the rows' ``lse, r, delta``; ``thr``, ``cutr``: the
+               clipped, clip_row, words, keys, threshold, keep):
+        """One stream: ``S`` becomes ``ds``, ``dP`` becomes ``w g`` (a key size's term;
+        0 where the weight is), ``F`` the weights that reach the values.  With dropout
+        (``keys``: the rows' keys, ``threshold``, ``keep = 1 / (1 - p)``) the factor
+        ``z`` (``keep`` or 0) scales ``dP`` before ``g = z dP - delta`` and the weights
+        in ``F`` (``z w``).  ``rv``: the rows' ``lse, r, delta``; ``thr``, ``cutr``: the
         top-k selection when ``selected``.  Rows past ``nq`` get zeros.  ``S``, ``F``:
         the modified logits and their factors.  ``clipped``: a rectified pair's stream,
         ``clip[b, h, i, j // 32]`` bit ``j % 32`` the clip of weight ``(i, j)``; where it
@@ -248,10 +261,16 @@ def pair_functions(dtype, tiling: Tiling):
                 w = ZERO
                 ds = ZERO
                 g = ZERO
+                z = ONE
                 if live:
                     p = ratio * math.exp(s - lse)
                     if p != ZERO:  # a key the row does not weigh: its value never reaches it
-                        g = dP[x] - delta
+                        if DROPOUT and not kept(keys[r], column_word(I64(j0 + key0 + c)),
+                                                threshold):
+                            z = ZERO
+                        elif DROPOUT:
+                            z = keep
+                        g = (dP[x] * z if DROPOUT else dP[x]) - delta
                         w = p * F[x] if normalizer == RELU_EXPM1 else p
                         if clipped:
                             if not ONE_WORD:  # the bit to the position of bit c
@@ -263,8 +282,8 @@ def pair_functions(dtype, tiling: Tiling):
                                 w = ZERO
                         ds = p * g
                 S[x] = ds
-                F[x] = w
-                dP[x] = g
+                F[x] = w * z if DROPOUT else w
+                dP[x] = w * g
 
     @cuda.jit(device=True)
     def pair(S1, S2, dP, W, rv, rectified, part1, part2, row0, nq):
@@ -327,11 +346,16 @@ def pair_functions(dtype, tiling: Tiling):
     def tile_gradients(Q1, Q2, K1, K2, Ot, Vt, Mt, partial, S1, S2, F, dP, rv, thr, cutr,
                        selected, rectified, clip, clipped, clip_row, words, part1, part2, i0,
                        row0, j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask, has_mask,
-                       logks, has_ks, normalizer):
+                       logks, has_ks, normalizer, keys, drop):
         """The logits (``Q K^T`` per stream), ``dP = dO V^T`` and the pair's weights and
         logit gradients (:func:`single` or :func:`pair`; the weights in ``F``) from the
         staged transposed tiles; ``Mt``: a partial tile's mask (``partial``); ``clip``,
-        ``clipped``: as :func:`single`."""
+        ``clipped``: as :func:`single`; ``drop``: the dropout's ``(seed_lo, seed_hi,
+        threshold, keep)``, read by a ``dropout`` build, which forms the rows' keys in
+        ``keys``."""
+        if DROPOUT:
+            for r in range(TM):
+                keys[r] = row_key(drop[0], drop[1], I64(b), I64(h), I64(i0 + row0 + r))
         tile_scores(Q1, K1, row0, key0, S1)
         if STREAMS == 2:
             tile_scores(Q2, K2, row0, key0, S2)
@@ -342,7 +366,7 @@ def pair_functions(dtype, tiling: Tiling):
                     has_mask, logks, has_ks, normalizer if STREAMS == 1 else SOFTMAX)
         if STREAMS == 1:
             single(S1, F, dP, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
-                   clipped, clip_row, words)
+                   clipped, clip_row, words, keys, drop[2], drop[3])
         else:
             modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                         has_mask, logks, has_ks, SOFTMAX)
@@ -351,7 +375,7 @@ def pair_functions(dtype, tiling: Tiling):
     return pair_registers, load_rows, tile_gradients
 
 
-def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
+def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = False):
     """The query-tile kernel (``dQ``; with two streams also ``d1``, ``e``).
 
     Arguments: ``q, k, v, dout`` (4-D, the forward's head layout), ``scale``,
@@ -388,7 +412,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
     dq_product = f.micro_product(TM, TD, BK, BQ, DQP)
     store_tile, row_reduce = f.store_tile, f.row_reduce
     stage_tile_mask = f.stage_tile_mask
-    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling)
+    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling, dropout)
     CSR, SELECTED = variant == "sparse", variant == "topk"
     HS, HOFF, PAIR = pair_stream(S_, variant)
     CLIPPED = variant.startswith("clipped")
@@ -396,7 +420,8 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
 
     def dq_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
                   normalizer, rowv, thr_a, cut_a, selected, rectified, clip, p_heads, indptr,
-                  indices, csr, tile_ptr, tile_idx, tile_full, dq):
+                  indices, csr, seed_lo, seed_hi, threshold, keep, tile_ptr, tile_idx,
+                  tile_full, dq):
         Lq, Lk = q.shape[2], k.shape[2]
         diag = Lk - Lq if causal else Lk
         csr = CSR  # the variant's constants (the arguments only say the same)
@@ -411,6 +436,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
         t, row0, key0, _ = thread_place()
         colq = (key0 // TN) * TD
         S1, S2, F, dP, rv, thr, cutr = pair_registers()
+        keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
         part1, part2 = row_zeros()  # with two streams: the rows' d1 and e
         Q1, Q2 = dq_zeros()  # each stream's dQ micro-tile
         if t == 0:
@@ -443,7 +469,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
                                dP, rv, thr, cutr, selected, rectified, clip, CLIPPED,
                                clip_row, words, part1, part2, i0, row0, j0, key0, nq, Lq,
                                Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
-                               normalizer)
+                               normalizer, keys, (seed_lo, seed_hi, threshold, keep))
                 if PAIR and not last:  # delta 0 and ratio 1: S holds A dP
                     for r in range(TM):
                         for c in range(TN):
@@ -491,7 +517,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense"):
     return dq_kernel
 
 
-def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
+def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = False):
     """The key-tile kernel (``dK``, ``dV``, the full bias gradient, ``d log key_size``).
 
     Arguments as :func:`build_dq` up to the pattern (``col_ptr, col_qt,
@@ -524,7 +550,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
     dv_product = f.micro_product(TN, TVK, BQ, BK, DVKP)
     dk_product = f.micro_product(TN, TDK, BQ, BK, DKP)
     stage_tile_mask = f.stage_tile_mask
-    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling)
+    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling, dropout)
     CSR, SELECTED = variant == "sparse", variant == "topk"
     HS, HOFF, _ = pair_stream(S_, variant)
     CLIPPED = variant.startswith("clipped")
@@ -539,7 +565,8 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
 
     def dkdv_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
                     normalizer, rowv, thr_a, cut_a, selected, rectified, clip, p_heads, indptr,
-                    indices, csr, col_ptr, col_qt, col_full, need_dbias, dk, dv, dbias, dlogks):
+                    indices, csr, seed_lo, seed_hi, threshold, keep, col_ptr, col_qt, col_full,
+                    need_dbias, dk, dv, dbias, dlogks):
         Lq, Lk = q.shape[2], k.shape[2]
         diag = Lk - Lq if causal else Lk
         csr = CSR  # the variant's constants (the arguments only say the same)
@@ -561,6 +588,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
         colk = ty * TDK
         colv = ty * TVK
         S1, S2, F, dP, rv, thr, cutr = pair_registers()
+        keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
         part, _ = row_zeros()  # the first sweep's sums: not needed here
         K1, K2 = dk_zeros()  # dK of each stream
         V1, _ = dv_zeros()
@@ -588,14 +616,15 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense"):
                                rv, thr, cutr, selected, rectified, clip, CLIPPED,
                                U32((b * H + h) * Lq + i0), words, part, part, i0, row0,
                                j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                               has_mask, logks, has_ks, normalizer)
+                               has_mask, logks, has_ks, normalizer, keys,
+                               (seed_lo, seed_hi, threshold, keep))
                 for r in range(TM):  # the contributions to d log key_size (and dbias)
                     for c in range(TN):
                         x = r * TN + c
                         # a key size's gradient sums ds: for a softmax stream that is
                         # w g, but not where the clip set w to 0 (ds is still -p delta)
                         dP[x] = (S1[x] + S2[x] if S_ == 2 else S1[x] if CLIPPED
-                                 else F[x] * dP[x])
+                                 else dP[x])  # single() left w g there
                         if need_dbias and row0 + r < nq and key0 + c < nk:
                             y = S1[x] + S2[x] if S_ == 2 else S1[x]
                             if ADD:
@@ -764,16 +793,17 @@ def sum_to(x, shape, dtype):
     return y
 
 
-def _variant_kernel(name, build, dtype, tiling, variant):
-    return tiled_kernel(f"{name}-{variant}", lambda dt, t: build(dt, t, variant), dtype, tiling)
+def _variant_kernel(name, build, dtype, tiling, variant, dropout):
+    label = f"{name}-{variant}" + ("-dropout" if dropout else "")
+    return tiled_kernel(label, lambda dt, t: build(dt, t, variant, dropout), dtype, tiling)
 
 
-def dq_kernel(dtype, tiling, variant):
-    return _variant_kernel("dq", build_dq, dtype, tiling, variant)
+def dq_kernel(dtype, tiling, variant, dropout=False):
+    return _variant_kernel("dq", build_dq, dtype, tiling, variant, dropout)
 
 
-def dkdv_kernel(dtype, tiling, variant):
-    return _variant_kernel("dkdv", build_dkdv, dtype, tiling, variant)
+def dkdv_kernel(dtype, tiling, variant, dropout=False):
+    return _variant_kernel("dkdv", build_dkdv, dtype, tiling, variant, dropout)
 
 
 def _tile_lists(problem, tiling, pattern):
@@ -852,14 +882,15 @@ def _sweep(problem, a, streams, rowv, dout, pattern=None, selection=None, rectif
     common = (a.q, a.k, a.v, dout, dt.type(problem.scale), a.bias, a.has_bias, a.mask,
               a.has_mask, a.logks, a.has_ks, problem.causal,
               NORMALIZER_CODES[problem.normalizer], rowv, thr, cut, selection is not None,
-              rectified, clip_d, p_heads, indptr, indices, csr)
+              rectified, clip_d, p_heads, indptr, indices, csr, *kernel_dropout(problem, dt))
     n_qt, n_kt = -(-Lq // t_dq.bq), -(-Lk // t_kv.bk)
     # the query-tile kernel first: with two streams it forms d1 and e for the other
     variant = ("sparse" if pattern is not None else "topk" if selection is not None else
                "dense" if stream is None else
                f"stream{stream}" if clip is None else f"clipped{stream}")
-    dq_kernel(dt, t_dq, variant)[(B * H, n_qt), t_dq.threads](*common, *rows, dq)
-    dkdv_kernel(dt, t_kv, variant)[(B * Hk, n_kt), t_kv.threads](
+    dropping = bool(problem.dropout_p)
+    dq_kernel(dt, t_dq, variant, dropping)[(B * H, n_qt), t_dq.threads](*common, *rows, dq)
+    dkdv_kernel(dt, t_kv, variant, dropping)[(B * Hk, n_kt), t_kv.threads](
         *common, *cols, need_dbias, dk, dv, dbias, dlogks)
     return dq, dk, dv, dbias, dlogks
 
@@ -1068,8 +1099,8 @@ def ptx_signatures():
         arr4 = ty[:, :, :, ::1]
         return (arr4, arr4, arr4, arr4, ty, arr4, b_, types.boolean[:, :, :, ::1], b_,
                 ty[:, ::1], b_, b_, types.int64, arr4, ty[:, :, ::1], types.int64[:, :, ::1],
-                b_, b_, types.uint32[::1], types.int64, i64, i32, b_, i64, i32,
-                flags)
+                b_, b_, types.uint32[::1], types.int64, i64, i32, b_, types.int64, types.int64,
+                types.int64, ty, i64, i32, flags)
 
     def dq_types(ty):
         return common(ty) + (ty[:, :, :, ::1],)
@@ -1085,6 +1116,9 @@ def ptx_signatures():
 
         for d in (64, 128):
             cases += ptx_cases(f"backward {label}", build, argtypes, d, d, tiles=tiles)
+        cases += ptx_cases(f"backward dropout {label}",
+                           lambda dt, t, b=build: b(dt, t, "dense", True), argtypes, 64, 64,
+                           tiles=tiles)
         # the difference mode: one stream of the pair (the second, which adds to dV)
         cases += ptx_cases(f"backward diff {label}", lambda dt, t, b=build: b(dt, t, "stream1"),
                            argtypes, 64, 128, tiles=tiles)

@@ -48,6 +48,7 @@ def build_sparse(dtype, tiling):
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
         (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
          T) = begin_tile(q[b, h], i0, scale)
+        no_keys = cuda.local.array(1, np.int64)  # no dropout here
         ph = h if p_heads > 1 else 0
         i = ph * Lq + min(i0 + t, Lq - 1)  # thread t < BQ: row t's CSR cursor (past Lq: clipped)
         p = indptr[i]
@@ -68,7 +69,7 @@ def build_sparse(dtype, tiling):
             modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, Lk, b, h, bias, False, mask, False,
                         logks, has_ks, normalizer)
             online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, s, KV, Pt, red,
-                        rows, flag, t, row0, key0, col0, O, T)
+                        rows, flag, t, row0, key0, col0, O, T, no_keys, 0)
         finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
                     out[b, h], lse[b, h])
 

@@ -100,6 +100,7 @@ def build_topk(dtype, tiling):
         # F, the factors, is unused (softmax)
         (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
          T) = begin_tile(q[b, h], i0, scale)
+        no_keys = cuda.local.array(1, np.int64)  # no dropout here
         cuts = cuda.shared.array(BQ, numba.int64)
         thr = cuda.local.array(TM, nt)
         cut = cuda.local.array(TM, numba.int64)
@@ -138,7 +139,7 @@ def build_topk(dtype, tiling):
             j0 = tile * BK
             kept_scores(Rows, row0, j0 + key0, Lk, thr, cut, S)
             online_tile(S, S, part, m, l, alpha, SOFTMAX, vh, j0, min(BK, Lk - j0), tile, KV,
-                        Pt, red, rows, flag, t, row0, key0, col0, O, T)
+                        Pt, red, rows, flag, t, row0, key0, col0, O, T, no_keys, 0)
         finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, SOFTMAX,
                     out[b, h], lse[b, h])
 

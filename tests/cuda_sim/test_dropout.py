@@ -1,0 +1,60 @@
+"""Attention dropout on the cuda backend (docs/contract.md §1.14): the reference's keep
+decisions bit for bit, and its gradients.  Small sizes: the simulator runs a thread per
+GPU thread."""
+
+import numpy as np
+import pytest
+
+import attnnb
+
+from .common import n
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_drops_the_reference_keys(rng, causal):
+    """One-hot values: the output is each row's dropped weights, so the zeros are the
+    reference's exactly (GQA, Lq != Lk)."""
+    lq, lk = n(9), n(13)
+    q = rng.standard_normal((1, 2, lq, 4))
+    k = rng.standard_normal((1, 1, lk, 4))
+    v = np.broadcast_to(np.eye(lk), (1, 1, lk, lk)).copy()
+    kw = dict(dropout_p=0.4, seed=2024, causal=causal, return_lse=True)
+    ref, ref_lse = attnnb.attention(q, k, v, backend="reference", **kw)
+    out, lse = attnnb.attention(q, k, v, backend="cuda", **kw)
+    np.testing.assert_array_equal(out == 0, ref == 0)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-12), (np.float32, 1e-4)])
+def test_cuda_dropout_gradients_equal_the_reference(rng, dtype, rtol):
+    """Every gradient (q, k, v, bias, key_size) under dropout, causal, GQA."""
+    lq, lk = n(7), n(10)
+    q = rng.standard_normal((2, 2, lq, 4)).astype(dtype)
+    k = rng.standard_normal((2, 1, lk, 4)).astype(dtype)
+    v = rng.standard_normal((2, 1, lk, 3)).astype(dtype)
+    kw = dict(dropout_p=0.3, seed=77, causal=True, return_lse=True,
+              bias=rng.standard_normal((lq, lk)).astype(dtype),
+              key_size=rng.uniform(0.5, 2.0, (2, lk)).astype(dtype))
+    (out, lse), pb = attnnb.vjp(attnnb.attention, q, k, v, backend="cuda", **kw)
+    f64 = {name: (x.astype(np.float64) if isinstance(x, np.ndarray) else x)
+           for name, x in kw.items()}
+    (ref, _), pb_ref = attnnb.vjp(attnnb.attention, q.astype(np.float64), k.astype(np.float64),
+                                  v.astype(np.float64), backend="reference", **f64)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=rtol * np.abs(ref).max())
+    dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+    g, r = pb(dout.astype(dtype), dlse.astype(dtype)), pb_ref(dout, dlse)
+    for name in r:
+        np.testing.assert_allclose(g[name], r[name], rtol=0,
+                                   atol=rtol * np.abs(r[name]).max(), err_msg=name)
+
+
+def test_cuda_sparse_and_topk_refuse_dropout(rng):
+    from attnnb import patterns
+
+    q = rng.standard_normal((1, 1, 5, 4))
+    with pytest.raises(NotImplementedError, match="cuda"):
+        attnnb.sparse_attention(q, q, q, patterns.local(5, 2), dropout_p=0.1, seed=0,
+                                backend="cuda")
+    with pytest.raises(NotImplementedError, match="cuda"):
+        attnnb.topk_attention(q, q, q, 2, dropout_p=0.1, seed=0, backend="cuda")
