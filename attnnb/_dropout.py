@@ -128,10 +128,11 @@ def refuse_lazy_sinks(sinks) -> None:
 
 
 def refuse_device_dropout(problem) -> None:
-    """The cuda backend has no dropout yet."""
+    """The cuda backend's sparse and top-k kernels have no dropout yet (its dense ones do)."""
     if problem.dropout_p:
-        raise NotImplementedError("dropout_p > 0 on the cuda backend: not yet (the reference "
-                                  "and cpu backends have it)")
+        raise NotImplementedError("dropout_p > 0 in this function on the cuda backend: not "
+                                  "yet (attention has it there; the reference and cpu "
+                                  "backends have it in every function)")
 
 
 def keep_scale(p: float) -> float:
