@@ -127,14 +127,6 @@ def refuse_lazy_sinks(sinks) -> None:
         raise NotImplementedError("sinks with Dask arrays: not yet; compute the arrays first")
 
 
-def refuse_device_dropout(problem) -> None:
-    """The cuda backend's sparse and top-k kernels have no dropout yet (its dense ones do)."""
-    if problem.dropout_p:
-        raise NotImplementedError("dropout_p > 0 in this function on the cuda backend: not "
-                                  "yet (attention has it there; the reference and cpu "
-                                  "backends have it in every function)")
-
-
 def keep_scale(p: float) -> float:
     """The factor of a kept weight, ``1 / (1 - p)`` (0 at ``p = 1``: nothing is kept)."""
     return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)

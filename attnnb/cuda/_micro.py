@@ -44,7 +44,7 @@ import numpy as np
 from numba import config, cuda
 
 from .._codes import RELU_EXPM1
-from ._dropout import column_word, kept
+from ._dropout import column_word, kept, row_key
 from ._tiles import SHARED_BYTES, cached_kernel, device_functions
 
 U32 = numba.uint32
@@ -481,6 +481,19 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
                 O[r * TO + e] += coef[r] * T[r * TO + e]
 
     @cuda.jit(device=True)
+    def dropout_keys(keys, seed_lo, seed_hi, b, h, i0, row0):
+        """``keys[r]``: the dropout's key of the thread's row ``i0 + row0 + r`` of batch
+        ``b``, head ``h`` (:mod:`attnnb.cuda._dropout`)."""
+        for r in range(TM):
+            keys[r] = row_key(seed_lo, seed_hi, I64(b), I64(h), I64(i0 + row0 + r))
+
+    @cuda.jit(device=True)
+    def scale_values(O, keep):
+        """``O *= keep``: the kept weights' factor ``1 / (1 - p)``, once on the values."""
+        for e in range(N_O):
+            O[e] *= keep
+
+    @cuda.jit(device=True)
     def drop_stored(Pt, row0, key0, j0, keys, threshold):
         """Zero the dropped weights of the thread's micro-tile in ``Pt`` (rows keyed by
         ``keys``, :mod:`attnnb.cuda._dropout`; keys ``j0 + key0 + c``)."""
@@ -624,5 +637,6 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
         thread_max=thread_max, row_reduce=row_reduce, store_tile=store_tile,
         tile_weights=tile_weights, tile_sums=tile_sums, tile_product=tile_product,
         tile_values=tile_values, add_tile=add_tile, online_tile=online_tile, map_lse=map_lse,
+        dropout_keys=dropout_keys, scale_values=scale_values,
         stage_tile_mask=stage_tile_mask, apply_tile_mask=apply_tile_mask,
     )

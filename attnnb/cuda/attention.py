@@ -12,8 +12,8 @@ from numba import cuda
 
 from .._codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
-from ._dropout import kernel_dropout, row_key
-from ._micro import I64, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._dropout import kernel_dropout
+from ._micro import micro_functions, ptx_cases, tiled_kernel, tiling_for
 from ._tiles import device_functions
 
 
@@ -40,7 +40,8 @@ def build_dense(dtype, tiling, dropout=False):
     block_tile, begin_tile, stage_transposed = f.block_tile, f.begin_tile, f.stage_transposed
     tile_scores, modify_tile = f.tile_scores, f.modify_tile
     online_tile, finish_tile = f.online_tile, f.finish_tile
-    TM, N_O, DROPOUT = f.TM, f.N_O, dropout
+    TM, DROPOUT = f.TM, dropout
+    dropout_keys, scale_values = f.dropout_keys, f.scale_values
 
     def dense_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks,
                                causal, normalizer, seed_lo, seed_hi, threshold, keep, out, lse):
@@ -50,8 +51,7 @@ def build_dense(dtype, tiling, dropout=False):
          T) = begin_tile(q[b, h], i0, scale)
         keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
         if DROPOUT:
-            for r in range(TM):
-                keys[r] = row_key(seed_lo, seed_hi, I64(b), I64(h), I64(i0 + row0 + r))
+            dropout_keys(keys, seed_lo, seed_hi, b, h, i0, row0)
         diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
         kh = k[b, g]
         vh = v[b, g]
@@ -66,9 +66,8 @@ def build_dense(dtype, tiling, dropout=False):
             online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, tile, KV, Pt, red,
                         rows, flag, t, row0, key0, col0, O, T, keys,
                         threshold if DROPOUT else 0)
-        if DROPOUT:  # the kept weights' factor, once on the accumulated values
-            for e in range(N_O):
-                O[e] *= keep
+        if DROPOUT:
+            scale_values(O, keep)
         finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
                     out[b, h], lse[b, h])
 

@@ -52,12 +52,12 @@ Two kernels, as FlashAttention-2, for one or two score streams
   key_size`` per key head.  No two blocks of a launch write one element: no
   atomics, and the results are the same bit for bit from run to run.
 
-Dropout (dense attention; builds of their own, ``dropout=True``, so that the
-other kernels carry none of it): each thread forms its rows' keys per tile
-(:mod:`attnnb.cuda._dropout`) and :func:`pair_functions`' one-stream path
-scales ``dp`` by the factor ``z`` (``1 / (1 - p)`` kept, 0 dropped) before
-``g = z dp - delta`` and the weights that reach ``dV`` to ``z w``; the key
-sizes' term stays ``w g``.
+Dropout (dense, sparse and top-k attention; builds of their own,
+``dropout=True``, so that the other kernels carry none of it): each thread
+forms its rows' keys per tile (:mod:`attnnb.cuda._dropout`) and
+:func:`pair_functions`' one-stream path scales ``dp`` by the factor ``z``
+(``1 / (1 - p)`` kept, 0 dropped) before ``g = z dp - delta`` and the
+weights that reach ``dV`` to ``z w``; the key sizes' term stays ``w g``.
 
 Each kernel has its own :class:`~attnnb.cuda._micro.Tiling`
 (:func:`backward_tiling`; the tile lists are built for each).  Threads and

@@ -16,13 +16,13 @@ import numpy as np
 from numba import cuda
 
 from .._codes import NORMALIZER_CODES
-from .._dropout import refuse_device_dropout
 from ._arrays import device_problem, finish, outputs
+from ._dropout import kernel_dropout
 from ._micro import micro_functions, ptx_cases, tiled_kernel, tiling_for
 from ._tiles import device_functions
 
 
-def build_sparse(dtype, tiling):
+def build_sparse(dtype, tiling, dropout=False):
     """The sparse kernel for one compute dtype and :class:`~attnnb.cuda._micro.Tiling`
     (not compiled yet; launch with ``tiling.threads`` threads per block).
 
@@ -30,7 +30,9 @@ def build_sparse(dtype, tiling):
     ``mask`` (placeholders: a pattern takes neither), ``logks`` with its flag,
     the normalizer code, ``p_heads`` (the pattern's head count, 1 = shared),
     its CSR ``indptr`` / ``indices``, the block layout's ``tile_ptr`` /
-    ``tile_idx`` / ``tile_full``, ``out`` and ``lse``.
+    ``tile_idx`` / ``tile_full``, the dropout's ``seed_lo, seed_hi, threshold,
+    keep`` (read by the ``dropout`` build, as the dense kernel's), ``out`` and
+    ``lse``.
     """
     f = micro_functions(np.dtype(dtype), tiling)
     BQ, BK = f.BQ, f.BK
@@ -40,15 +42,19 @@ def build_sparse(dtype, tiling):
     tile_scores, modify_tile = f.tile_scores, f.modify_tile
     online_tile, finish_tile = f.online_tile, f.finish_tile
     stage_tile_mask, apply_tile_mask = f.stage_tile_mask, f.apply_tile_mask
+    TM, DROPOUT = f.TM, dropout
+    dropout_keys, scale_values = f.dropout_keys, f.scale_values
 
     def sparse_attention_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer,
-                                p_heads, indptr, indices, tile_ptr, tile_idx, tile_full, out,
-                                lse):
+                                p_heads, indptr, indices, tile_ptr, tile_idx, tile_full,
+                                seed_lo, seed_hi, threshold, keep, out, lse):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
         (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
          T) = begin_tile(q[b, h], i0, scale)
-        no_keys = cuda.local.array(1, np.int64)  # no dropout here
+        keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
+        if DROPOUT:
+            dropout_keys(keys, seed_lo, seed_hi, b, h, i0, row0)
         ph = h if p_heads > 1 else 0
         i = ph * Lq + min(i0 + t, Lq - 1)  # thread t < BQ: row t's CSR cursor (past Lq: clipped)
         p = indptr[i]
@@ -69,7 +75,10 @@ def build_sparse(dtype, tiling):
             modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, Lk, b, h, bias, False, mask, False,
                         logks, has_ks, normalizer)
             online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, s, KV, Pt, red,
-                        rows, flag, t, row0, key0, col0, O, T, no_keys, 0)
+                        rows, flag, t, row0, key0, col0, O, T, keys,
+                        threshold if DROPOUT else 0)
+        if DROPOUT:
+            scale_values(O, keep)
         finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
                     out[b, h], lse[b, h])
 
@@ -82,20 +91,22 @@ def sparse_attention(problem, pattern):
     The pattern's CSR arrays and block layout are copied to the device on
     each call (they are host objects).  Device problems return device arrays.
     """
-    refuse_device_dropout(problem)
     B, Hq, _, Lq, _, D, Dv = problem.shape
     a = device_problem(problem)
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)
     if Lq and B * Hq:
         tiling = tiling_for(a.dtype, D, Dv)
         layout = pattern.blocks(tiling.bq, tiling.bk)
-        kernel = tiled_kernel("sparse", build_sparse, a.dtype, tiling)
+        dropping = bool(problem.dropout_p)
+        kernel = tiled_kernel("sparse-dropout" if dropping else "sparse",
+                              lambda dt, t: build_sparse(dt, t, dropping), a.dtype, tiling)
         dev = [cuda.to_device(np.ascontiguousarray(x)) for x in (
             pattern.indptr, pattern.indices, layout.tile_ptr, layout.tile_idx,
             layout.tile_full)]
         kernel[(B * Hq, (Lq + tiling.bq - 1) // tiling.bq), tiling.threads](
             a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.mask, a.logks, a.has_ks,
-            NORMALIZER_CODES[problem.normalizer], pattern.n_heads, *dev, out, lse)
+            NORMALIZER_CODES[problem.normalizer], pattern.n_heads, *dev,
+            *kernel_dropout(problem, a.dtype), out, lse)
     return finish(a, out, lse)
 
 
@@ -107,6 +118,9 @@ def ptx_signatures():
         arr4 = ty[:, :, :, ::1]
         return (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], ty[:, ::1],
                 types.boolean, types.int64, types.int64, types.int64[::1], types.int32[::1],
-                types.int64[::1], types.int32[::1], types.boolean[::1], arr4, ty[:, :, ::1])
+                types.int64[::1], types.int32[::1], types.boolean[::1], types.int64,
+                types.int64, types.int64, ty, arr4, ty[:, :, ::1])
 
-    return ptx_cases("sparse", build_sparse, argtypes, 64, 64)
+    return (ptx_cases("sparse", build_sparse, argtypes, 64, 64)
+            + ptx_cases("sparse dropout", lambda dt, t: build_sparse(dt, t, True), argtypes,
+                        64, 64))

@@ -23,22 +23,24 @@ from numba import cuda
 
 from .. import _selection
 from .._codes import SOFTMAX
-from .._dropout import refuse_device_dropout
 from ._arrays import device_problem, finish, outputs
+from ._dropout import kernel_dropout
 from ._micro import U32, micro_functions, ptx_cases, tiled_kernel, tiling_for
 from ._tiles import device_functions
 
 SCRATCH_ELEMENTS = 1 << 24  # per launch: 64 MiB in float32
 
 
-def build_topk(dtype, tiling):
+def build_topk(dtype, tiling, dropout=False):
     """The top-k kernel for one compute dtype and :class:`~attnnb.cuda._micro.Tiling`
     (not compiled yet; launch with ``tiling.threads`` threads per block).
 
     Kernel arguments: ``q, k, v``, ``scale``, ``bias`` (a placeholder: top-k
     takes none), ``mask`` with its flag,
     ``logks`` with its flag, ``causal``, ``top_k``, ``qt0`` (first query tile
-    of this launch), the scratch ``R`` and ``buf`` (``(B * Hq, rows, Lk)``),
+    of this launch), the scratch ``R`` and ``buf`` (``(B * Hq, rows, Lk)``), the
+    dropout's ``seed_lo, seed_hi, threshold, keep`` (read by the ``dropout``
+    build: the kept keys' weights are dropped after the selection),
     ``out``, ``lse`` and the selection ``thr``, ``cut`` (``(B, Hq, Lq)``: each row's
     threshold and tie cut, which the backward reuses).
     """
@@ -50,6 +52,8 @@ def build_topk(dtype, tiling):
     block_tile, begin_tile, stage_transposed = f.block_tile, f.begin_tile, f.stage_transposed
     tile_scores, modify_tile = f.tile_scores, f.modify_tile
     online_tile, finish_tile = f.online_tile, f.finish_tile
+    DROPOUT = dropout
+    dropout_keys, scale_values = f.dropout_keys, f.scale_values
 
     # the selection rules the cpu backend compiles too (attnnb/_selection.py)
     kth_smallest = cuda.jit(device=True)(_selection.kth_smallest)
@@ -94,13 +98,16 @@ def build_topk(dtype, tiling):
                 S[r * TN + c] = s
 
     def topk_attention_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal,
-                              top_k, qt0, R, buf, out, lse, thr_out, cut_out):
+                              top_k, qt0, R, buf, seed_lo, seed_hi, threshold, keep, out, lse,
+                              thr_out, cut_out):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], qt0)
         # F, the factors, is unused (softmax)
         (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
          T) = begin_tile(q[b, h], i0, scale)
-        no_keys = cuda.local.array(1, np.int64)  # no dropout here
+        keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
+        if DROPOUT:
+            dropout_keys(keys, seed_lo, seed_hi, b, h, i0, row0)
         cuts = cuda.shared.array(BQ, numba.int64)
         thr = cuda.local.array(TM, nt)
         cut = cuda.local.array(TM, numba.int64)
@@ -139,7 +146,10 @@ def build_topk(dtype, tiling):
             j0 = tile * BK
             kept_scores(Rows, row0, j0 + key0, Lk, thr, cut, S)
             online_tile(S, S, part, m, l, alpha, SOFTMAX, vh, j0, min(BK, Lk - j0), tile, KV,
-                        Pt, red, rows, flag, t, row0, key0, col0, O, T, no_keys, 0)
+                        Pt, red, rows, flag, t, row0, key0, col0, O, T, keys,
+                        threshold if DROPOUT else 0)
+        if DROPOUT:
+            scale_values(O, keep)
         finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, SOFTMAX,
                     out[b, h], lse[b, h])
 
@@ -154,7 +164,6 @@ def topk_selection(problem, top_k, a=None):
     cut``, or ``s`` is NaN.  ``a``: the problem's device arrays when already
     made (:func:`~attnnb.cuda._arrays.device_problem`).
     """
-    refuse_device_dropout(problem)
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
     a = device_problem(problem) if a is None else a
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)
@@ -163,7 +172,9 @@ def topk_selection(problem, top_k, a=None):
     if Lq and B * Hq:
         tiling = tiling_for(a.dtype, D, Dv)
         tq = tiling.bq
-        kernel = tiled_kernel("topk", build_topk, a.dtype, tiling)
+        dropping = bool(problem.dropout_p)
+        kernel = tiled_kernel("topk-dropout" if dropping else "topk",
+                              lambda dt, t: build_topk(dt, t, dropping), a.dtype, tiling)
         n_qt = (Lq + tq - 1) // tq
         chunk = max(1, min(n_qt, SCRATCH_ELEMENTS // (2 * B * Hq * tq * max(Lk, 1))))
         R = cuda.device_array((B * Hq, chunk * tq, max(Lk, 1)), a.dtype)
@@ -171,7 +182,8 @@ def topk_selection(problem, top_k, a=None):
         for qt0 in range(0, n_qt, chunk):
             kernel[(B * Hq, min(chunk, n_qt - qt0)), tiling.threads](
                 a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.mask, a.has_mask, a.logks,
-                a.has_ks, problem.causal, int(top_k), qt0, R, buf, out, lse, thr, cut)
+                a.has_ks, problem.causal, int(top_k), qt0, R, buf,
+                *kernel_dropout(problem, a.dtype), out, lse, thr, cut)
     return out, lse, thr, cut
 
 
@@ -190,6 +202,9 @@ def ptx_signatures():
         arr4, arr3 = ty[:, :, :, ::1], ty[:, :, ::1]
         return (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], types.boolean,
                 ty[:, ::1], types.boolean, types.boolean, types.int64, types.int64, arr3, arr3,
-                arr4, arr3, arr3, types.int64[:, :, ::1])
+                types.int64, types.int64, types.int64, ty, arr4, arr3, arr3,
+                types.int64[:, :, ::1])
 
-    return ptx_cases("topk", build_topk, argtypes, 64, 64)
+    return (ptx_cases("topk", build_topk, argtypes, 64, 64)
+            + ptx_cases("topk dropout", lambda dt, t: build_topk(dt, t, True), argtypes,
+                        64, 64))

@@ -49,12 +49,24 @@ def test_cuda_dropout_gradients_equal_the_reference(rng, dtype, rtol):
                                    atol=rtol * np.abs(r[name]).max(), err_msg=name)
 
 
-def test_cuda_sparse_and_topk_refuse_dropout(rng):
+def test_cuda_sparse_and_topk_dropout_equal_the_reference(rng):
+    """A pattern, and a top-k selection (made before dropout), with dropout: outputs and
+    gradients against the reference's, the same keep decisions."""
     from attnnb import patterns
 
-    q = rng.standard_normal((1, 1, 5, 4))
-    with pytest.raises(NotImplementedError, match="cuda"):
-        attnnb.sparse_attention(q, q, q, patterns.local(5, 2), dropout_p=0.1, seed=0,
-                                backend="cuda")
-    with pytest.raises(NotImplementedError, match="cuda"):
-        attnnb.topk_attention(q, q, q, 2, dropout_p=0.1, seed=0, backend="cuda")
+    lq = lk = n(10)
+    q = rng.standard_normal((1, 2, lq, 4))
+    k = rng.standard_normal((1, 2, lk, 4))
+    v = rng.standard_normal((1, 2, lk, 3))
+    kw = dict(dropout_p=0.4, seed=5, return_lse=True)
+    for fn, extra in ((attnnb.sparse_attention, (patterns.local(lq, 3, causal=True),)),
+                      (attnnb.topk_attention, (4,))):
+        (out, lse), pb = attnnb.vjp(fn, q, k, v, *extra, backend="cuda", **kw)
+        (ref, ref_lse), pb_ref = attnnb.vjp(fn, q, k, v, *extra, backend="reference", **kw)
+        np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
+        dout = rng.standard_normal(out.shape)
+        g, r = pb(dout), pb_ref(dout)
+        for name in r:
+            np.testing.assert_allclose(g[name], r[name], rtol=1e-11, atol=1e-13,
+                                       err_msg=f"{fn.__name__} {name}")
