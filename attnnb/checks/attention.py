@@ -9,8 +9,9 @@ from . import data
 
 
 def _case(seed, dtype, *, batch=(2,), hq=4, hk=2, lq=70, lk=131, d=16, dv=12, mask=None,
-          bias=None, key_size=None, **options):
-    """A ``run(backend)`` computing ``attention(..., return_lse=True)`` on seeded data."""
+          bias=None, key_size=None, dropout_seed=None, **options):
+    """A ``run(backend)`` computing ``attention(..., return_lse=True)`` on seeded data
+    (``dropout_seed``: the dropout generator's ``seed``)."""
     q, k, v = data(seed, batch + (hq, lq, d), batch + (hk, lk, d), batch + (hk, lk, dv),
                    dtype=dtype)
     rng = np.random.default_rng(seed + 1)
@@ -21,6 +22,8 @@ def _case(seed, dtype, *, batch=(2,), hq=4, hk=2, lq=70, lk=131, d=16, dv=12, ma
         extra["bias"] = rng.standard_normal(bias).astype(dtype)
     if key_size is not None:
         extra["key_size"] = rng.integers(1, 5, key_size).astype(dtype)
+    if dropout_seed is not None:
+        extra["seed"] = dropout_seed
 
     def run(backend):
         return attention(q, k, v, return_lse=True, backend=backend, **extra, **options)
@@ -50,6 +53,9 @@ def cases():
                                                           lq=197, lk=197, d=40, dv=80)),
             (f"attention decoding Lq=3 Lk=700 causal {tag}",
              _case(11, dtype, lq=3, lk=700, causal=True, mask=(2, 1, 3, 700))),
+            (f"attention dropout 0.3 causal {tag}",
+             _case(12, dtype, causal=True, dropout_p=0.3, dropout_seed=12)),
+            (f"attention sinks {tag}", _case(13, dtype, sinks=np.linspace(-1.0, 2.0, 4))),
         ]
     return out
 
