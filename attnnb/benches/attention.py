@@ -148,6 +148,22 @@ print(time.perf_counter() - t)
 """
 
 
+def timed_tail(call: str, rounds: str, warmup: int = 2) -> str:
+    """The closing lines of a benchmark script: ``call()`` ``warmup`` times untimed, then
+    ``rounds`` (a name the script defines) timed calls, and the median printed in ms.
+    The script imports ``time`` and ``numpy as np``."""
+    return f"""
+for _ in range({warmup}):
+    {call}()
+times = []
+for _ in range({rounds}):
+    t = time.perf_counter()
+    {call}()
+    times.append(time.perf_counter() - t)
+print(1e3 * float(np.median(times)))
+"""
+
+
 def run_python(script, *args, env=None):
     """Run ``script`` in a fresh interpreter; return the float it prints last."""
     full_env = dict(os.environ)

@@ -9,7 +9,7 @@ decisions tile by tile (once in the forward, once per backward sweep).
 
 from __future__ import annotations
 
-from .attention import run_python
+from .attention import run_python, timed_tail
 
 _SCRIPT = r"""
 import sys, time
@@ -26,16 +26,7 @@ def call():
         return attnnb.attention(q, k, v, **kw)
     out, pullback = attnnb.vjp(attnnb.attention, q, k, v, **kw)
     return pullback(out)
-
-for _ in range(2):
-    call()
-times = []
-for _ in range(rounds):
-    t = time.perf_counter()
-    call()
-    times.append(time.perf_counter() - t)
-print(1e3 * float(np.median(times)))
-"""
+""" + timed_tail("call", "rounds")
 
 SHAPES = ((1, 8, 2048, 64, 0), (1, 8, 2048, 128, 0), (1, 8, 2048, 64, 1))
 

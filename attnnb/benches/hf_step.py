@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from .attention import run_python
+from .attention import run_python, timed_tail
 
 _STEP_SCRIPT = r"""
 import sys, time
@@ -40,16 +40,7 @@ def step():
     loss.backward()
     opt.step()
     opt.zero_grad()
-
-for _ in range(2):
-    step()
-times = []
-for _ in range(steps):
-    t = time.perf_counter()
-    step()
-    times.append(time.perf_counter() - t)
-print(1e3 * float(np.median(times)))
-"""
+""" + timed_tail("step", "steps")
 
 _DECODE_SCRIPT = r"""
 import sys, time

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from .attention import run_python
+from .attention import run_python, timed_tail
 
 _STEP_SCRIPT = r"""
 import sys, time
@@ -42,16 +42,7 @@ def step():
     q, k, v = lin_in(x).reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
     y = lin_out(attention(q, k, v).transpose(1, 2).reshape(B, N, C))
     y.square().mean().backward()
-
-for _ in range(3):
-    step()
-times = []
-for _ in range(steps):
-    t = time.perf_counter()
-    step()
-    times.append(time.perf_counter() - t)
-print(1e3 * float(np.median(times)))
-"""
+""" + timed_tail("step", "steps", warmup=3)
 
 SHAPES = ((1, 8, 1024, 64), (32, 6, 197, 64))
 
