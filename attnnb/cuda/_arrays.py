@@ -33,6 +33,9 @@ def device_problem(problem) -> SimpleNamespace:
     ``has_mask / has_bias / has_ks`` flags, ``dtype`` (compute), ``out_dtype``,
     ``lse_dtype`` and ``on_device``.
     """
+    if problem.sinks is not None:  # the kernels would read softmax1, the sink 0: refuse
+        raise NotImplementedError("sinks on the cuda backend: not yet (the reference and cpu "
+                                  "backends have them)")
     q, k, v = problem.q, problem.k, problem.v
     dtype = problem.compute_dtype
     if problem.on_device:

@@ -49,6 +49,15 @@ def test_cuda_dropout_gradients_equal_the_reference(rng, dtype, rtol):
                                    atol=rtol * np.abs(r[name]).max(), err_msg=name)
 
 
+def test_cuda_refuses_sinks_from_host_arrays(rng):
+    """Host arrays with backend="cuda": the sinks are refused, never run as softmax1."""
+    q = rng.standard_normal((1, 2, 5, 4))
+    with pytest.raises(NotImplementedError, match="sinks on the cuda backend"):
+        attnnb.attention(q, q, q, sinks=np.ones(2), backend="cuda")
+    with pytest.raises(NotImplementedError, match="sinks on the cuda backend"):
+        attnnb.topk_attention(q, q, q, 2, sinks=np.ones(2), backend="cuda")
+
+
 def test_cuda_sparse_and_topk_dropout_equal_the_reference(rng):
     """A pattern, and a top-k selection (made before dropout), with dropout: outputs and
     gradients against the reference's, the same keep decisions."""
