@@ -82,8 +82,10 @@ def chunk_problem(problem, b0, b1, g0, g1, streams=1):
             return x[rows]
         return x[rows, slice(None) if x.shape[1] == 1 else slice(*heads)]
 
+    b_origin, h_origin = problem.dropout_origin
     return dataclasses.replace(
-        problem, q=part(problem.q, (streams * h0, streams * h1)),
+        problem, dropout_origin=(b_origin + b0, h_origin + h0),
+        q=part(problem.q, (streams * h0, streams * h1)),
         k=part(problem.k, (streams * g0, streams * g1)), v=part(problem.v, (g0, g1)),
         mask=part(problem.mask, (h0, h1)), bias=part(problem.bias, (h0, h1)),
         log_key_size=part(problem.log_key_size, None))

@@ -131,6 +131,12 @@ class Problem:
         §1.14); 0 means none.
     seed : int
         The dropout generator's seed, ``[0, 2**64)`` (:mod:`attnnb._dropout`).
+    dropout_origin : tuple ``(b0, h0)``
+        The batch element and head of this problem's first in the call whose
+        indices key the dropout decisions: nonzero for a part of a problem run
+        on its own (:func:`attnnb._bias_chunks.chunk_problem`), so that a part
+        drops what the whole does.  Heads are query heads (head pairs for
+        differential attention).
     sinks : array ``(B, Hq)`` or None
         Learned sink logits (docs/contract.md §1.15), in the compute dtype; the
         problem's ``normalizer`` is then ``"softmax1"``, whose ``+1`` is the
@@ -152,6 +158,7 @@ class Problem:
     on_device: bool = False
     dropout_p: float = 0.0
     seed: int = 0
+    dropout_origin: tuple = (0, 0)
     sinks: Any = None
 
     @property

@@ -24,6 +24,7 @@ import numpy as np
 from . import _eager
 from ._checks import as_named_array
 from ._dask import any_dask
+from ._dropout import refuse_lazy_dropout
 from ._function_args import MODES
 from ._validate import compute_dtypes, float_dtype_of
 
@@ -31,7 +32,7 @@ __all__ = ["diff_attention", "lambda_init", "reparam_lambda", "subln", "MODES"]
 
 
 def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
-                   scale=None, mode="difference", backend=None):
+                   scale=None, mode="difference", dropout_p=0.0, seed=None, backend=None):
     """Differential attention: ``(A1 - lam * A2) @ v`` for every head pair.
 
     Parameters
@@ -70,6 +71,15 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         ``"difference"``: weights ``A1 - lam * A2`` (the paper).
         ``"rectified"``: weights ``max(0, A1 - lam * A2)``, elementwise on the
         final weights (key sizes included), not renormalised.
+    dropout_p : float
+        Attention dropout on the combined weights: weight ``(b, h, i, j)`` of
+        pair ``h`` (``A1 - lam A2``, or its rectified value) is dropped with
+        probability ``dropout_p`` and kept ones are scaled by ``1 / (1 -
+        dropout_p)``; in the difference mode both maps' entries go together.
+        The decisions are those of :func:`attnnb.attention` for head ``h``
+        and the same seed (not on the cuda backend yet).
+    seed : int in ``[0, 2**64)``, optional
+        Required when ``dropout_p > 0``.
     backend : {None, "auto", "reference", "cpu", "cuda"}
 
     Returns
@@ -92,10 +102,12 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
     if any_dask(q, k, v):
         from ._dask.ops import diff_attention as lazy
 
+        refuse_lazy_dropout(dropout_p)
         return lazy(q, k, v, lam, mask=mask, bias=bias, key_size=key_size, causal=causal,
                     scale=scale, mode=mode, backend=backend)
     return _eager.diff_attention(q, k, v, lam, mask=mask, bias=bias, key_size=key_size,
-                                 causal=causal, scale=scale, mode=mode, backend=backend)
+                                 causal=causal, scale=scale, mode=mode, dropout_p=dropout_p,
+                                 seed=seed, backend=backend)
 
 
 def _real(name, x):

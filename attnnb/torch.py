@@ -208,7 +208,8 @@ _FUNCTIONS = {
         _Function("diff_attention", _np_diff_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("lam", "Tensor"),
                    ("mask", "Tensor?"), ("bias", "Tensor?"), ("key_size", "Tensor?"),
-                   ("causal", "bool"), *_STATIC_TAIL, ("mode", "str"), ("backend", "str?")),
+                   ("causal", "bool"), *_STATIC_TAIL, ("mode", "str"), ("dropout_p", "float"),
+                   ("seed", "int"), ("backend", "str?")),
                   False),
     )
 }
@@ -477,21 +478,22 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
 
 
 def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
-                   scale=None, mode="difference", backend=None):
+                   scale=None, mode="difference", dropout_p=0.0, seed=None, backend=None):
     """:func:`attnnb.diff_attention` on tensors, differentiable in q, k, v, lam, bias, key_size.
 
     ``lam`` may be a number (no gradient) or a tensor broadcastable to
     ``(*batch, H, Lq)``, e.g. the learned ``lambda_full`` of the Diff
     Transformer as a 0-d tensor.  Parameters and results otherwise as
-    :func:`attnnb.diff_attention`.
+    :func:`attnnb.diff_attention` (dropout as in :func:`attention` here).
     """
+    dropout_p, seed = _dropout_seed(dropout_p, seed)
     (q, k, v), result = _qkv(q, k, v)
     lam = _optional("lam", lam, q.device, floating=True)
     out = _OPS["diff_attention"](
         q, k, v, lam, _optional("mask", mask, q.device, floating=False),
         _optional("bias", bias, q.device, floating=True),
         _optional("key_size", key_size, q.device, floating=True),
-        check_bool("causal", causal), _scale(scale), mode, _chosen(backend))
+        check_bool("causal", causal), _scale(scale), mode, dropout_p, seed, _chosen(backend))
     return out.to(result)
 
 

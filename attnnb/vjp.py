@@ -571,7 +571,7 @@ def _diff_attention(a, forward):
     check_mode(mode)
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"], bias=a["bias"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
-                                head_pairs=True)
+                                head_pairs=True, dropout_p=a["dropout_p"], seed=a["seed"])
     if problem.squeeze_head:  # the refusal of diff_attention, word for word
         raise ValueError(
             "q, k and v must have a head axis: (*batch, 2H, L, d), (*batch, 2Hk, L, d) and "

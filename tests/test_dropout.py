@@ -179,26 +179,32 @@ def test_dask_arrays_with_dropout_are_refused():
 # gradients
 
 
-def _fd_check(backend, q, k, v, kwargs, rng, eps=1e-6):
-    """vjp's gradients of every input against central differences at a fixed seed."""
-    out, pullback = attnnb.vjp(attnnb.attention, q, k, v, backend=backend, **kwargs)
+def _fd_agree(fn, arguments, differentiable, rng, eps=1e-6, points=6, **fixed):
+    """vjp's gradients of ``fn(**arguments, **fixed)`` in each of ``differentiable``
+    against central differences at random points (the dropout seed stays fixed)."""
+    out, pullback = attnnb.vjp(fn, **arguments, **fixed)
     dout = rng.standard_normal(out.shape)
     grads = pullback(dout)
-    inputs = {"q": q, "k": k, "v": v, **{n: kwargs[n] for n in ("bias", "key_size")
-                                         if n in kwargs}}
-    for name, x in inputs.items():
-        for _ in range(6):
+    for name in differentiable:
+        x = arguments[name]
+        for _ in range(points):
             idx = tuple(rng.integers(0, n) for n in x.shape)
             plus, minus = x.copy(), x.copy()
             plus[idx] += eps
             minus[idx] -= eps
 
             def f(arr, name=name):
-                args = {"q": q, "k": k, "v": v, **kwargs, name: arr}
-                return np.sum(dout * attnnb.attention(backend=backend, **args))
+                return np.sum(dout * fn(**{**arguments, name: arr}, **fixed))
 
             fd = (f(plus) - f(minus)) / (2 * eps)
             assert abs(fd - grads[name][idx]) <= 1e-6 * (1 + abs(fd)), (name, idx)
+
+
+def _fd_check(backend, q, k, v, kwargs, rng):
+    """Attention's gradients of q, k, v, bias and key sizes against central differences."""
+    differentiable = ["q", "k", "v"] + [n for n in ("bias", "key_size") if n in kwargs]
+    _fd_agree(attnnb.attention, dict(q=q, k=k, v=v, **kwargs), differentiable, rng,
+              backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -310,3 +316,124 @@ def test_sparse_gradients_with_dropout_against_reference_and_fd():
         fd = np.sum(dout * (attnnb.sparse_attention(plus, k, v, pattern, **kw)
                             - attnnb.sparse_attention(minus, k, v, pattern, **kw))) / (2 * eps)
         assert abs(fd - g["q"][idx]) <= 1e-6 * (1 + abs(fd))
+
+
+# ---------------------------------------------------------------------------
+# differential attention: one decision per combined weight of a head pair
+
+
+def _pairs(rng, B=1, H=2, Hk=1, Lq=70, Lk=75, d=4, Dv=8, dtype=np.float64):
+    return (rng.standard_normal((B, 2 * H, Lq, d)).astype(dtype),
+            rng.standard_normal((B, 2 * Hk, Lk, d)).astype(dtype),
+            rng.standard_normal((B, Hk, Lk, Dv)).astype(dtype))
+
+
+@pytest.mark.parametrize("mode", ["difference", "rectified"])
+def test_diff_dropout_drops_the_combined_weights(mode):
+    """The reference's output is the dropped combined weights times the values, and
+    the decisions are attention's for head pair h (docs/contract.md §1.14)."""
+    from attnnb._validate import attention_problem
+    from attnnb.reference.diff import diff_weights
+
+    rng = np.random.default_rng(12)
+    q, k, v = _pairs(rng, Lq=9, Lk=11)
+    lam = 0.6
+    kw = dict(dropout_p=0.4, seed=99, causal=True, mode=mode)
+    out = attnnb.diff_attention(q, k, v, lam, backend="reference", **kw)
+    problem = attention_problem(q, k, v, causal=True, head_pairs=True)
+    w, _ = diff_weights(problem, np.full((1, 2, 9), lam), mode)
+    keep = _dropout.keep_mask(99, 0.4, w.shape)
+    expected = (w * keep / 0.6) @ np.repeat(v, 2, axis=1)
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("mode", ["difference", "rectified"])
+@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-12), (np.float32, 1e-4)])
+def test_diff_dropout_cpu_equals_the_reference(mode, dtype, rtol):
+    """Forward and every gradient (q, k, v, lam, bias, key_size; GQA, partial tiles,
+    a causal limit) of the cpu kernels against the float64 reference."""
+    rng = np.random.default_rng(13)
+    q, k, v = _pairs(rng, B=2, H=2, Hk=1, Lq=70, Lk=75, dtype=dtype)
+    lam = rng.uniform(0.2, 0.9, (2, 1)).astype(dtype)
+    kw = dict(dropout_p=0.3, seed=2**40 + 3, causal=True, mode=mode,
+              bias=rng.standard_normal((70, 75)).astype(dtype),
+              key_size=rng.uniform(0.5, 2.0, 75).astype(dtype))
+    out, pb = attnnb.vjp(attnnb.diff_attention, q, k, v, lam, backend="cpu", **kw)
+    as64 = {n: (x.astype(np.float64) if isinstance(x, np.ndarray) else x)
+            for n, x in kw.items()}
+    ref, pb_ref = attnnb.vjp(attnnb.diff_attention, *(x.astype(np.float64)
+                                                      for x in (q, k, v, lam)),
+                             backend="reference", **as64)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=rtol * np.abs(ref).max())
+    undropped = attnnb.diff_attention(q, k, v, lam, backend="cpu",
+                                      **dict(kw, dropout_p=0.0))
+    assert not np.allclose(out, undropped)
+    dout = rng.standard_normal(out.shape)
+    g, r = pb(dout.astype(dtype)), pb_ref(dout)
+    for name in r:
+        np.testing.assert_allclose(g[name], r[name], rtol=0,
+                                   atol=rtol * np.abs(r[name]).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["difference", "rectified"])
+def test_diff_dropout_gradients_against_finite_differences(mode):
+    rng = np.random.default_rng(14)
+    q, k, v = _pairs(rng, B=1, H=2, Hk=2, Lq=6, Lk=7, d=3, Dv=4)
+    arguments = dict(q=q, k=k, v=v, lam=rng.uniform(0.3, 0.8, (2, 1)),
+                     bias=rng.standard_normal((6, 7)))
+    _fd_agree(attnnb.diff_attention, arguments, list(arguments), rng, points=5,
+              dropout_p=0.35, seed=5, mode=mode, backend="cpu")
+
+
+def test_diff_dropout_refusals():
+    rng = np.random.default_rng(15)
+    q, k, v = _pairs(rng, Lq=4, Lk=4)
+    with pytest.raises(TypeError, match="seed"):
+        attnnb.diff_attention(q, k, v, 0.5, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        attnnb.diff_attention(q, k, v, 0.5, dropout_p=1.5, seed=1)
+
+
+# ---------------------------------------------------------------------------
+# a problem run in parts (a broadcast bias's gradient in chunks) drops as the whole
+
+
+@pytest.mark.parametrize("B, Hq, Hk", [(3, 8, 4), (1, 10, 10)])  # batch / head chunks
+def test_chunked_backward_keys_the_whole_problems_indices(B, Hq, Hk, monkeypatch):
+    """With the bias gradient formed chunk by chunk (attnnb._bias_chunks: 8 key heads
+    a chunk here), each chunk keys its decisions by the call's batch and head indices:
+    the gradients equal the one-piece backward's."""
+    from attnnb import _bias_chunks
+
+    rng = np.random.default_rng(16)
+    q, k, v = _qkv(rng, B=B, Hq=Hq, Hk=Hk, Lq=20, Lk=21, D=4, Dv=4)
+    bias = rng.standard_normal((20, 21))
+    kw = dict(dropout_p=0.4, seed=17, bias=bias, backend="cpu")
+    out, pb = attnnb.vjp(attnnb.attention, q, k, v, **kw)
+    dout = rng.standard_normal(out.shape)
+    whole = pb(dout)
+    monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", 20 * 21 * 8)  # one key head a chunk
+    out_c, pb_c = attnnb.vjp(attnnb.attention, q, k, v, **kw)
+    parts = pb_c(dout)
+    np.testing.assert_array_equal(out_c, out)
+    for name in whole:
+        np.testing.assert_allclose(parts[name], whole[name], rtol=1e-12, atol=1e-14,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["difference", "rectified"])
+def test_chunked_diff_backward_keys_the_whole_problems_indices(mode, monkeypatch):
+    from attnnb import _bias_chunks
+
+    rng = np.random.default_rng(17)
+    q, k, v = _pairs(rng, B=2, H=4, Hk=2, Lq=20, Lk=21)
+    bias = rng.standard_normal((20, 21))
+    kw = dict(dropout_p=0.4, seed=18, bias=bias, mode=mode, backend="cpu")
+    out, pb = attnnb.vjp(attnnb.diff_attention, q, k, v, 0.5, **kw)
+    dout = rng.standard_normal(out.shape)
+    whole = pb(dout)
+    monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", 20 * 21 * 8)
+    parts = attnnb.vjp(attnnb.diff_attention, q, k, v, 0.5, **kw)[1](dout)
+    for name in whole:
+        np.testing.assert_allclose(parts[name], whole[name], rtol=1e-12, atol=1e-14,
+                                   err_msg=name)

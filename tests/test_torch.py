@@ -150,7 +150,8 @@ def _op_cases():
         "topk_attention": (ops.topk_attention.default,
                            (q, k, v, 2, None, False, None, 0.7, 0.0, 0, sinks, "cpu")),
         "diff_attention": (ops.diff_attention.default,
-                           (q4, k4, v, lam, None, None, None, True, None, "difference", "cpu")),
+                           (q4, k4, v, lam, None, None, None, True, None, "difference", 0.25, 5,
+                            "cpu")),
     }
 
 

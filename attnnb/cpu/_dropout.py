@@ -1,9 +1,10 @@
 """Dropout in the CPU kernels: :mod:`attnnb._dropout`'s generator, compiled and tiled.
 
-A kernel that drops weights takes ``dropout = [seed_lo, seed_hi, threshold]``
+A kernel that drops weights takes ``dropout = [seed_lo, seed_hi, threshold, b0, h0]``
 (an int64 array: a parallel loop cannot take a tuple from a named tuple;
 :func:`kernel_dropout` builds it on the host, ``threshold = 0`` when nothing
-is dropped), forms its rows' keys once per task
+is dropped; ``b0, h0`` the problem's ``dropout_origin``, added to the batch
+and head indices), forms its rows' keys once per task
 (:func:`row_keys`) and applies the decisions to each weight tile
 (:func:`drop_tile`, forward; :func:`keep_factors`, backward).  The decisions
 are the reference backend's bit for bit: the same integer functions.
@@ -22,11 +23,12 @@ _kept = _dropout.rebound(_dropout.kept, inner)
 
 
 def kernel_dropout(problem) -> np.ndarray:
-    """``[seed_lo, seed_hi, threshold]`` (int64) of a problem for the kernels."""
+    """``[seed_lo, seed_hi, threshold, b0, h0]`` (int64) of a problem for the kernels."""
     if not problem.dropout_p:
-        return np.zeros(3, np.int64)
+        return np.zeros(5, np.int64)
     lo, hi = _dropout.seed_words(problem.seed)
-    return np.array([lo, hi, _dropout.threshold(problem.dropout_p)], np.int64)
+    return np.array([lo, hi, _dropout.threshold(problem.dropout_p), *problem.dropout_origin],
+                    np.int64)
 
 
 @inner
@@ -41,8 +43,9 @@ def row_keys(dropout, b, h, i0, nq, keys):
 
 @inner
 def row_key(dropout, b, h, i):
-    """The key of row ``(b, h, i)`` (:func:`attnnb._dropout.row_key`)."""
-    return _row_key(dropout[0], dropout[1], b, h, i)
+    """The key of row ``(b, h, i)`` of the problem, ``(b0 + b, h0 + h, i)`` of the call
+    (:func:`attnnb._dropout.row_key`)."""
+    return _row_key(dropout[0], dropout[1], dropout[3] + b, dropout[4] + h, i)
 
 
 @inner
@@ -95,6 +98,26 @@ def keep_factors(Z, dropout, b, h, i0, j0, words, scale):
         key = row_key(dropout, b, h, i0 + r)
         for c in range(nk):
             Z[r, c] = scale if _kept(key, words[c], dropout[2]) else 0.0 * scale
+
+
+@inner
+def scale_by_kept(X, Y, dropout, b, h, i0, j0, words, scale):
+    """``X[r, c]`` and ``Y[r, c]`` times ``scale`` (``1 / (1 - p)``) where element ``(b,
+    h, i0 + r, j0 + c)`` is kept, zeroed where it is dropped, for ``(nq, nk)`` tiles ``X``
+    and ``Y`` (no-op without dropout); ``words`` is scratch of ``TILE_K`` int64."""
+    if dropout[2] == 0:
+        return
+    nq, nk = X.shape
+    column_words(dropout, j0, nk, words)
+    for r in range(nq):
+        key = row_key(dropout, b, h, i0 + r)
+        for c in range(nk):
+            if _kept(key, words[c], dropout[2]):
+                X[r, c] *= scale
+                Y[r, c] *= scale
+            else:
+                X[r, c] = 0.0
+                Y[r, c] = 0.0
 
 
 def scale_kept(out, problem):

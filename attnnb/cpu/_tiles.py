@@ -44,6 +44,7 @@ from ._blocks import (
     gemm_row,
     padded_width,
 )
+from ._dropout import drop_tile
 from ._exp import exp_shifted_sum_at, exp_tile_accumulate, maxnum, sum_at
 from ._jit import blocks, inner, wide_vectors
 from ._vector_ir import prefetch_line, row_max_64, transpose_16
@@ -433,10 +434,14 @@ def tile_row_max(x, out, nq):
 
 
 @inner
-def online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer):
+def online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer, dropout,
+                  keys, words):
     """Fold one tile of modified logits into the running max, sum and accumulator:
-    :func:`online_weights`, then ``acc += P @ v_tile`` (:func:`add_weighted_values`)."""
+    :func:`online_weights`, the dropped weights zeroed after they entered the sum
+    (:func:`~attnnb.cpu._dropout.drop_tile`, rows keyed by ``keys``), then ``acc +=
+    P @ v_tile`` (:func:`add_weighted_values`)."""
     P = online_weights(S, F, m, l, acc, P_flat, normalizer)
+    drop_tile(P, dropout, keys, j0, words)
     add_weighted_values(P, vh, j0, v_finite, acc, T_flat)
 
 

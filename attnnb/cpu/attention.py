@@ -8,7 +8,7 @@ from numba import prange
 
 from .._codes import NORMALIZER_CODES, RELU_EXPM1, SOFTMAX, SOFTMAX1
 from ._blocks import ROWS
-from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
+from ._dropout import kernel_dropout, row_keys, scale_kept
 from ._host import kernel_sinks, run_sweep
 from ._jit import kernel, wide_vectors
 from ._mask_tiles import EMPTY, FULL, mask_tile_classes, no_tile_map, tile_class
@@ -19,11 +19,10 @@ from ._tiles import (
     SWEEP_TILE_Q,
     TILE_K,
     TILE_Q,
-    add_weighted_values,
     finish_rows,
     key_tiles_seen,
     modify_logits,
-    online_weights,
+    online_update,
     tile_is_finite,
     tile_logits_keys,
     tile_logits_rows,
@@ -122,9 +121,8 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
             F = view2d(F_flat, nq, nk) if normalizer == RELU_EXPM1 else S
             modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, masked_here, logks_b,
                           has_ks, normalizer)
-            P = online_weights(S, F, m, l, acc, P_flat, normalizer)
-            drop_tile(P, dropout, keys, j0, words)
-            add_weighted_values(P, vh, j0, v_finite, acc, T_flat)
+            online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer, dropout,
+                          keys, words)
         dest_out = out
         dest_lse = lse
         if n_split > 1:

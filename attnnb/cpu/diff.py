@@ -9,6 +9,11 @@ before it can clip ``A1 - lam * A2``, so its task sweeps twice: pass 1 runs
 the same online update with zero-width values (only the running max and
 sum, i.e. the LSEs), pass 2 recomputes the logits and accumulates
 ``max(0, A1 - lam * A2) @ v`` tile by tile.  No ``Lq x Lk`` array exists.
+
+Dropout drops the combined weight of ``(b, pair h, i, j)``: in the difference
+mode both streams zero the same entries (one row key per pair row), in the
+rectified mode pass 2 zeroes them after the clip; the host scales the
+output by ``1 / (1 - p)`` (docs/contract.md §1.14).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import numpy as np
 from numba import prange
 
 from .._codes import DIFF_MODE_CODES, DIFFERENCE, SOFTMAX
+from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
 from ._host import run_sweep
 from ._jit import inner, kernel, wide_vectors
 from ._streams import finish_weighted_rows, rectified_weights
@@ -53,7 +59,7 @@ def masked_logits(qs, kh, i0, j0, nk, diag, bias_bh, has_bias, mask_bh, has_mask
 
 @inner
 def sweep_pair(qs, kh, vh, v_ok, i0, last, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b,
-               has_ks, m, l, acc, S_flat, P_flat, T_flat):
+               has_ks, m, l, acc, S_flat, P_flat, T_flat, dropout, keys, words):
     """Online softmax of both streams over key tiles ``0..last-1``, sharing each value tile.
 
     ``qs``, ``kh``, ``m``, ``l``, ``acc`` are pairs (stream 1, stream 2).  The
@@ -61,7 +67,8 @@ def sweep_pair(qs, kh, vh, v_ok, i0, last, diag, bias_bh, has_bias, mask_bh, has
     still in cache for the second).  With zero-width ``vh``/``acc`` (and
     ``v_ok`` False) only the running max and sum are kept: the LSE pass of
     the rectified mode.  Each shared loop has one call site, indexed by the
-    stream, so that the kernel holds one inlined copy of it, not four.
+    stream, so that the kernel holds one inlined copy of it, not four.  Both
+    streams drop the same weights (rows keyed by ``keys``, one per pair row).
     """
     Lk = vh.shape[0]
     for t in range(last):
@@ -70,22 +77,25 @@ def sweep_pair(qs, kh, vh, v_ok, i0, last, diag, bias_bh, has_bias, mask_bh, has
         for c in range(2):
             S = masked_logits(qs[c], kh[c], i0, j0, nk, diag, bias_bh, has_bias, mask_bh,
                               has_mask, logks_b, has_ks, S_flat)
-            online_update(S, S, m[c], l[c], acc[c], P_flat, T_flat, vh, j0, v_ok[t], SOFTMAX)
+            online_update(S, S, m[c], l[c], acc[c], P_flat, T_flat, vh, j0, v_ok[t], SOFTMAX,
+                          dropout, keys, words)
 
 
 @kernel
 def diff_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                causal, lam, mode, out, lse):
+                causal, lam, mode, dropout, out, lse):
     """One task per (batch, head pair, query tile); see the module docstring.
 
     Leading arguments as every tiled kernel's (:mod:`attnnb.cpu._host`);
-    ``lse`` is not written (differential attention has no single LSE).
+    ``lse`` is not written (differential attention has no single LSE);
+    ``dropout`` as :func:`~attnnb.cpu._dropout.kernel_dropout`'s.
     """
     # pairs of query heads share pairs of key heads: the group size is the same
     B, H2, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, SWEEP_TILE_Q, causal)
     H, D = H2 // 2, q.shape[3]
     no_values = np.zeros((Lk, 0), q.dtype)
     no_values_ok = np.zeros(n_kt, np.bool_)
+    no_dropout = np.zeros(5, np.int64)  # the LSE pass: dropping comes after the sums
     for task in prange(B * H * n_qt):
         wide_vectors()
         b, h, _, i0, nq = task_rows(task, H, n_qt, SWEEP_TILE_Q, Lq)
@@ -93,6 +103,9 @@ def diff_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
         k1h, k2h, vh = kt[b, 2 * g], kt[b, 2 * g + 1], v[b, g]
         q1_flat, S1_flat, P_flat, _, T_flat = task_scratch(q, SWEEP_TILE_Q, Dv)
         q2_flat = np.empty(SWEEP_TILE_Q * D, q.dtype)
+        keys = np.empty(nq, np.int64)
+        words = np.empty(TILE_K, np.int64)
+        row_keys(dropout, b, h, i0, nq, keys)
         # the rectified mode's first pass keeps only the running max and sum: no values
         width = Dv if mode == DIFFERENCE else 0
         m1, l1, acc1 = online_state(q, nq, width)
@@ -110,7 +123,8 @@ def diff_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
         sweep_pair((qs1, qs2), (k1h, k2h), vh if difference else no_values,
                    v_ok[b, g] if difference else no_values_ok, i0, last, diag, bias_bh,
                    has_bias, mask_bh, has_mask, logks_b, has_ks, (m1, m2), (l1, l2),
-                   (acc1, acc2), S1_flat, P_flat, T_flat)
+                   (acc1, acc2), S1_flat, P_flat, T_flat,
+                   dropout if difference else no_dropout, keys, words)
         # difference: o1 into the output rows, o2 aside; rectified: the LSEs only
         # (-inf on an empty row, NaN), the accumulators are zero-width
         o2 = np.empty((nq, Dv if difference else 0), q.dtype)
@@ -137,6 +151,7 @@ def diff_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
                 S1 = view2d(S1_flat, nq, nk)
                 S2 = view2d(S2_flat, nq, nk)
                 P = rectified_weights(S1, S2, lse1, lse2, lam_rows, P_flat, P2_flat)
+                drop_tile(P, dropout, keys, j0, words)
                 add_weighted_values(P, vh, j0, v_ok[b, g, t], acc, T_flat)
             finish_weighted_rows(acc, lse1, lse2, rows)
 
@@ -157,5 +172,5 @@ def diff_attention(problem, lam, mode="difference"):
     out : ``(B, H, Lq, Dv)`` in the compute dtype.
     """
     out, _ = run_sweep(diff_kernel, problem, lam, DIFF_MODE_CODES[mode],
-                       out_heads=problem.shape[1] // 2)
-    return out
+                       kernel_dropout(problem), out_heads=problem.shape[1] // 2)
+    return scale_kept(out, problem)

@@ -7,6 +7,9 @@ map of stream ``c`` (query heads ``2h + c``, key heads ``2g + c``).  With
     dv   = P^T @ dout
     ds1  = A1 * (G - d1),        d1 = rowsum(G * A1)
     ds2  = -lam * A2 * (G - e),  e  = rowsum(G * A2),   dlam = -e
+
+With dropout (factors ``z``: ``1 / (1 - p)`` kept, 0 dropped), ``out = (z P) @
+v``: ``G`` and ``P`` are both multiplied by ``z``, and the lines above hold.
     dq_c = scale ds_c @ k_c,  dk_c = scale ds_c^T @ q_c,  dbias = ds1 + ds2
 
 The row sums ``d1`` and ``e`` need every key of a row before any ``ds``
@@ -26,6 +29,8 @@ from numba import prange
 
 from .._bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
 from .._codes import SOFTMAX
+from .._dropout import keep_scale
+from ._dropout import kernel_dropout, scale_by_kept
 from ._exp import exp_shifted
 from ._grad_tiles import (
     by_key_tile,
@@ -72,10 +77,11 @@ def stream_map(q_bh, kth, i0, nq, j0, nk, scale, diag, bias_bh, has_bias, mask_b
 
 @inner
 def rectified_pair(q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias, mask,
-                   has_mask, logks, has_ks, lse1, lse2, lam, q_flat, do_flat, A1_flat, A2_flat,
-                   G_flat, W_flat):
+                   has_mask, logks, has_ks, lse1, lse2, lam, dropout, keep_scale, q_flat, do_flat,
+                   A1_flat, A2_flat, G_flat, W_flat, words):
     """``(A1, A2, G, W)`` of one (query tile, key tile) pair: both maps, the clipped
-    cotangent of ``P`` and the weights ``W = max(0, A1 - lam A2)``, ``(nq, nk)`` each."""
+    cotangent of ``P`` and the weights ``W = max(0, A1 - lam A2)``, ``(nq, nk)`` each,
+    the last two times the dropout factors (``words``: the generator's scratch)."""
     A1 = stream_map(q[b, 2 * h], kt[b, 2 * g], i0, nq, j0, nk, scale, diag, bias[b, h],
                     has_bias, mask[b, h], has_mask, logks[b], has_ks, lse1[b, h], q_flat,
                     A1_flat)
@@ -94,6 +100,7 @@ def rectified_pair(q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, 
             else:
                 W[r, c] = 0.0
                 G[r, c] = 0.0
+    scale_by_kept(W, G, dropout, b, h, i0, j0, words, keep_scale)
     return A1, A2, G, W
 
 
@@ -113,7 +120,8 @@ def logit_gradients(A1, A2, G, lam_bh, d1_bh, e_bh, i0, dS1_flat, dS2_flat):
 
 @kernel
 def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
-                     has_ks, causal, dout, lse1, lse2, lam, d1, e, col_ptr, col_qt, need_dbias,
+                     has_ks, causal, dout, lse1, lse2, lam, dropout, keep_scale, d1, e, col_ptr,
+                     col_qt, need_dbias,
                      dk, dv, dbias, dlogks):
     """One task per (batch, value head, key tile): ``dv``, both streams' ``dk``, and that
     tile's ``dbias`` columns and ``dlogks`` (per value head; summed on the host)."""
@@ -125,7 +133,7 @@ def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, h
         j0 = t * TILE_K
         nk = min(TILE_K, Lk - j0)
         (q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, dS1_flat, dS2_flat,
-         T_flat, _) = pair_scratch(q.dtype, D, Dv)
+         T_flat, words) = pair_scratch(q.dtype, D, Dv)
         dk1 = np.zeros((nk, D), q.dtype)
         dk2 = np.zeros((nk, D), q.dtype)
         dv_acc = np.zeros((nk, Dv), q.dtype)
@@ -135,8 +143,8 @@ def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, h
                 nq = min(TILE_Q, Lq - i0)
                 A1, A2, G, W = rectified_pair(
                     q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias,
-                    mask, has_mask, logks, has_ks, lse1, lse2, lam, q_flat, do_flat, A1_flat,
-                    A2_flat, G_flat, W_flat)
+                    mask, has_mask, logks, has_ks, lse1, lse2, lam, dropout, keep_scale, q_flat,
+                    do_flat, A1_flat, A2_flat, G_flat, W_flat, words)
                 dS1, dS2 = logit_gradients(A1, A2, G, lam[b, h], d1[b, h], e[b, h], i0,
                                            dS1_flat, dS2_flat)
                 transposed_values_product(W, dout[b, h], i0, dv_acc, T_flat)
@@ -160,7 +168,7 @@ def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, h
 
 @kernel
 def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
-                   has_ks, causal, dout, lse1, lse2, lam, d1, e, dq):
+                   has_ks, causal, dout, lse1, lse2, lam, dropout, keep_scale, d1, e, dq):
     """One task per (batch, head pair, query tile): its rows' sums ``d1 = rowsum(G A1)``
     and ``e = rowsum(G A2)`` (pass 0, ``(B, H, Lq)``, which the dK/dV sweep reads
     too), then both streams' ``dq`` (pass 1).  One call site of the pair's
@@ -172,7 +180,7 @@ def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has
         b, h, _, i0, nq = task_rows(task, H2 // 2, n_qt, TILE_Q, Lq)
         g = h // group
         (q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, dS1_flat, dS2_flat,
-         T_flat, _) = pair_scratch(q.dtype, D, Dv)
+         T_flat, words) = pair_scratch(q.dtype, D, Dv)
         dq1 = np.zeros((nq, D), q.dtype)
         dq2 = np.zeros((nq, D), q.dtype)
         d1[b, h, i0 : i0 + nq] = 0.0
@@ -183,8 +191,8 @@ def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has
                 nk = min(TILE_K, Lk - j0)
                 A1, A2, G, _ = rectified_pair(
                     q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias,
-                    mask, has_mask, logks, has_ks, lse1, lse2, lam, q_flat, do_flat, A1_flat,
-                    A2_flat, G_flat, W_flat)
+                    mask, has_mask, logks, has_ks, lse1, lse2, lam, dropout, keep_scale, q_flat,
+                    do_flat, A1_flat, A2_flat, G_flat, W_flat, words)
                 if phase == 0:
                     for r in range(nq):
                         s1 = 0.0
@@ -217,9 +225,10 @@ def stream_lses(problem):
     """
     lses = []
     no_values = np.ascontiguousarray(problem.v[..., :0])
-    for c in range(2):
+    for c in range(2):  # dropout leaves the LSEs as they are
         stream = dataclasses.replace(problem, q=np.ascontiguousarray(problem.q[:, c::2]),
-                                     k=np.ascontiguousarray(problem.k[:, c::2]), v=no_values)
+                                     k=np.ascontiguousarray(problem.k[:, c::2]), v=no_values,
+                                     dropout_p=0.0)
         lses.append(attention_forward(stream)[1])
     return lses
 
@@ -270,7 +279,7 @@ def tiled_rectified_vjp(problem, lam, dout, need_bias):
         bias, mask, logks = score_arguments(problem)
         common = (dt.type(problem.scale), bias, problem.bias is not None, mask,
                   problem.mask is not None, logks, has_ks, problem.causal, dout, lse1, lse2,
-                  lam)
+                  lam, kernel_dropout(problem), dt.type(keep_scale(problem.dropout_p)))
         col_ptr, col_qt, _ = by_key_tile(*dense_tiles(Lq, Lk, problem.causal),
                                          -(-Lq // TILE_Q), -(-Lk // TILE_K))
         with filled_kv_tiles(k, v) as (kt, vt, k_ok, v_ok):

@@ -14,7 +14,7 @@ import numpy as np
 from numba import prange
 
 from .._codes import NORMALIZER_CODES, RELU_EXPM1
-from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
+from ._dropout import kernel_dropout, row_keys, scale_kept
 from ._host import kernel_sinks, run_sweep
 from ._jit import kernel, wide_vectors
 from ._sparse_tiles import csr_tile_mask
@@ -22,10 +22,9 @@ from ._task import query_task, sweep_geometry
 from ._tiles import (
     TILE_K,
     TILE_Q,
-    add_weighted_values,
     finish_rows,
     modify_logits,
-    online_weights,
+    online_update,
     tile_logits_t,
     view2d,
 )
@@ -71,9 +70,8 @@ def sparse_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logk
             F = view2d(F_flat, nq, nk) if normalizer == RELU_EXPM1 else S
             modify_logits(S, F, i0, j0, Lk, bias[0, 0], False, mask[0, 0], False, logks[b],
                           has_ks, normalizer)
-            P = online_weights(S, F, m, l, acc, P_flat, normalizer)
-            drop_tile(P, dropout, keys, j0, words)
-            add_weighted_values(P, vh, j0, v_ok[b, g, t], acc, T_flat)
+            online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_ok[b, g, t], normalizer,
+                          dropout, keys, words)
         finish_rows(acc, m, l, normalizer, sinks[b, h], out[b, h, i0 : i0 + nq],
                     lse[b, h, i0 : i0 + nq])
 

@@ -19,18 +19,17 @@ import numpy as np
 from numba import prange
 
 from .._codes import NORMALIZER_CODES, SOFTMAX
-from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
+from ._dropout import kernel_dropout, row_keys, scale_kept
 from ._host import kernel_sinks, run_sweep
 from ._jit import kernel, wide_vectors
 from ._task import query_task, sweep_geometry
 from ._tiles import (
     TILE_K,
     TILE_Q,
-    add_weighted_values,
     finish_rows,
     key_tiles_seen,
     modify_logits,
-    online_weights,
+    online_update,
     tile_logits_t,
     view2d,
 )
@@ -94,9 +93,8 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
                 nk = min(TILE_K, Lk - j0)
                 S = view2d(S_flat, nq, nk)
                 select_tile(R, j0, nk, thr, cut, S)
-                P = online_weights(S, S, m, l, acc, P_flat, SOFTMAX)
-                drop_tile(P, dropout, keys, j0, words)
-                add_weighted_values(P, vh, j0, v_ok[b, g, t], acc, T_flat)
+                online_update(S, S, m, l, acc, P_flat, T_flat, vh, j0, v_ok[b, g, t], SOFTMAX,
+                              dropout, keys, words)
         finish_rows(acc, m, l, normalizer, sinks[b, h], out[b, h, i0 : i0 + nq],
                     lse[b, h, i0 : i0 + nq])
 

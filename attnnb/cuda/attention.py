@@ -25,7 +25,7 @@ def build_dense(dtype, tiling, dropout=False):
     ``v (B, Hk, Lk, Dv)`` of any floating dtype, ``scale`` (compute dtype),
     ``bias`` / ``mask`` (4-D, each axis full or 1) with their flags,
     ``logks (B or 1, Lk or 1)`` with its flag, ``causal``, the normalizer
-    code, the dropout's ``seed_lo, seed_hi, threshold, keep``
+    code, the dropout's ``seed_lo, seed_hi, batch0, head0, threshold, keep``
     (:func:`attnnb.cuda._dropout.kernel_dropout`; read only by the ``dropout``
     build, a kernel of its own so that the others carry none of it),
     ``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)``.
@@ -44,14 +44,15 @@ def build_dense(dtype, tiling, dropout=False):
     dropout_keys, scale_values = f.dropout_keys, f.scale_values
 
     def dense_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                               causal, normalizer, seed_lo, seed_hi, threshold, keep, out, lse):
+                               causal, normalizer, seed_lo, seed_hi, batch0, head0, threshold,
+                               keep, out, lse):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
         (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
          T) = begin_tile(q[b, h], i0, scale)
         keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
         if DROPOUT:
-            dropout_keys(keys, seed_lo, seed_hi, b, h, i0, row0)
+            dropout_keys(keys, seed_lo, seed_hi, batch0 + b, head0 + h, i0, row0)
         diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
         kh = k[b, g]
         vh = v[b, g]
@@ -105,7 +106,8 @@ def ptx_signatures():
         arr4 = ty[:, :, :, ::1]
         return (arr4, arr4, arr4, ty, arr4, types.boolean, types.boolean[:, :, :, ::1],
                 types.boolean, ty[:, ::1], types.boolean, types.boolean, types.int64,
-                types.int64, types.int64, types.int64, ty, arr4, ty[:, :, ::1])
+                types.int64, types.int64, types.int64, types.int64, types.int64, ty, arr4,
+                ty[:, :, ::1])
 
     return ([case for d in (64, 128) for case in ptx_cases("dense", build_dense, argtypes, d, d)]
             + ptx_cases("dense dropout", lambda dt, t: build_dense(dt, t, True), argtypes,

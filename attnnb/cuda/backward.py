@@ -351,11 +351,12 @@ def pair_functions(dtype, tiling: Tiling, dropout=False):
         logit gradients (:func:`single` or :func:`pair`; the weights in ``F``) from the
         staged transposed tiles; ``Mt``: a partial tile's mask (``partial``); ``clip``,
         ``clipped``: as :func:`single`; ``drop``: the dropout's ``(seed_lo, seed_hi,
-        threshold, keep)``, read by a ``dropout`` build, which forms the rows' keys in
-        ``keys``."""
+        batch0, head0, threshold, keep)``, read by a ``dropout`` build, which forms the
+        rows' keys in ``keys``."""
         if DROPOUT:
             for r in range(TM):
-                keys[r] = row_key(drop[0], drop[1], I64(b), I64(h), I64(i0 + row0 + r))
+                keys[r] = row_key(drop[0], drop[1], I64(drop[2] + b), I64(drop[3] + h),
+                                  I64(i0 + row0 + r))
         tile_scores(Q1, K1, row0, key0, S1)
         if STREAMS == 2:
             tile_scores(Q2, K2, row0, key0, S2)
@@ -366,7 +367,7 @@ def pair_functions(dtype, tiling: Tiling, dropout=False):
                     has_mask, logks, has_ks, normalizer if STREAMS == 1 else SOFTMAX)
         if STREAMS == 1:
             single(S1, F, dP, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
-                   clipped, clip_row, words, keys, drop[2], drop[3])
+                   clipped, clip_row, words, keys, drop[4], drop[5])
         else:
             modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                         has_mask, logks, has_ks, SOFTMAX)
@@ -420,8 +421,8 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
 
     def dq_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
                   normalizer, rowv, thr_a, cut_a, selected, rectified, clip, p_heads, indptr,
-                  indices, csr, seed_lo, seed_hi, threshold, keep, tile_ptr, tile_idx,
-                  tile_full, dq):
+                  indices, csr, seed_lo, seed_hi, batch0, head0, threshold, keep, tile_ptr,
+                  tile_idx, tile_full, dq):
         Lq, Lk = q.shape[2], k.shape[2]
         diag = Lk - Lq if causal else Lk
         csr = CSR  # the variant's constants (the arguments only say the same)
@@ -469,7 +470,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
                                dP, rv, thr, cutr, selected, rectified, clip, CLIPPED,
                                clip_row, words, part1, part2, i0, row0, j0, key0, nq, Lq,
                                Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
-                               normalizer, keys, (seed_lo, seed_hi, threshold, keep))
+                               normalizer, keys, (seed_lo, seed_hi, batch0, head0, threshold, keep))
                 if PAIR and not last:  # delta 0 and ratio 1: S holds A dP
                     for r in range(TM):
                         for c in range(TN):
@@ -565,8 +566,8 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
 
     def dkdv_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
                     normalizer, rowv, thr_a, cut_a, selected, rectified, clip, p_heads, indptr,
-                    indices, csr, seed_lo, seed_hi, threshold, keep, col_ptr, col_qt, col_full,
-                    need_dbias, dk, dv, dbias, dlogks):
+                    indices, csr, seed_lo, seed_hi, batch0, head0, threshold, keep, col_ptr,
+                    col_qt, col_full, need_dbias, dk, dv, dbias, dlogks):
         Lq, Lk = q.shape[2], k.shape[2]
         diag = Lk - Lq if causal else Lk
         csr = CSR  # the variant's constants (the arguments only say the same)
@@ -617,7 +618,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
                                U32((b * H + h) * Lq + i0), words, part, part, i0, row0,
                                j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
                                has_mask, logks, has_ks, normalizer, keys,
-                               (seed_lo, seed_hi, threshold, keep))
+                               (seed_lo, seed_hi, batch0, head0, threshold, keep))
                 for r in range(TM):  # the contributions to d log key_size (and dbias)
                     for c in range(TN):
                         x = r * TN + c
@@ -1100,7 +1101,7 @@ def ptx_signatures():
         return (arr4, arr4, arr4, arr4, ty, arr4, b_, types.boolean[:, :, :, ::1], b_,
                 ty[:, ::1], b_, b_, types.int64, arr4, ty[:, :, ::1], types.int64[:, :, ::1],
                 b_, b_, types.uint32[::1], types.int64, i64, i32, b_, types.int64, types.int64,
-                types.int64, ty, i64, i32, flags)
+                types.int64, types.int64, types.int64, ty, i64, i32, flags)
 
     def dq_types(ty):
         return common(ty) + (ty[:, :, :, ::1],)

@@ -230,6 +230,10 @@ def diff_forward(problem, lam, mode, a=None, lses=None, clip=None):
     already made.  ``clip`` (rectified mode; :func:`clip_words` zeros): the
     build that also writes the weights' clip bits there (:func:`build_diff`).
     """
+    if problem.dropout_p:
+        raise NotImplementedError("dropout_p > 0 in diff_attention on the cuda backend: not "
+                                  "yet (the reference and cpu backends have it; cuda has it "
+                                  "in attention, sparse_attention and topk_attention)")
     B, H2, _, Lq, _, D, Dv = problem.shape
     H = H2 // 2
     a = device_problem(problem) if a is None else a

@@ -47,14 +47,14 @@ def build_sparse(dtype, tiling, dropout=False):
 
     def sparse_attention_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer,
                                 p_heads, indptr, indices, tile_ptr, tile_idx, tile_full,
-                                seed_lo, seed_hi, threshold, keep, out, lse):
+                                seed_lo, seed_hi, batch0, head0, threshold, keep, out, lse):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
         (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
          T) = begin_tile(q[b, h], i0, scale)
         keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
         if DROPOUT:
-            dropout_keys(keys, seed_lo, seed_hi, b, h, i0, row0)
+            dropout_keys(keys, seed_lo, seed_hi, batch0 + b, head0 + h, i0, row0)
         ph = h if p_heads > 1 else 0
         i = ph * Lq + min(i0 + t, Lq - 1)  # thread t < BQ: row t's CSR cursor (past Lq: clipped)
         p = indptr[i]
@@ -119,7 +119,7 @@ def ptx_signatures():
         return (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], ty[:, ::1],
                 types.boolean, types.int64, types.int64, types.int64[::1], types.int32[::1],
                 types.int64[::1], types.int32[::1], types.boolean[::1], types.int64,
-                types.int64, types.int64, ty, arr4, ty[:, :, ::1])
+                types.int64, types.int64, types.int64, types.int64, ty, arr4, ty[:, :, ::1])
 
     return (ptx_cases("sparse", build_sparse, argtypes, 64, 64)
             + ptx_cases("sparse dropout", lambda dt, t: build_sparse(dt, t, True), argtypes,

@@ -39,7 +39,7 @@ def build_topk(dtype, tiling, dropout=False):
     takes none), ``mask`` with its flag,
     ``logks`` with its flag, ``causal``, ``top_k``, ``qt0`` (first query tile
     of this launch), the scratch ``R`` and ``buf`` (``(B * Hq, rows, Lk)``), the
-    dropout's ``seed_lo, seed_hi, threshold, keep`` (read by the ``dropout``
+    dropout's ``seed_lo, seed_hi, batch0, head0, threshold, keep`` (read by the ``dropout``
     build: the kept keys' weights are dropped after the selection),
     ``out``, ``lse`` and the selection ``thr``, ``cut`` (``(B, Hq, Lq)``: each row's
     threshold and tie cut, which the backward reuses).
@@ -98,8 +98,8 @@ def build_topk(dtype, tiling, dropout=False):
                 S[r * TN + c] = s
 
     def topk_attention_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal,
-                              top_k, qt0, R, buf, seed_lo, seed_hi, threshold, keep, out, lse,
-                              thr_out, cut_out):
+                              top_k, qt0, R, buf, seed_lo, seed_hi, batch0, head0, threshold,
+                              keep, out, lse, thr_out, cut_out):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], qt0)
         # F, the factors, is unused (softmax)
@@ -107,7 +107,7 @@ def build_topk(dtype, tiling, dropout=False):
          T) = begin_tile(q[b, h], i0, scale)
         keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
         if DROPOUT:
-            dropout_keys(keys, seed_lo, seed_hi, b, h, i0, row0)
+            dropout_keys(keys, seed_lo, seed_hi, batch0 + b, head0 + h, i0, row0)
         cuts = cuda.shared.array(BQ, numba.int64)
         thr = cuda.local.array(TM, nt)
         cut = cuda.local.array(TM, numba.int64)
@@ -202,8 +202,8 @@ def ptx_signatures():
         arr4, arr3 = ty[:, :, :, ::1], ty[:, :, ::1]
         return (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], types.boolean,
                 ty[:, ::1], types.boolean, types.boolean, types.int64, types.int64, arr3, arr3,
-                types.int64, types.int64, types.int64, ty, arr4, arr3, arr3,
-                types.int64[:, :, ::1])
+                types.int64, types.int64, types.int64, types.int64, types.int64, ty, arr4, arr3,
+                arr3, types.int64[:, :, ::1])
 
     return (ptx_cases("topk", build_topk, argtypes, 64, 64)
             + ptx_cases("topk dropout", lambda dt, t: build_topk(dt, t, True), argtypes,

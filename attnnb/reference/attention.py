@@ -15,13 +15,17 @@ def sink_of(problem):
     return np.asarray(problem.sinks, np.float64)[:, :, None, None]
 
 
-def dropout_factors(problem):
-    """float64 ``(B, Hq, Lq, Lk)`` factors of the weights under the problem's dropout:
-    ``1 / (1 - p)`` where kept, 0 where dropped; None without dropout."""
+def dropout_factors(problem, heads=None):
+    """float64 ``(B, heads, Lq, Lk)`` factors of the weights under the problem's dropout:
+    ``1 / (1 - p)`` where kept, 0 where dropped; None without dropout.  ``heads``: the
+    query heads by default (the head pairs for differential attention)."""
     if not problem.dropout_p:
         return None
     B, Hq, _, Lq, Lk, _, _ = problem.shape
-    keep = keep_mask(problem.seed, problem.dropout_p, (B, Hq, Lq, Lk))
+    H = Hq if heads is None else heads
+    b0, h0 = problem.dropout_origin
+    keep = keep_mask(problem.seed, problem.dropout_p, (B, H, Lq, Lk), b=b0 + np.arange(B),
+                     h=h0 + np.arange(H))
     return np.where(keep, keep_scale(problem.dropout_p), 0.0)
 
 

@@ -49,7 +49,7 @@ import numpy as np
 
 from ._common import allowed_set, apply_weights, expand_kv_heads, logits, normalize
 from .attention import dropout_factors, sink_of
-from .diff import pair_key_heads
+from .diff import pair_dropout, pair_key_heads
 from .sparse import pattern_mask
 from .topk import topk_selection
 
@@ -258,7 +258,8 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     dout v^T`` where ``P > 0`` (the clip's kink has derivative 0), ``dA1 =
     dP``, ``dA2 = -lam dP``, ``dlam_i = -sum_j dP_ij A2_ij``.  Each map then
     goes through its softmax backward; bias and key sizes get the sum of
-    both streams.
+    both streams.  Dropout (factors ``z``, one per head pair) makes ``out = (z
+    w) v``: ``dw`` and the weights that reach ``dv`` are multiplied by ``z``.
 
     Parameters
     ----------
@@ -297,11 +298,16 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
             for c in range(2)]
     with np.errstate(invalid="ignore", over="ignore"):
         dw = np.where(allowed, np.matmul(dout, _t(v)), 0.0)
+    factors = pair_dropout(problem)
+    if factors is not None:
+        dw = dw * factors
     w = maps[0] - lam[..., None] * maps[1]
     if mode == "rectified":
         # clipped entries pass nothing back; NaN (not <= 0) keeps propagating
         dw = np.where(w <= 0, 0.0, dw)
         w = np.maximum(w, 0.0)
+    if factors is not None:
+        w = w * factors
     dlam = -np.sum(np.where(allowed, dw * maps[1], 0.0), axis=-1)
     dq = np.zeros(problem.q.shape)
     dk = np.zeros(problem.k.shape)

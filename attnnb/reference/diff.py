@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._common import allowed_set, apply_weights, expand_kv_heads, logits, normalize
+from .attention import dropout_factors
 
 
 def pair_key_heads(h_pairs: int, hk_pairs: int) -> np.ndarray:
@@ -36,6 +37,12 @@ def diff_maps(problem):
     return maps[0], maps[1], allowed
 
 
+def pair_dropout(problem):
+    """float64 ``(B, H, Lq, Lk)`` dropout factors of the combined weights, one per head
+    pair (docs/contract.md §1.14), or None without dropout."""
+    return dropout_factors(problem, heads=problem.shape[1] // 2)
+
+
 def diff_weights(problem, lam, mode="difference"):
     """The differential weights of a canonical problem, in float64.
 
@@ -49,7 +56,7 @@ def diff_weights(problem, lam, mode="difference"):
     Returns
     -------
     w : float64 ``(B, H, Lq, Lk)``: ``A1 - lam A2`` (or ``max(0, .)``), zero on
-        keys outside the allowed set and on empty rows.
+        keys outside the allowed set and on empty rows; before dropout.
     allowed : bool ``(B, H, Lq, Lk)``
     """
     a1, a2, allowed = diff_maps(problem)
@@ -67,14 +74,20 @@ def diff_attention(problem, lam, mode="difference"):
     rules of :mod:`attnnb.reference._common` before the two are combined (so
     an Inf value that both maps weight gives NaN, as two attention calls
     subtracted do).  ``"rectified"`` weights the values by ``max(0, A1 - lam A2)``:
-    a clipped (zero) weight never carries a value.
+    a clipped (zero) weight never carries a value.  Dropout multiplies each
+    combined weight (both maps' entries, in the difference mode) by its factor.
     """
     dtype = problem.compute_dtype
+    factors = pair_dropout(problem)
     if mode == "rectified":
         w, allowed = diff_weights(problem, lam, mode)
+        if factors is not None:
+            w = w * factors
         v = expand_kv_heads(problem.v, w.shape[1])
         return apply_weights(w, v, allowed, dtype)
     a1, a2, allowed = diff_maps(problem)
+    if factors is not None:
+        a1, a2 = a1 * factors, a2 * factors
     v = expand_kv_heads(problem.v, a1.shape[1])
     o1 = apply_weights(a1, v, allowed, dtype)
     o2 = apply_weights(a2, v, allowed, dtype)

@@ -79,3 +79,29 @@ def test_cuda_sparse_and_topk_dropout_equal_the_reference(rng):
         for name in r:
             np.testing.assert_allclose(g[name], r[name], rtol=1e-11, atol=1e-13,
                                        err_msg=f"{fn.__name__} {name}")
+
+
+def test_cuda_chunked_backward_keys_the_whole_problems_indices(rng, monkeypatch):
+    """A broadcast bias's gradient formed chunk by chunk (one key head of one batch
+    element each): every chunk keys its decisions by the call's batch and head indices,
+    so the gradients are the reference's."""
+    from attnnb import _bias_chunks
+
+    lq, lk = n(5), n(6)
+    q = rng.standard_normal((2, 2, lq, 4))
+    k = rng.standard_normal((2, 2, lk, 4))
+    v = rng.standard_normal((2, 2, lk, 3))
+    kw = dict(dropout_p=0.4, seed=9, bias=rng.standard_normal((lq, lk)))
+    monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", lq * lk * 8)
+    out, pb = attnnb.vjp(attnnb.attention, q, k, v, backend="cuda", **kw)
+    _, pb_ref = attnnb.vjp(attnnb.attention, q, k, v, backend="reference", **kw)
+    dout = rng.standard_normal(out.shape)
+    g, r = pb(dout), pb_ref(dout)
+    for name in r:
+        np.testing.assert_allclose(g[name], r[name], rtol=1e-11, atol=1e-13, err_msg=name)
+
+
+def test_cuda_refuses_diff_dropout(rng):
+    q = rng.standard_normal((1, 2, 4, 4))
+    with pytest.raises(NotImplementedError, match="diff_attention on the cuda backend"):
+        attnnb.diff_attention(q, q, q[:, :1], 0.5, dropout_p=0.2, seed=1, backend="cuda")
