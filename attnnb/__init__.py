@@ -3,7 +3,8 @@
 Dense softmax attention (masks, bias, causal, GQA, LSE, other normalizers),
 Token Merging with proportional attention, differential attention and
 sparse attention, on a float64 NumPy ``reference`` backend, a Numba ``cpu``
-backend and a numba.cuda ``cuda`` backend behind one dispatcher.
+backend and a numba.cuda ``cuda`` backend behind one dispatcher; the exact
+weights of any call and statistics of them (:mod:`attnnb.inspection`).
 
 ``import attnnb`` imports NumPy only; Numba loads on the first cpu call.
 """
@@ -15,6 +16,7 @@ from ._dispatch import backends, use_backend
 from .attention import attention
 from .combine import combine
 from .diff import diff_attention
+from .inspection import attention_stats, weights
 from .sparse import sparse_attention, topk_attention
 from .vjp import vjp
 
@@ -55,6 +57,7 @@ def release_buffers() -> None:
 
 __all__ = [
     "attention",
+    "attention_stats",
     "backends",
     "combine",
     "diff",
@@ -66,5 +69,6 @@ __all__ = [
     "topk_attention",
     "use_backend",
     "vjp",
+    "weights",
     "__version__",
 ]
