@@ -49,11 +49,13 @@ class Call:
 
     ``name`` is the function's; ``problem`` the canonical problem (host
     arrays, compute dtype); ``pattern`` (sparse), ``top_k`` (top-k), ``lam``
-    ``(B, H, Lq)`` and ``mode`` (differential) the function's own arguments.
+    ``(B, H, Lq)`` and ``mode`` (differential) the function's own arguments;
+    ``backend`` the one it names.
     """
 
     name: str
     problem: Problem
+    backend: str | None = None
     pattern: Pattern | None = None
     top_k: int | None = None
     lam: np.ndarray | None = None
@@ -109,19 +111,20 @@ def bind_call(caller: str, fn, args, kwargs) -> Call:
         # lam as the call computes with it: in the compute dtype
         lam = lambda_rows(a["lam"], problem.batch_shape, B, H2 // 2, Lq,
                           problem.compute_dtype).astype(np.float64)
-        return Call(name, problem, lam=lam, mode=a["mode"])
+        return Call(name, problem, a["backend"], lam=lam, mode=a["mode"])
     common.update(normalizer=a.get("normalizer", "softmax"), sinks=a["sinks"])
     if name == "sparse_attention":
         problem = attention_problem(a["q"], a["k"], a["v"], **common)
         _, Hq, _, Lq, Lk = problem.shape[:5]
-        return Call(name, problem, pattern=check_pattern(a["pattern"], Lq, Lk, Hq))
+        return Call(name, problem, a["backend"],
+                    pattern=check_pattern(a["pattern"], Lq, Lk, Hq))
     masks = dict(mask=a["mask"], causal=a["causal"])
     if name == "topk_attention":
         top_k = check_top_k(a["top_k"])
         return Call(name, attention_problem(a["q"], a["k"], a["v"], **masks, **common),
-                    top_k=top_k)
+                    a["backend"], top_k=top_k)
     return Call(name, attention_problem(a["q"], a["k"], a["v"], bias=a["bias"], **masks,
-                                        **common))
+                                        **common), a["backend"])
 
 
 def row_indices(rows: Any, Lq: int) -> np.ndarray:

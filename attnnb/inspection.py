@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _dispatch
 from ._checks import as_named_array
+from ._dispatch import choose_backend
 from ._row_weights import Call, bind_call, row_indices, row_weights
 from ._validate import check_bool
 
@@ -141,7 +143,10 @@ def attention_stats(fn, *args, stats=("entropy", "max", "argmax", "received"), k
     """Statistics of a call's attention weights, with no ``(Lq, Lk)`` array.
 
     The weights (those of :func:`weights`: what multiplies ``v``, dropout
-    included) are formed block by block of query rows and reduced at once.
+    included) are reduced as they are formed: for dense attention on the
+    ``cpu`` backend in one compiled pass over the tiles after the forward's
+    LSE (:mod:`attnnb.cpu.stats`, in the compute dtype, as the kernels weigh
+    the values), otherwise block by block of query rows in float64.
 
     Parameters
     ----------
@@ -151,8 +156,9 @@ def attention_stats(fn, *args, stats=("entropy", "max", "argmax", "received"), k
         Per query row, ``(*batch, H, Lq)``:
 
         * ``"entropy"``: ``-sum_j w log w`` over the positive weights (float64);
-        * ``"max"`` and ``"argmax"``: the largest weight and its key (the
-          lowest such key; ``-1`` on a row with no allowed key or a NaN row);
+        * ``"max"`` and ``"argmax"``: the largest positive weight and its key
+          (the lowest such key); 0 and ``-1`` on a row with no positive weight
+          (an empty row), NaN and ``-1`` on a NaN row;
         * ``"mass"``: ``sum_j w`` over the keys given in ``keys``;
         * ``"zeros"``: how many allowed keys get a weight of exactly 0
           (``relu_expm1``'s non-positive logits, the rectified differential
@@ -164,6 +170,10 @@ def attention_stats(fn, *args, stats=("entropy", "max", "argmax", "received"), k
         attention each key receives (ToMe's and H2O's importance).
     keys : integer array or boolean ``(Lk,)`` array
         The keys of ``"mass"`` (e.g. ``[0]``: an attention sink).
+    backend : in ``kwargs``, as the call's
+        ``"cpu"`` (the default for host arrays) runs dense attention's
+        compiled pass; ``"reference"`` the float64 rows; other functions
+        always take the float64 rows.
 
     Returns
     -------
@@ -185,6 +195,23 @@ def attention_stats(fn, *args, stats=("entropy", "max", "argmax", "received"), k
     call = bind_call("attention_stats", fn, args, kwargs)
     B, _, _, Lq, Lk = call.problem.shape[:5]
     names, key_mask = _check_stats(stats, keys, Lk)
+    if call.name == "attention" and choose_backend(call.backend, False) == "cpu":
+        per_row, received = _dispatch.implementation("attention_stats", "cpu")(
+            call.problem, np.zeros(Lk, bool) if key_mask is None else key_mask)
+        nan_rows = np.isnan(per_row[..., 0])
+        columns = {"entropy": per_row[..., 0], "max": per_row[..., 1],
+                   "argmax": per_row[..., 2].astype(np.int64), "mass": per_row[..., 3],
+                   "zeros": per_row[..., 4].astype(np.int64),
+                   "negative_mass": np.where(nan_rows, np.nan, 0.0), "received": received}
+    else:
+        columns = _host_stats(call, names, key_mask)
+    return {n: _user_shape(call, columns[n]) for n in names}
+
+
+def _host_stats(call: Call, names, key_mask) -> dict:
+    """The statistics of :func:`attention_stats` from blocks of rows' weights, ``(B, H,
+    ...)``."""
+    B, _, _, Lq, Lk = call.problem.shape[:5]
     H = call.heads
     per_row = {n: np.zeros((B, H, Lq), np.int64 if n in ("argmax", "zeros") else np.float64)
                for n in names if n != "received"}
@@ -192,17 +219,22 @@ def attention_stats(fn, *args, stats=("entropy", "max", "argmax", "received"), k
     for start, block in _blocks(call, np.arange(Lq)):
         w, allowed, _ = row_weights(call, block)
         rows = slice(start, start + block.size)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            if "entropy" in per_row:
-                per_row["entropy"][:, :, rows] = -np.sum(
-                    np.where(w > 0, w * np.log(np.where(w > 0, w, 1.0)), 0.0), axis=-1)
-            if "max" in per_row:
-                per_row["max"][:, :, rows] = (np.max(w, axis=-1) if Lk
-                                              else np.zeros(w.shape[:3]))
-        if "argmax" in per_row:
+        nan_rows = np.isnan(w).any(axis=-1)
+        if "entropy" in per_row:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                entropy = -np.sum(np.where(w > 0, w * np.log(np.where(w > 0, w, 1.0)), 0.0),
+                                  axis=-1)
+            per_row["entropy"][:, :, rows] = np.where(nan_rows, np.nan, entropy)
+        if "max" in per_row or "argmax" in per_row:
             best = np.argmax(w, axis=-1) if Lk else np.zeros(w.shape[:3], np.int64)
-            none = ~allowed.any(axis=-1) | np.isnan(w).any(axis=-1)
-            per_row["argmax"][:, :, rows] = np.where(none, -1, best)
+            top = (np.take_along_axis(w, best[..., None], axis=-1)[..., 0] if Lk
+                   else np.zeros(w.shape[:3]))
+            positive = top > 0
+            if "max" in per_row:
+                per_row["max"][:, :, rows] = np.where(nan_rows, np.nan,
+                                                      np.where(positive, top, 0.0))
+            if "argmax" in per_row:
+                per_row["argmax"][:, :, rows] = np.where(positive, best, -1)
         if "mass" in per_row:
             per_row["mass"][:, :, rows] = np.sum(w[..., key_mask], axis=-1)
         if "zeros" in per_row:
@@ -211,7 +243,4 @@ def attention_stats(fn, *args, stats=("entropy", "max", "argmax", "received"), k
             per_row["negative_mass"][:, :, rows] = np.sum(np.minimum(w, 0.0), axis=-1)
         if "received" in names:
             received += w.sum(axis=2)
-    result = {n: _user_shape(call, a) for n, a in per_row.items()}
-    if "received" in names:
-        result["received"] = _user_shape(call, received)
-    return {n: result[n] for n in names}
+    return {**per_row, "received": received}

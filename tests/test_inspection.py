@@ -246,3 +246,38 @@ def test_sparse_weights_rise_by_the_mass_they_lost():
     keep = pattern.to_mask()
     kept_mass = np.where(keep, dense, 0).sum(-1, keepdims=True)
     np.testing.assert_allclose(sparse, np.where(keep, dense / kept_mass, 0), rtol=1e-13)
+
+
+STATS_CASES = {
+    "causal, Lq < Lk, GQA": dict(causal=True),
+    "mask, bias, key sizes": dict(mask="mask", bias="bias", key_size="sizes"),
+    "relu_expm1, causal": dict(normalizer="relu_expm1", causal=True, bias="bias"),
+    "sinks": dict(sinks="sinks"),
+    "softmax1, dropout": dict(normalizer="softmax1", dropout_p=0.4, seed=21, mask="mask"),
+}
+
+
+@pytest.mark.parametrize("case", STATS_CASES)
+@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+def test_cpu_stats_pass_equals_the_reference_rows(case, dtype, rtol):
+    """The compiled pass (attnnb.cpu.stats; several tasks per head) against the float64
+    rows, with a NaN row and an empty row among them."""
+    rng = np.random.default_rng(12)
+    q, k, v = (x.astype(dtype) for x in _qkv(rng, B=2, Hq=4, Hk=2, Lq=150, Lk=160))
+    q[1, 2, 7, 0] = np.nan
+    kw = _arguments(rng, STATS_CASES[case], Lq=150, Lk=160)
+    if "mask" in kw:
+        kw["mask"][0, 0, 3] = False
+    got = attnnb.attention_stats(attnnb.attention, q, k, v, stats=inspection.STATS,
+                                 keys=[0, 159], backend="cpu", **kw)
+    ref = attnnb.attention_stats(attnnb.attention, q, k, v, stats=inspection.STATS,
+                                 keys=[0, 159], backend="reference", **kw)
+    for name in inspection.STATS:
+        if name in ("argmax", "zeros") and dtype == np.float32:
+            continue  # float32 logits round ties and underflows their own way
+        np.testing.assert_allclose(got[name], ref[name], rtol=rtol, atol=rtol,
+                                   err_msg=name)
+    assert np.isnan(got["entropy"][1, 2, 7]) and got["argmax"][1, 2, 7] == -1
+    assert np.isnan(got["received"][1, 2]).all()
+    if "mask" in kw:
+        assert got["argmax"][0, 0, 3] == -1 and got["max"][0, 0, 3] == 0
