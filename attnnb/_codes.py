@@ -14,7 +14,8 @@ NORMALIZER_CODES = {"softmax": SOFTMAX, "softmax1": SOFTMAX1, "relu_expm1": RELU
 # diff_attention(mode=...)
 DIFFERENCE = 0
 RECTIFIED = 1
-DIFF_MODE_CODES = {"difference": DIFFERENCE, "rectified": RECTIFIED}
+HEAVISIDE = 2
+DIFF_MODE_CODES = {"difference": DIFFERENCE, "rectified": RECTIFIED, "heaviside": HEAVISIDE}
 
 # Matching.merge(mode=...) in Token Merging
 MERGE_MEAN = 0

@@ -36,7 +36,7 @@ from .diff import diff_attention
 from .patterns import Pattern
 from .reference._common import expand_kv_heads, logits, normalize
 from .reference.attention import sink_of
-from .reference.diff import pair_key_heads
+from .reference.diff import heaviside_gate, pair_key_heads
 from .reference.topk import topk_selection
 from .sparse import sparse_attention, topk_attention
 
@@ -204,7 +204,11 @@ def row_weights(call: Call, rows: np.ndarray):
             normalize(logits(p.q[:, c::2][:, :, rows], p.k[:, heads[:, c]], p.scale, bias),
                       allowed, lks, "softmax")[0]
             for c in range(2))
-        w = maps[0] - call.lam[:, :, rows, None] * maps[1]
+        lam = call.lam[:, :, rows, None]
+        if call.mode == "heaviside":
+            w = maps[0] - lam * heaviside_gate(maps[0], maps[1], lam)
+        else:
+            w = maps[0] - lam * maps[1]
         if call.mode == "rectified":
             w = np.maximum(w, 0.0)  # NaN rows stay NaN
     else:

@@ -67,10 +67,16 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         Key ``j`` allowed for query ``i`` only when ``j <= i + Lk - Lq``.
     scale : float, optional
         Logit scale, default ``1 / sqrt(d)``.
-    mode : {"difference", "rectified"}
+    mode : {"difference", "rectified", "heaviside"}
         ``"difference"``: weights ``A1 - lam * A2`` (the paper).
         ``"rectified"``: weights ``max(0, A1 - lam * A2)``, elementwise on the
         final weights (key sizes included), not renormalised.
+        ``"heaviside"``: weights ``A1 - lam * H(A1 - lam * A2)``, the formula
+        of the discussion attnnb grew from read literally (docs/contract.md
+        §2.4): ``lam`` is subtracted from ``A1`` wherever ``A1 > lam A2``
+        (``H(x) = 1`` for ``x > 0``, else 0); the gate is held fixed in the
+        gradients, so ``A2`` gets none.  Not on the cuda backend or with Dask
+        arrays yet.
     dropout_p : float
         Attention dropout on the combined weights: weight ``(b, h, i, j)`` of
         pair ``h`` (``A1 - lam A2``, or its rectified value) is dropped with
@@ -103,6 +109,9 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         from ._dask.ops import diff_attention as lazy
 
         refuse_lazy_dropout(dropout_p)
+        if mode == "heaviside":  # its gate needs both maps' global normalisers at once
+            raise NotImplementedError("diff_attention(mode='heaviside') with Dask arrays: not "
+                                      "yet; compute the arrays first")
         return lazy(q, k, v, lam, mask=mask, bias=bias, key_size=key_size, causal=causal,
                     scale=scale, mode=mode, backend=backend)
     return _eager.diff_attention(q, k, v, lam, mask=mask, bias=bias, key_size=key_size,

@@ -175,7 +175,8 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
     key_size : positive JAX array broadcastable to ``(*batch, Lk)``, optional
     causal, scale, mode, backend
         Static, as in :func:`attnnb.diff_attention` (``mode="rectified"``:
-        the clip at 0 has derivative 0).
+        the clip at 0 has derivative 0; ``"heaviside"``: the gate is held
+        fixed).
 
     Returns
     -------

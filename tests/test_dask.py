@@ -275,6 +275,9 @@ def test_bad_arguments_are_refused_before_any_work(rng):
                               np.nan)
     with pytest.raises(ValueError, match="must have a head axis"):
         attnnb.diff_attention(q[0, 0], k[0, 0], v[0, 0], 0.5)
+    with pytest.raises(NotImplementedError, match="heaviside.*Dask"):
+        attnnb.diff_attention(*chunked(data(rng, DIFF_SHAPES), DIFF_CHUNKINGS["keys"]).values(),
+                              0.5, mode="heaviside")
 
     def boom():
         raise AssertionError("an input was computed while the graph was built")

@@ -12,7 +12,7 @@ from attnnb.diff import diff_attention, lambda_init, reparam_lambda, subln
 
 from .helpers import HOST_BACKENDS, assert_close, randn
 
-MODES = ("difference", "rectified")
+MODES = ("difference", "rectified", "heaviside")
 
 
 def formula(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
@@ -46,9 +46,12 @@ def formula(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False, 
         e = np.exp(s - m)
         z = e.sum(axis=-1, keepdims=True)
         maps.append(np.where(z > 0, e / np.where(z > 0, z, 1.0), 0.0))
-    w = maps[0] - np.asarray(lam, np.float64)[..., None] * maps[1]
+    lam = np.asarray(lam, np.float64)[..., None]
+    w = maps[0] - lam * maps[1]
     if mode == "rectified":
         w = np.maximum(w, 0.0)
+    if mode == "heaviside":  # A1 - lam H(A1 - lam A2), H(0) = 0
+        w = maps[0] - lam * (w > 0)
     return w @ np.repeat(v, rep, axis=-3)
 
 
@@ -181,6 +184,10 @@ def test_duplicate_keys_merge_with_key_size(rng, backend, mode):
     size = np.ones(70)
     size[3], size[40] = 3, 2
     merged = diff_attention(q, k, v, 0.6, key_size=size, mode=mode, backend=backend)
+    if mode == "heaviside":  # lam is subtracted per key: 3 copies lose it 3 times
+        assert not np.allclose(merged, full)
+        assert_close(merged, formula(q, k, v, 0.6, key_size=size, mode=mode), np.float64)
+        return
     assert_close(merged, full, np.float64)
 
 

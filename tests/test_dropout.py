@@ -347,7 +347,7 @@ def test_diff_dropout_drops_the_combined_weights(mode):
     np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("mode", ["difference", "rectified"])
+@pytest.mark.parametrize("mode", ["difference", "rectified", "heaviside"])
 @pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-12), (np.float32, 1e-4)])
 def test_diff_dropout_cpu_equals_the_reference(mode, dtype, rtol):
     """Forward and every gradient (q, k, v, lam, bias, key_size; GQA, partial tiles,

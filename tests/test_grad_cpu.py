@@ -226,7 +226,7 @@ def test_sparse_with_few_query_rows(qkv, dtype, lq):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mode", ["difference", "rectified"])
+@pytest.mark.parametrize("mode", ["difference", "rectified", "heaviside"])
 @pytest.mark.parametrize("lam_shape", [(), (2, 1), (1, 2, 70)])
 def test_differential(dtype, mode, lam_shape):
     rng = np.random.default_rng(6)

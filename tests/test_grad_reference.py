@@ -264,7 +264,7 @@ def diff_qkv(rng, batch=(2,), h=2, hk=1, lq=4, lk=5, d=2, dv=3):
             rng.standard_normal(batch + (hk, lk, dv)))
 
 
-@pytest.mark.parametrize("mode", ["difference", "rectified"])
+@pytest.mark.parametrize("mode", ["difference", "rectified", "heaviside"])
 @pytest.mark.parametrize("lam_shape", [None, (2, 1), (2, 2, 4)])
 def test_diff(rng, mode, lam_shape):
     q, k, v = diff_qkv(rng)
@@ -279,7 +279,7 @@ def test_diff(rng, mode, lam_shape):
     assert isinstance(grads["lam"], np.ndarray)
 
 
-@pytest.mark.parametrize("mode", ["difference", "rectified"])
+@pytest.mark.parametrize("mode", ["difference", "rectified", "heaviside"])
 def test_diff_grouped_query_no_options(rng, mode):
     q, k, v = diff_qkv(rng, batch=(1,), h=4, hk=2, lq=3, lk=4)
     check_gradients(attnnb.diff_attention, [("q", q), ("k", k), ("v", v), ("lam", 0.4)],
@@ -490,3 +490,15 @@ def test_key_disjoint_parts_combined_through_lse(data, lk, lq, normalizer, causa
         dk[:, p], dv[:, p], dbias[:, p] = g["k"], g["v"], g["bias"]
     for name, got in (("q", dq), ("k", dk), ("v", dv), ("bias", dbias)):
         np.testing.assert_allclose(got, whole[name], atol=1e-10, err_msg=name)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_heaviside_second_map_gets_no_gradient(rng, backend):
+    """The gate is held fixed: the second components' queries and keys get zeros, and
+    d lam is minus the gated keys' share of dP (docs/contract.md §2.4)."""
+    q, k, v = diff_qkv(rng, batch=(1,), h=2, hk=1, lq=6, lk=7)
+    out, pullback = attnnb.vjp(attnnb.diff_attention, q, k, v, 0.3, mode="heaviside",
+                               causal=True, backend=backend)
+    grads = pullback(rng.standard_normal(out.shape))
+    assert not grads["q"][:, 1::2].any() and not grads["k"][:, 1::2].any()
+    assert grads["q"][:, 0::2].any() and grads["k"][:, 0::2].any()

@@ -281,3 +281,17 @@ def test_cpu_stats_pass_equals_the_reference_rows(case, dtype, rtol):
     assert np.isnan(got["received"][1, 2]).all()
     if "mask" in kw:
         assert got["argmax"][0, 0, 3] == -1 and got["max"][0, 0, 3] == 0
+
+
+def test_readme_inspection_block_runs():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    match = re.search(r"<!-- usage:inspection -->\n```python\n(.*?)```\n"
+                      r"<!-- /usage:inspection -->", text, re.S)
+    assert match, "README has no usage:inspection block"
+    namespace: dict = {}
+    exec(compile(match.group(1), "README.md:usage:inspection", "exec"), namespace)
+    assert namespace["w"].shape == (1, 8, 2, 4096)
+    assert namespace["s"]["received"].shape == (1, 8, 4096)

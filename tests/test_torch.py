@@ -84,7 +84,7 @@ def test_topk_attention_gradcheck():
                (q, k, v))
 
 
-@pytest.mark.parametrize("mode", ["difference", "rectified"])
+@pytest.mark.parametrize("mode", ["difference", "rectified", "heaviside"])
 def test_diff_attention_gradcheck_learned_lambda(mode):
     rng = np.random.default_rng(4)
     q, k, _ = _qkv(rng, hq=4, hk=2, d=3)  # H = 2 head pairs over one key pair

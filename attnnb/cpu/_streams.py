@@ -6,7 +6,8 @@ running accumulator.  A kernel that knows each row's normaliser in advance
 can clip their difference) instead builds final weights tile by tile and
 adds ``P @ v_tile`` to the output directly:
 
-* :func:`rectified_weights` -- ``P = max(0, exp(S1 - lse1) - lam * exp(S2 - lse2))``
+* :func:`rectified_weights` -- ``P = max(0, A1 - lam * A2)`` or ``A1 - lam H(A1 - lam
+  A2)``, ``A_c = exp(S_c - lse_c)``
 * :func:`~attnnb.cpu._tiles.add_weighted_values` -- ``acc += P @ v_tile``, skipping
   zero weights when the value tile holds NaN or Inf (shared with the online update)
 * :func:`finish_weighted_rows` -- copy the accumulator out, NaN rows stay NaN
@@ -31,8 +32,10 @@ def _map_row(srow, prow, lse, nk):
 
 
 @inner
-def rectified_weights(S1, S2, lse1, lse2, lam, P_flat, P2_flat):
-    """``P = max(0, A1 - lam * A2)`` for one tile, ``A_c = exp(S_c - lse_c)``.
+def rectified_weights(S1, S2, lse1, lse2, lam, gated, P_flat, P2_flat):
+    """``P = max(0, A1 - lam * A2)`` for one tile, ``A_c = exp(S_c - lse_c)``; with
+    ``gated``, ``P = A1 - lam H(A1 - lam * A2)`` (``H(x) = 1`` for ``x > 0``, else 0)
+    instead.
 
     Parameters
     ----------
@@ -56,9 +59,14 @@ def rectified_weights(S1, S2, lse1, lse2, lam, P_flat, P2_flat):
         p2row = P2[r]
         _map_row(S2[r], p2row, lse2[r], nk)
         lr = lam[r]
-        for c in range(nk):
-            w = prow[c] - lr * p2row[c]
-            prow[c] = w if w > 0.0 else 0.0
+        if gated:
+            for c in range(nk):
+                a1 = prow[c]
+                prow[c] = a1 - lr if a1 - lr * p2row[c] > 0.0 else a1
+        else:
+            for c in range(nk):
+                w = prow[c] - lr * p2row[c]
+                prow[c] = w if w > 0.0 else 0.0
     return P
 
 

@@ -558,10 +558,11 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     stream's forward is recomputed (for its LSE and ``o2``), then each
     stream's backward runs with ``dout`` and ``-lam * dout``, and
     ``dlam = -sum(dout * o2)``.  Bias and key-size gradients add both maps'.
-    The rectified mode has kernels of its own (:mod:`attnnb.cpu.rectified_backward`).
+    The rectified and Heaviside modes have kernels of their own
+    (:mod:`attnnb.cpu.rectified_backward`).
     """
     if mode != "difference":
-        return rectified_vjp(problem, lam, dout, dbias_shape)
+        return rectified_vjp(problem, lam, dout, dbias_shape, mode)
     dt = problem.q.dtype
     lam = np.asarray(lam, dt)
     dout = np.ascontiguousarray(dout, dt)

@@ -8,7 +8,9 @@ it is read from memory once), and the finished rows are combined as
 before it can clip ``A1 - lam * A2``, so its task sweeps twice: pass 1 runs
 the same online update with zero-width values (only the running max and
 sum, i.e. the LSEs), pass 2 recomputes the logits and accumulates
-``max(0, A1 - lam * A2) @ v`` tile by tile.  No ``Lq x Lk`` array exists.
+``max(0, A1 - lam * A2) @ v`` tile by tile.  ``mode="heaviside"`` takes the
+same two passes with ``A1 - lam H(A1 - lam * A2)``.  No ``Lq x Lk`` array
+exists.
 
 Dropout drops the combined weight of ``(b, pair h, i, j)``: in the difference
 mode both streams zero the same entries (one row key per pair row), in the
@@ -21,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .._codes import DIFF_MODE_CODES, DIFFERENCE, SOFTMAX
+from .._codes import DIFF_MODE_CODES, DIFFERENCE, HEAVISIDE, SOFTMAX
 from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
 from ._host import run_sweep
 from ._jit import inner, kernel, wide_vectors
@@ -150,7 +152,8 @@ def diff_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
                                   has_mask, logks_b, has_ks, S_flats[c])
                 S1 = view2d(S1_flat, nq, nk)
                 S2 = view2d(S2_flat, nq, nk)
-                P = rectified_weights(S1, S2, lse1, lse2, lam_rows, P_flat, P2_flat)
+                P = rectified_weights(S1, S2, lse1, lse2, lam_rows, mode == HEAVISIDE,
+                                      P_flat, P2_flat)
                 drop_tile(P, dropout, keys, j0, words)
                 add_weighted_values(P, vh, j0, v_ok[b, g, t], acc, T_flat)
             finish_weighted_rows(acc, lse1, lse2, rows)
@@ -165,7 +168,7 @@ def diff_attention(problem, lam, mode="difference"):
         ``q (B, 2H, Lq, d)``, ``k (B, 2Hk, Lk, d)``, ``v (B, Hk, Lk, Dv)``;
         mask and bias views ``(B, H, Lq, Lk)``.
     lam : ``(B, H, Lq)`` C-contiguous, in the compute dtype, finite.
-    mode : ``"difference"`` or ``"rectified"``
+    mode : ``"difference"``, ``"rectified"`` or ``"heaviside"``
 
     Returns
     -------

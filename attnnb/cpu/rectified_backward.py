@@ -10,6 +10,11 @@ map of stream ``c`` (query heads ``2h + c``, key heads ``2g + c``).  With
 
 With dropout (factors ``z``: ``1 / (1 - p)`` kept, 0 dropped), ``out = (z P) @
 v``: ``G`` and ``P`` are both multiplied by ``z``, and the lines above hold.
+
+The Heaviside mode, ``P = A1 - lam g`` with the gate ``g = H(A1 - lam A2)``
+held fixed, runs the same kernels: ``G = dout @ v^T`` unclipped, the tile of
+``A2`` replaced by ``g`` (so that ``e = rowsum(G g)``, ``dlam = -e``) and
+``ds2 = 0`` (the second map enters only through the gate).
     dq_c = scale ds_c @ k_c,  dk_c = scale ds_c^T @ q_c,  dbias = ds1 + ds2
 
 The row sums ``d1`` and ``e`` need every key of a row before any ``ds``
@@ -28,7 +33,7 @@ import numpy as np
 from numba import prange
 
 from .._bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
-from .._codes import SOFTMAX
+from .._codes import DIFF_MODE_CODES, HEAVISIDE, SOFTMAX
 from .._dropout import keep_scale
 from ._dropout import kernel_dropout, scale_by_kept
 from ._exp import exp_shifted
@@ -77,11 +82,12 @@ def stream_map(q_bh, kth, i0, nq, j0, nk, scale, diag, bias_bh, has_bias, mask_b
 
 @inner
 def rectified_pair(q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias, mask,
-                   has_mask, logks, has_ks, lse1, lse2, lam, dropout, keep_scale, q_flat, do_flat,
-                   A1_flat, A2_flat, G_flat, W_flat, words):
+                   has_mask, logks, has_ks, lse1, lse2, lam, mode, dropout, keep_scale, q_flat,
+                   do_flat, A1_flat, A2_flat, G_flat, W_flat, words):
     """``(A1, A2, G, W)`` of one (query tile, key tile) pair: both maps, the clipped
     cotangent of ``P`` and the weights ``W = max(0, A1 - lam A2)``, ``(nq, nk)`` each,
-    the last two times the dropout factors (``words``: the generator's scratch)."""
+    the last two times the dropout factors (``words``: the generator's scratch).  In the
+    Heaviside ``mode``: ``A2`` is the gate, ``G`` unclipped, ``W = A1 - lam A2``."""
     A1 = stream_map(q[b, 2 * h], kt[b, 2 * g], i0, nq, j0, nk, scale, diag, bias[b, h],
                     has_bias, mask[b, h], has_mask, logks[b], has_ks, lse1[b, h], q_flat,
                     A1_flat)
@@ -93,6 +99,12 @@ def rectified_pair(q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, 
     W = view2d(W_flat, nq, nk)
     for r in range(nq):
         lr = lam[b, h, i0 + r]
+        if mode == HEAVISIDE:
+            for c in range(nk):
+                gate = 1.0 if A1[r, c] - lr * A2[r, c] > 0.0 else 0.0
+                A2[r, c] = gate
+                W[r, c] = A1[r, c] - lr * gate
+            continue
         for c in range(nk):
             w = A1[r, c] - lr * A2[r, c]
             if w > 0.0:
@@ -105,8 +117,9 @@ def rectified_pair(q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, 
 
 
 @inner
-def logit_gradients(A1, A2, G, lam_bh, d1_bh, e_bh, i0, dS1_flat, dS2_flat):
-    """``ds1 = A1 (G - d1)`` and ``ds2 = -lam A2 (G - e)`` of one pair, ``(nq, nk)``."""
+def logit_gradients(A1, A2, G, lam_bh, d1_bh, e_bh, i0, second, dS1_flat, dS2_flat):
+    """``ds1 = A1 (G - d1)`` and ``ds2 = -lam A2 (G - e)`` of one pair, ``(nq, nk)``;
+    ``ds2 = 0`` unless ``second`` (the second map has a gradient)."""
     nq, nk = A1.shape
     dS1 = view2d(dS1_flat, nq, nk)
     dS2 = view2d(dS2_flat, nq, nk)
@@ -114,14 +127,14 @@ def logit_gradients(A1, A2, G, lam_bh, d1_bh, e_bh, i0, dS1_flat, dS2_flat):
         x1, x2, lr = d1_bh[i0 + r], e_bh[i0 + r], lam_bh[i0 + r]
         for c in range(nk):
             dS1[r, c] = A1[r, c] * (G[r, c] - x1)
-            dS2[r, c] = -lr * A2[r, c] * (G[r, c] - x2)
+            dS2[r, c] = -lr * A2[r, c] * (G[r, c] - x2) if second else 0.0
     return dS1, dS2
 
 
 @kernel
 def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
-                     has_ks, causal, dout, lse1, lse2, lam, dropout, keep_scale, d1, e, col_ptr,
-                     col_qt, need_dbias,
+                     has_ks, causal, dout, lse1, lse2, lam, mode, dropout, keep_scale, d1, e,
+                     col_ptr, col_qt, need_dbias,
                      dk, dv, dbias, dlogks):
     """One task per (batch, value head, key tile): ``dv``, both streams' ``dk``, and that
     tile's ``dbias`` columns and ``dlogks`` (per value head; summed on the host)."""
@@ -143,10 +156,10 @@ def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, h
                 nq = min(TILE_Q, Lq - i0)
                 A1, A2, G, W = rectified_pair(
                     q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias,
-                    mask, has_mask, logks, has_ks, lse1, lse2, lam, dropout, keep_scale, q_flat,
-                    do_flat, A1_flat, A2_flat, G_flat, W_flat, words)
+                    mask, has_mask, logks, has_ks, lse1, lse2, lam, mode, dropout, keep_scale,
+                    q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, words)
                 dS1, dS2 = logit_gradients(A1, A2, G, lam[b, h], d1[b, h], e[b, h], i0,
-                                           dS1_flat, dS2_flat)
+                                           mode != HEAVISIDE, dS1_flat, dS2_flat)
                 transposed_values_product(W, dout[b, h], i0, dv_acc, T_flat)
                 transposed_values_product(dS1, q[b, 2 * h], i0, dk1, T_flat)
                 transposed_values_product(dS2, q[b, 2 * h + 1], i0, dk2, T_flat)
@@ -168,7 +181,8 @@ def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, h
 
 @kernel
 def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
-                   has_ks, causal, dout, lse1, lse2, lam, dropout, keep_scale, d1, e, dq):
+                   has_ks, causal, dout, lse1, lse2, lam, mode, dropout, keep_scale, d1, e,
+                   dq):
     """One task per (batch, head pair, query tile): its rows' sums ``d1 = rowsum(G A1)``
     and ``e = rowsum(G A2)`` (pass 0, ``(B, H, Lq)``, which the dK/dV sweep reads
     too), then both streams' ``dq`` (pass 1).  One call site of the pair's
@@ -191,8 +205,8 @@ def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has
                 nk = min(TILE_K, Lk - j0)
                 A1, A2, G, _ = rectified_pair(
                     q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias,
-                    mask, has_mask, logks, has_ks, lse1, lse2, lam, dropout, keep_scale, q_flat,
-                    do_flat, A1_flat, A2_flat, G_flat, W_flat, words)
+                    mask, has_mask, logks, has_ks, lse1, lse2, lam, mode, dropout, keep_scale,
+                    q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, words)
                 if phase == 0:
                     for r in range(nq):
                         s1 = 0.0
@@ -204,7 +218,7 @@ def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has
                         e[b, h, i0 + r] += s2
                     continue
                 dS1, dS2 = logit_gradients(A1, A2, G, lam[b, h], d1[b, h], e[b, h], i0,
-                                           dS1_flat, dS2_flat)
+                                           mode != HEAVISIDE, dS1_flat, dS2_flat)
                 # key tiles holding Inf or NaN: skip the zero weights, as the forward does
                 add_weighted_values(dS1, k[b, 2 * g], j0, k_ok[b, 2 * g, t], dq1, T_flat)
                 add_weighted_values(dS2, k[b, 2 * g + 1], j0, k_ok[b, 2 * g + 1, t], dq2,
@@ -233,8 +247,9 @@ def stream_lses(problem):
     return lses
 
 
-def rectified_vjp(problem, lam, dout, dbias_shape=None):
-    """Gradients of ``diff_attention(mode="rectified")`` of a canonical problem.
+def rectified_vjp(problem, lam, dout, dbias_shape=None, mode="rectified"):
+    """Gradients of ``diff_attention(mode="rectified")`` (or ``"heaviside"``) of a
+    canonical problem.
 
     The interface of :func:`attnnb.cpu.backward.diff_attention_vjp`: returns
     ``(dq, dk, dv, dbias, dlog_key_size, dlam)``.  The bias gradient is
@@ -249,16 +264,17 @@ def rectified_vjp(problem, lam, dout, dbias_shape=None):
     chunks = bias_chunks((B, H2 // 2, Hv, Lq, Lk), problem.q.dtype.itemsize, dbias_shape)
     if chunks is None:
         dq, dk, dv, dbias, dlks, dlam = tiled_rectified_vjp(problem, lam, dout,
-                                                            dbias_shape is not None)
+                                                            dbias_shape is not None, mode)
         if dbias_shape is not None:
             dbias = sum_to_shape(dbias, dbias_shape)
         return dq, dk, dv, dbias, dlks, dlam
     lam = np.broadcast_to(lam, (B, H2 // 2, Lq))
-    return chunked_vjp(lambda part, lam_c, dout_c: tiled_rectified_vjp(part, lam_c, dout_c, True),
-                       problem, (lam, dout), chunks, dbias_shape, streams=2)
+    return chunked_vjp(
+        lambda part, lam_c, dout_c: tiled_rectified_vjp(part, lam_c, dout_c, True, mode),
+        problem, (lam, dout), chunks, dbias_shape, streams=2)
 
 
-def tiled_rectified_vjp(problem, lam, dout, need_bias):
+def tiled_rectified_vjp(problem, lam, dout, need_bias, mode="rectified"):
     """:func:`rectified_vjp` in one piece: ``(dq, dk, dv, dbias, dlog_key_size, dlam)``
     with ``dbias`` full size, ``(B, H, Lq, Lk)``, when ``need_bias`` (else None)."""
     q, k, v = problem.q, problem.k, problem.v
@@ -279,7 +295,8 @@ def tiled_rectified_vjp(problem, lam, dout, need_bias):
         bias, mask, logks = score_arguments(problem)
         common = (dt.type(problem.scale), bias, problem.bias is not None, mask,
                   problem.mask is not None, logks, has_ks, problem.causal, dout, lse1, lse2,
-                  lam, kernel_dropout(problem), dt.type(keep_scale(problem.dropout_p)))
+                  lam, DIFF_MODE_CODES[mode], kernel_dropout(problem),
+                  dt.type(keep_scale(problem.dropout_p)))
         col_ptr, col_qt, _ = by_key_tile(*dense_tiles(Lq, Lk, problem.causal),
                                          -(-Lq // TILE_Q), -(-Lk // TILE_K))
         with filled_kv_tiles(k, v) as (kt, vt, k_ok, v_ok):

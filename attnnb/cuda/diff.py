@@ -230,6 +230,9 @@ def diff_forward(problem, lam, mode, a=None, lses=None, clip=None):
     already made.  ``clip`` (rectified mode; :func:`clip_words` zeros): the
     build that also writes the weights' clip bits there (:func:`build_diff`).
     """
+    if mode == "heaviside":
+        raise NotImplementedError("diff_attention(mode='heaviside') on the cuda backend: not "
+                                  "yet (the reference and cpu backends have it)")
     if problem.dropout_p:
         raise NotImplementedError("dropout_p > 0 in diff_attention on the cuda backend: not "
                                   "yet (the reference and cpu backends have it; cuda has it "

@@ -49,7 +49,7 @@ import numpy as np
 
 from ._common import allowed_set, apply_weights, expand_kv_heads, logits, normalize
 from .attention import dropout_factors, sink_of
-from .diff import pair_dropout, pair_key_heads
+from .diff import heaviside_gate, pair_dropout, pair_key_heads
 from .sparse import pattern_mask
 from .topk import topk_selection
 
@@ -256,7 +256,9 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     gets ``dout``, stream 2 gets ``-lam dout`` and ``dlam_i = -dout_i . o2_i``.
     Rectified mode: ``P = max(0, A1 - lam A2)``, ``out = P v``; ``dP =
     dout v^T`` where ``P > 0`` (the clip's kink has derivative 0), ``dA1 =
-    dP``, ``dA2 = -lam dP``, ``dlam_i = -sum_j dP_ij A2_ij``.  Each map then
+    dP``, ``dA2 = -lam dP``, ``dlam_i = -sum_j dP_ij A2_ij``.  Heaviside mode:
+    ``P = A1 - lam g``, ``g = H(A1 - lam A2)`` held fixed: ``dA1 = dP``, ``dA2 =
+    0``, ``dlam_i = -sum_j dP_ij g_ij``.  Each map then
     goes through its softmax backward; bias and key sizes get the sum of
     both streams.  Dropout (factors ``z``, one per head pair) makes ``out = (z
     w) v``: ``dw`` and the weights that reach ``dv`` are multiplied by ``z``.
@@ -267,7 +269,7 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
         ``q (B, 2H, Lq, d)``, ``k (B, 2Hk, Lk, d)``, ``v (B, Hk, Lk, Dv)``;
         mask and bias broadcast to ``(B, H, Lq, Lk)``.
     lam : ``(B, H, Lq)``
-    mode : {"difference", "rectified"}
+    mode : {"difference", "rectified", "heaviside"}
     out : ``(B, H, Lq, Dv)``
         The forward's output (unused here: recomputed in float64).
     dout : ``(B, H, Lq, Dv)``
@@ -302,13 +304,20 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     if factors is not None:
         dw = dw * factors
     w = maps[0] - lam[..., None] * maps[1]
+    # what lam multiplies, and the cotangent of the second map
+    second, dw2 = maps[1], -lam[..., None] * dw
     if mode == "rectified":
         # clipped entries pass nothing back; NaN (not <= 0) keeps propagating
         dw = np.where(w <= 0, 0.0, dw)
+        dw2 = -lam[..., None] * dw
         w = np.maximum(w, 0.0)
+    elif mode == "heaviside":  # the gate held fixed: A2 gets no gradient
+        second = heaviside_gate(maps[0], maps[1], lam[..., None])
+        w = maps[0] - lam[..., None] * second
+        dw2 = np.zeros_like(dw)
     if factors is not None:
         w = w * factors
-    dlam = -np.sum(np.where(allowed, dw * maps[1], 0.0), axis=-1)
+    dlam = -np.sum(np.where(allowed, dw * second, 0.0), axis=-1)
     dq = np.zeros(problem.q.shape)
     dk = np.zeros(problem.k.shape)
     dv = np.zeros(problem.v.shape)
@@ -316,7 +325,7 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     dlog_sum = np.zeros((B, H, Lq, Lk))
     q = problem.q.astype(np.float64)
     k = problem.k.astype(np.float64)
-    for c, stream_dw in enumerate((dw, -lam[..., None] * dw)):
+    for c, stream_dw in enumerate((dw, dw2)):
         _, ds, dlog_size = _softmax_backward(s[c], allowed, lks, "softmax", stream_dw, None)
         ds_sum += ds
         dlog_sum += dlog_size

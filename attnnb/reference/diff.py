@@ -51,19 +51,31 @@ def diff_weights(problem, lam, mode="difference"):
     problem : :class:`~attnnb._validate.Problem` built with ``head_pairs=True``
         ``q (B, 2H, Lq, d)``, ``k (B, 2Hk, Lk, d)``, mask and bias ``(B, H, Lq, Lk)``.
     lam : ``(B, H, Lq)``
-    mode : ``"difference"`` or ``"rectified"``
+    mode : ``"difference"``, ``"rectified"`` or ``"heaviside"``
 
     Returns
     -------
-    w : float64 ``(B, H, Lq, Lk)``: ``A1 - lam A2`` (or ``max(0, .)``), zero on
-        keys outside the allowed set and on empty rows; before dropout.
+    w : float64 ``(B, H, Lq, Lk)``: ``A1 - lam A2``, ``max(0, A1 - lam A2)`` or
+        ``A1 - lam H(A1 - lam A2)`` (:func:`heaviside_gate`), zero on keys outside
+        the allowed set and on empty rows; before dropout.
     allowed : bool ``(B, H, Lq, Lk)``
     """
     a1, a2, allowed = diff_maps(problem)
-    w = a1 - np.asarray(lam, np.float64)[..., None] * a2
+    lam = np.asarray(lam, np.float64)[..., None]
+    if mode == "heaviside":
+        return a1 - lam * heaviside_gate(a1, a2, lam), allowed
+    w = a1 - lam * a2
     if mode == "rectified":
         w = np.maximum(w, 0.0)  # NaN rows stay NaN
     return w, allowed
+
+
+def heaviside_gate(a1, a2, lam):
+    """``H(A1 - lam A2)``: 1.0 where ``A1 - lam A2 > 0``, else 0.0 (also at 0, so that
+    keys neither map weighs, masked ones included, stay at weight 0; NaN where the
+    difference is NaN, so that NaN rows stay NaN)."""
+    x = a1 - lam * a2
+    return np.where(np.isnan(x), np.nan, (x > 0).astype(np.float64))
 
 
 def diff_attention(problem, lam, mode="difference"):
@@ -74,12 +86,13 @@ def diff_attention(problem, lam, mode="difference"):
     rules of :mod:`attnnb.reference._common` before the two are combined (so
     an Inf value that both maps weight gives NaN, as two attention calls
     subtracted do).  ``"rectified"`` weights the values by ``max(0, A1 - lam A2)``:
-    a clipped (zero) weight never carries a value.  Dropout multiplies each
+    a clipped (zero) weight never carries a value; ``"heaviside"`` by ``A1 - lam
+    H(A1 - lam A2)``.  Dropout multiplies each
     combined weight (both maps' entries, in the difference mode) by its factor.
     """
     dtype = problem.compute_dtype
     factors = pair_dropout(problem)
-    if mode == "rectified":
+    if mode != "difference":
         w, allowed = diff_weights(problem, lam, mode)
         if factors is not None:
             w = w * factors

@@ -90,3 +90,9 @@ def test_several_tiles_per_axis(rng, mode):
     for causal in (False, True):
         out = compare(q, k, v, lam, causal=causal, mode=mode)
         assert np.isfinite(np.delete(out, 3, axis=-1)).all()
+
+
+def test_heaviside_mode_is_refused_on_cuda(rng):
+    q = rng.standard_normal((1, 2, 4, 4))
+    with pytest.raises(NotImplementedError, match="heaviside"):
+        diff.diff_attention(q, q, q[:, :1], 0.5, mode="heaviside", backend="cuda")
