@@ -13,6 +13,9 @@ width ``2d``:
 * ``numpy``: the float64 reference (materialises both maps; small sizes only);
 * ``torch``: two ``scaled_dot_product_attention`` calls and the subtraction,
   when PyTorch is importable.
+
+And the Heaviside mode against the rectified one, whose passes it shares,
+forward and forward + backward (target: at most 1.1x).
 """
 
 from __future__ import annotations
@@ -106,6 +109,25 @@ def case(name, B, H, Hk, L, d, *, causal=False, mode="difference", reference=Fal
     return {"name": label, "work": work(B, H, L, d, 2 * d, causal), "candidates": candidates}
 
 
+def gated_case(name, B, H, Hk, L, d, *, backward=False):
+    """The Heaviside mode against the rectified mode (forward, or forward + backward)."""
+    from attnnb import diff_attention, vjp
+
+    q, k, v, lam = data(B, H, Hk, L, d)
+
+    def run(mode):
+        if not backward:
+            return diff_attention(q, k, v, lam, causal=True, mode=mode)
+        out, pullback = vjp(diff_attention, q, k, v, lam, causal=True, mode=mode)
+        return pullback(out)
+
+    what = "forward+backward" if backward else "forward"
+    return {"name": f"diff_attention heaviside vs rectified {what} {name} causal",
+            "work": work(B, H, L, d, 2 * d, True) * (3 if backward else 1),
+            "candidates": {mode: (lambda m=mode: run(m)) for mode in ("rectified",
+                                                                      "heaviside")}}
+
+
 def cases(quick: bool) -> list[dict]:
     """``{"name", "work", "candidates"}`` for ``python -m attnnb bench``."""
     out = []
@@ -114,4 +136,7 @@ def cases(quick: bool) -> list[dict]:
         out.append(case(name, B, H, Hk, L, d, reference=quick))
         out.append(case(name, B, H, Hk, L, d, causal=True))
         out.append(case(name, B, H, Hk, L, d, mode="rectified"))
+    name, (B, H, Hk, L, d) = next(iter(QUICK.items())) if quick else (
+        "H=8 d=64 L=2048", (1, 8, 8, 2048, 64))
+    out.extend(gated_case(name, B, H, Hk, L, d, backward=b) for b in (False, True))
     return out
