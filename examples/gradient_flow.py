@@ -1,4 +1,4 @@
-"""Gradient flow through six attention variants, trained on a planted-key retrieval task.
+"""Gradient flow through eight attention variants, trained on a planted-key retrieval task.
 
 The task (a learnable cousin of ``examples/diff_noise.py``): every sequence
 holds ``LK`` key tokens and ``LQ`` query tokens.  Key token ``j`` carries a
@@ -17,15 +17,21 @@ trained with a mean squared error by Adam (no ``subln``, no residual:
 output).  The forward pass runs through attnnb under :func:`attnnb.vjp`,
 the backward pass through its pullback, and the gradients of the
 projections (and of the re-parameterised ``lambda``) follow in a few lines
-of NumPy.  The six variants:
+of NumPy.  The eight variants:
 
 * ``softmax``, ``softmax1``, ``relu_expm1``: :func:`attnnb.attention` with
   that ``normalizer=`` (``backend="cpu"``);
+* ``sinks``: softmax with a learned sink logit in the denominator
+  (gpt-oss's; it starts at 0, i.e. ``softmax1``, and learns through
+  :func:`attnnb.vjp`'s ``sinks`` gradient);
 * ``diff``: :func:`attnnb.diff_attention`, two maps per head, with
   ``lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init`` learned through
   :func:`attnnb.diff.reparam_lambda` (``backend="cpu"``);
 * ``rectified``: the same with ``mode="rectified"``, weights
   ``max(0, A1 - lambda A2)`` (``backend="cpu"``);
+* ``heaviside``: ``mode="heaviside"``, weights ``A1 - lambda H(A1 - lambda
+  A2)``, the discussion's second proposal: the second map only gates where
+  ``lambda`` is subtracted, and gets no gradient;
 * ``diff-uniform``: the ``diff`` layer with the second query and key
   components held at zero, so ``A2`` is uniform attention (``lambda``
   still learns): does a learned second map matter?
@@ -79,8 +85,10 @@ VARIANTS = (
     ("softmax", "attention", {"normalizer": "softmax", "backend": "cpu"}, None),
     ("softmax1", "attention", {"normalizer": "softmax1", "backend": "cpu"}, None),
     ("relu_expm1", "attention", {"normalizer": "relu_expm1", "backend": "cpu"}, None),
+    ("sinks", "attention", {"normalizer": "softmax", "backend": "cpu"}, "sink"),
     ("diff", "diff", {"mode": "difference", "backend": "cpu"}, "learned"),
     ("rectified", "diff", {"mode": "rectified", "backend": "cpu"}, "learned"),
+    ("heaviside", "diff", {"mode": "heaviside", "backend": "cpu"}, "learned"),
     ("diff-uniform", "diff", {"mode": "difference", "backend": "cpu"}, "uniform"),
 )
 
@@ -129,15 +137,17 @@ def init_params(rng, kind, second_map):
     rng : numpy.random.Generator
     kind : {"attention", "diff"}
         One map per head, or a differential pair of maps.
-    second_map : {None, "learned", "uniform"}
-        For ``"uniform"`` the second query and key projections are zero (and
-        stay so): ``A2`` is uniform attention.
+    second_map : {None, "sink", "learned", "uniform"}
+        ``"sink"``: one map with a learned sink logit (``sink``, starting at
+        0: ``softmax1``); for ``"uniform"`` the second query and key
+        projections are zero (and stay so): ``A2`` is uniform attention.
 
     Returns
     -------
     dict of str to ndarray
         ``Wq, Wk (DIN, maps, DH)``, ``Wv (DIN, DV)``, ``Wo (DV, DV)`` and, for
-        differential attention, the lambda vectors ``lq1, lk1, lq2, lk2 (DH,)``.
+        differential attention, the lambda vectors ``lq1, lk1, lq2, lk2 (DH,)``;
+        ``sink (1,)`` with a learned sink.
     """
     maps = 1 if kind == "attention" else 2
     p = {
@@ -149,6 +159,8 @@ def init_params(rng, kind, second_map):
     if kind == "diff":
         for name in ("lq1", "lk1", "lq2", "lk2"):
             p[name] = 0.1 * rng.standard_normal(DH)
+    if second_map == "sink":
+        p["sink"] = np.zeros(1)
     if second_map == "uniform":
         p["Wq"][:, 1] = 0.0
         p["Wk"][:, 1] = 0.0
@@ -191,7 +203,9 @@ def loss_and_grads(p, batch, kind, call_kwargs):
     v = (xk @ p["Wv"])[:, None]  # (B, 1, LK, DV)
     bias = np.zeros((B, 1, LQ, LK))  # its gradient is the logits' gradient
     if kind == "attention":
-        out, pullback = attnnb.vjp(attnnb.attention, q, k, v, bias=bias, **call_kwargs)
+        sinks = {"sinks": p["sink"]} if "sink" in p else {}
+        out, pullback = attnnb.vjp(attnnb.attention, q, k, v, bias=bias, **sinks,
+                                   **call_kwargs)
         lam = np.nan
     else:
         lam = reparam_lambda(p["lq1"], p["lk1"], p["lq2"], p["lk2"], LAMBDA_INIT)
@@ -211,6 +225,8 @@ def loss_and_grads(p, batch, kind, call_kwargs):
         "Wk": np.einsum("bli,bmle->ime", xk, g["k"]),
         "Wv": np.einsum("bli,ble->ie", xk, g["v"][:, 0]),
     }
+    if "sink" in p:
+        grads["sink"] = g["sinks"]
     if kind == "diff":  # lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init
         dlam = float(g["lam"])
         e1 = np.exp(p["lq1"] @ p["lk1"])
