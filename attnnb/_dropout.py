@@ -121,12 +121,6 @@ def refuse_lazy_dropout(dropout_p) -> None:
                                   "first, or pass dropout_p=0.0")
 
 
-def refuse_lazy_sinks(sinks) -> None:
-    """Dask arrays take no learned sinks yet."""
-    if sinks is not None:
-        raise NotImplementedError("sinks with Dask arrays: not yet; compute the arrays first")
-
-
 def keep_scale(p: float) -> float:
     """The factor of a kept weight, ``1 / (1 - p)`` (0 at ``p = 1``: nothing is kept)."""
     return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import _eager
 from ._dask import any_dask
-from ._dropout import refuse_lazy_dropout, refuse_lazy_sinks
+from ._dropout import refuse_lazy_dropout
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
@@ -73,9 +73,9 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         from ._dask.ops import attention as lazy
 
         refuse_lazy_dropout(dropout_p)
-        refuse_lazy_sinks(sinks)
         return lazy(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
-                    scale=scale, normalizer=normalizer, return_lse=return_lse, backend=backend)
+                    scale=scale, normalizer=normalizer, return_lse=return_lse, sinks=sinks,
+                    backend=backend)
     return _eager.attention(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                             scale=scale, normalizer=normalizer, return_lse=return_lse,
                             dropout_p=dropout_p, seed=seed, sinks=sinks, backend=backend)

@@ -22,7 +22,7 @@ from ._validate import NORMALIZERS
 __all__ = ["combine"]
 
 
-def combine(outs, lses, *, normalizer="softmax"):
+def combine(outs, lses, *, normalizer="softmax", sinks=None):
     """Merge attention results computed over disjoint key sets into the result over their union.
 
     Parameters
@@ -41,6 +41,10 @@ def combine(outs, lses, *, normalizer="softmax"):
         below about -87 in float32, -708 in float64) its output has already
         lost digits, so for such rows compute the parts with ``"softmax"``
         and finish once after merging.
+    sinks : real array broadcastable to ``(*batch, H)``, optional
+        The parts were computed with these learned sinks (``normalizer``
+        ``"softmax"``, docs/contract.md §1.15): they are merged as
+        ``softmax1`` parts with the sink's logit in place of 0.
 
     Returns
     -------
@@ -77,17 +81,41 @@ def combine(outs, lses, *, normalizer="softmax"):
     if normalizer not in NORMALIZERS:
         raise ValueError(f"normalizer must be one of {NORMALIZERS}; got {normalizer!r}")
     outs, lses = _parts(outs, lses)
+    sink = 0.0
+    if sinks is not None:
+        if normalizer != "softmax":
+            raise ValueError("sinks belong to normalizer='softmax' parts (softmax1 is a sink "
+                             f"of 0); got normalizer={normalizer!r}")
+        sink = _sink_rows(sinks, tuple(lses[0].shape))
+        normalizer = "softmax1"
     out_dtype = np.result_type(*(o.dtype for o in outs))
     lse_dtype = np.result_type(*(s.dtype for s in lses))
     comp = np.result_type(out_dtype, lse_dtype, np.float32)
     outs = [_as(o, comp) for o in outs]
     lses = [_as(s, comp) for s in lses]
     if normalizer == "softmax1":
-        outs = [_unfinish_softmax1(o, s) for o, s in zip(outs, lses)]
+        outs = [_unfinish_softmax1(o, s, sink) for o, s in zip(outs, lses)]
     out, lse = merge_parts(outs, lses)
     if normalizer == "softmax1":
-        out = finish_softmax1(out, lse)
+        out = finish_softmax1(out, lse, sink)
     return _as(out, out_dtype), _as(lse, lse_dtype)
+
+
+def _sink_rows(sinks, rows):
+    """``sinks`` as an array broadcasting against LSEs of shape ``rows`` (one sink per
+    row's leading axes: ``sinks[..., None]``), checked: real, finite, broadcastable."""
+    arr = np.asarray(sinks)
+    if arr.dtype == np.bool_ or arr.dtype.kind not in "fiu":
+        raise TypeError(f"sinks must be real numbers; got dtype {arr.dtype}")
+    arr = arr.astype(np.float64)
+    try:
+        view = np.broadcast_to(arr, rows[:-1])
+    except ValueError:
+        raise ValueError(f"sinks of shape {tuple(arr.shape)} cannot be broadcast to "
+                         f"{rows[:-1]} (the LSEs' shape without the query axis)") from None
+    if not bool(np.all(np.isfinite(view))):
+        raise ValueError("sinks must be finite")
+    return view[..., None]
 
 
 def merge_parts(outs, lses):
@@ -124,18 +152,19 @@ def merge_parts(outs, lses):
     return (np.where(nan_row[..., None], np.nan, out), np.where(nan_row, np.nan, lse))
 
 
-def finish_softmax1(out, lse):
-    """Softmax output and LSE to the ``softmax1`` output: ``out * e^lse / (1 + e^lse)``.
+def finish_softmax1(out, lse, sink=0.0):
+    """Softmax output and LSE to the ``softmax1`` output: ``out * e^lse / (e^sink +
+    e^lse)``, with a learned ``sink`` (broadcasting against ``lse``) or 0.
 
-    The factor is the logistic function of ``lse``, computed without
+    The factor is the logistic function of ``lse - sink``, computed without
     overflow for large ``|lse|`` (0 for ``lse = -inf``).
     """
-    return out * _logistic(lse)[..., None]
+    return out * _logistic(lse - sink)[..., None]
 
 
-def _unfinish_softmax1(out, lse):
+def _unfinish_softmax1(out, lse, sink=0.0):
     """A ``softmax1`` part back to its softmax output (zeros where the factor is 0)."""
-    factor = _logistic(lse)[..., None]
+    factor = _logistic(lse - sink)[..., None]
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(factor == 0, 0, out / np.where(factor == 0, 1, factor))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import _eager
 from ._dask import any_dask
-from ._dropout import refuse_lazy_dropout, refuse_lazy_sinks
+from ._dropout import refuse_lazy_dropout
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
@@ -64,9 +64,8 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
         from ._dask.ops import sparse_attention as lazy
 
         refuse_lazy_dropout(dropout_p)
-        refuse_lazy_sinks(sinks)
         return lazy(q, k, v, pattern, key_size=key_size, scale=scale, normalizer=normalizer,
-                    return_lse=return_lse, backend=backend)
+                    return_lse=return_lse, sinks=sinks, backend=backend)
     return _eager.sparse_attention(q, k, v, pattern, key_size=key_size, scale=scale,
                                    normalizer=normalizer, return_lse=return_lse,
                                    dropout_p=dropout_p, seed=seed, sinks=sinks, backend=backend)
@@ -118,9 +117,8 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
         from ._dask.ops import topk_attention as lazy
 
         refuse_lazy_dropout(dropout_p)
-        refuse_lazy_sinks(sinks)
         return lazy(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size, scale=scale,
-                    return_lse=return_lse, backend=backend)
+                    return_lse=return_lse, sinks=sinks, backend=backend)
     return _eager.topk_attention(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size,
                                  scale=scale, return_lse=return_lse, dropout_p=dropout_p,
                                  seed=seed, sinks=sinks, backend=backend)

@@ -179,3 +179,50 @@ def test_topk_sinks_cpu_equal_the_reference(top_k):
     g, r = pb(dout), pb_ref(dout)
     for n in ("q", "k", "v", "sinks"):
         np.testing.assert_allclose(g[n], r[n], rtol=1e-11, atol=1e-13, err_msg=n)
+
+
+# ---------------------------------------------------------------------------
+# parts over disjoint keys: combine and Dask
+
+
+def test_combine_merges_parts_computed_with_sinks():
+    """Parts computed with the sinks merge into the whole call's result (each part's
+    own sink factor undone, the merged one applied); the LSE excludes the sink."""
+    rng = np.random.default_rng(20)
+    q, k, v = _qkv(rng, B=2, Hq=3, Hk=3, Lq=6, Lk=11)
+    sinks = rng.standard_normal((2, 3)) * 2
+    whole, whole_lse = attnnb.attention(q, k, v, sinks=sinks, return_lse=True)
+    parts = [attnnb.attention(q, k[:, :, a:b], v[:, :, a:b], sinks=sinks, return_lse=True)
+             for a, b in ((0, 4), (4, 5), (5, 11))]
+    out, lse = attnnb.combine([p[0] for p in parts], [p[1] for p in parts], sinks=sinks)
+    np.testing.assert_allclose(out, whole, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, whole_lse, rtol=1e-12)
+    plain = attnnb.combine([p[0] for p in parts], [p[1] for p in parts])[0]
+    assert not np.allclose(plain, whole)  # parts with sinks are not softmax parts
+    with pytest.raises(ValueError, match="normalizer='softmax'"):
+        attnnb.combine([out], [lse], sinks=sinks, normalizer="softmax1")
+    with pytest.raises(ValueError, match="cannot be broadcast"):
+        attnnb.combine([out], [lse], sinks=np.zeros(5))
+
+
+@pytest.mark.parametrize("fn", ["attention", "sparse_attention", "topk_attention"])
+def test_dask_arrays_with_sinks_equal_one_call(fn):
+    """Key blocks computed as softmax, merged by their LSEs, finished with each query
+    block's sinks."""
+    da = pytest.importorskip("dask.array")
+    from attnnb import patterns
+
+    rng = np.random.default_rng(21)
+    q, k, v = _qkv(rng, B=2, Hq=4, Hk=2, Lq=40, Lk=40)
+    sinks = rng.standard_normal((2, 4))
+    call = {"attention": lambda *a, **kw: attnnb.attention(*a, causal=True, **kw),
+            "sparse_attention": lambda *a, **kw: attnnb.sparse_attention(
+                *a, patterns.local(40, 6), **kw),
+            "topk_attention": lambda *a, **kw: attnnb.topk_attention(*a, 5, **kw)}[fn]
+    ref, ref_lse = call(q, k, v, sinks=sinks, return_lse=True, backend="reference")
+    lazy = [da.from_array(x, chunks=(1, 2, 16, 8)) for x in (q, k, v)]
+    out, lse = call(*lazy, sinks=sinks, return_lse=True, backend="cpu")
+    np.testing.assert_allclose(out.compute(), ref, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse.compute(), ref_lse, rtol=1e-12)
+    with pytest.raises(TypeError, match="sinks must be a NumPy array"):
+        call(*lazy, sinks=da.from_array(sinks))

@@ -206,11 +206,13 @@ def merge_sum(parts):
 
 # -- finishes ------------------------------------------------------------------------------
 
-def finish_attention(merged, *, softmax1, out_dtype, lse_dtype):
-    """``(out, lse)`` in the output dtypes; ``softmax1`` finishes softmax parts."""
+def finish_attention(merged, sink=None, *, softmax1, out_dtype, lse_dtype):
+    """``(out, lse)`` in the output dtypes; ``softmax1`` finishes softmax parts, with the
+    block's learned ``sink`` logits (``(*batch, H)``, NumPy) when given, else a sink of 0."""
     out, lse = merged
     if softmax1:
-        out = finish_softmax1(out, lse)
+        out = finish_softmax1(out, lse, 0.0 if sink is None
+                              else namespace(lse).asarray(sink)[..., None])
     return out.astype(out_dtype), lse.astype(lse_dtype)
 
 

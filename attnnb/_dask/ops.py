@@ -27,13 +27,14 @@ import numpy as np
 from .._checks import broadcast_pairwise, check_key_size_values, is_device_array, log_key_sizes
 from .._dispatch import requested_backend
 from .._function_args import check_lam_values, check_mode, check_pattern, check_top_k, lambda_rows
-from .._validate import check_bool, check_normalizer, check_scale, lse_dtype
+from .._validate import check_bool, check_normalizer, check_scale, check_sinks, lse_dtype
 from . import any_dask, blocks, select
 from .graph import Graph
 from .grid import known_sizes, make_grid, spans
 from .visible import dense_blocks, pattern_blocks
 
-ROLES = {"mask": ("h", "q", "k"), "bias": ("h", "q", "k"), "key_size": ("k",), "lam": ("h", "q")}
+ROLES = {"mask": ("h", "q", "k"), "bias": ("h", "q", "k"), "key_size": ("k",), "lam": ("h", "q"),
+         "sinks": ("h",)}
 
 
 def _stand_in(x, dtype=None):
@@ -67,7 +68,8 @@ class Call:
     """One Dask call: its grid, its chunked extras and its graph."""
 
     def __init__(self, op, q, k, v, *, mask=None, bias=None, key_size=None, lam=None,
-                 scale=None, backend=None, pairs=False, params=()):
+                 sinks=None, normalizer="softmax", scale=None, backend=None, pairs=False,
+                 params=()):
         for name, x in (("q", q), ("k", k), ("v", v), ("mask", mask), ("bias", bias),
                         ("key_size", key_size), ("lam", lam)):
             known_sizes(name, x)
@@ -76,7 +78,8 @@ class Call:
         self.backend = requested_backend(backend)
         extras = {"mask": self._pairwise("mask", mask, np.bool_),
                   "bias": self._pairwise("bias", bias, g.compute_dtype),
-                  "key_size": self._sizes(key_size), "lam": self._lam(lam)}
+                  "key_size": self._sizes(key_size), "lam": self._lam(lam),
+                  "sinks": self._sinks(sinks, normalizer)}
         self.extras = {n: g.extra(x, ROLES[n]) for n, x in extras.items()}
         arrays = [g.q, g.k, g.v] + [e.array for e in self.extras.values() if e is not None]
         self.graph = Graph(op, arrays, self.scale, self.backend, *params)
@@ -136,6 +139,19 @@ class Call:
             return _checked_chunks(lam, check_lam_values)
         return lambda_rows(lam, batch, B, H, Lq, comp).reshape(batch + (H, Lq))
 
+    def _sinks(self, sinks, normalizer):
+        """Learned sinks, checked as the eager functions check them, in the user's
+        ``(*batch, Hq)`` (NumPy: a logit per head, read by the finish tasks)."""
+        if sinks is None:
+            return None
+        if any_dask(sinks):
+            raise TypeError("sinks must be a NumPy array (a logit per query head) when q, k "
+                            "and v are Dask arrays; got a Dask array")
+        batch, squeeze, B = self._facts()
+        Hq = self.grid.shape[0]
+        rows = check_sinks(sinks, normalizer, batch, squeeze, B, Hq, self.grid.compute_dtype)
+        return rows.reshape(batch + (() if squeeze else (Hq,)))
+
     # -- tasks ------------------------------------------------------------------------------
     def keys(self, index, kb, names):
         """The keys of the chunks ``names`` (q, k, v, mask, ...) for query block ``index``
@@ -184,14 +200,16 @@ class Call:
         self.finals[at] = (self.graph.add("empty", at, (fn,)), (0, 1))
 
     def lse_finish(self, index, parts, softmax1):
-        """Merge ``(out, lse)`` parts and finish them; no parts: an empty block."""
+        """Merge ``(out, lse)`` parts and finish them (``softmax1``: softmax parts, finished
+        with the learned sinks when the call has them); no parts: an empty block."""
         if not parts:
             return self.empty(index)
         key = self.reduce("merge", index, parts, blocks.merge_attention)
         dtype = self.grid.out_dtype
-        fn = partial(blocks.finish_attention, softmax1=softmax1, out_dtype=dtype,
-                     lse_dtype=lse_dtype(dtype))
-        self.finish(index, fn, key)
+        sinks = self.extras["sinks"]
+        fn = partial(blocks.finish_attention, softmax1=softmax1 or sinks is not None,
+                     out_dtype=dtype, lse_dtype=lse_dtype(dtype))
+        self.finish(index, fn, key, *(() if sinks is None else (sinks.key(index),)))
 
     def outputs(self, return_lse):
         """The output arrays (``(out, lse)`` with ``return_lse``) in the user's layout."""
@@ -221,13 +239,13 @@ def part_normalizer(normalizer, row):
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
-              normalizer="softmax", return_lse=False, backend=None):
+              normalizer="softmax", return_lse=False, sinks=None, backend=None):
     """:func:`attnnb.attention` on Dask arrays."""
     return_lse = check_bool("return_lse", return_lse)
     check_normalizer(normalizer)
     causal = check_bool("causal", causal)
-    c = Call("attention", q, k, v, mask=mask, bias=bias, key_size=key_size, scale=scale,
-             backend=backend, params=(causal, normalizer))
+    c = Call("attention", q, k, v, mask=mask, bias=bias, key_size=key_size, sinks=sinks,
+             normalizer=normalizer, scale=scale, backend=backend, params=(causal, normalizer))
     visible = dense_blocks(c.grid.q_edges, c.grid.k_edges, causal)
     for index in c.grid.query_blocks():
         row = visible[index["q"]]
@@ -237,11 +255,12 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
-                     return_lse=False, backend=None):
+                     return_lse=False, sinks=None, backend=None):
     """:func:`attnnb.sparse_attention` on Dask arrays."""
     return_lse = check_bool("return_lse", return_lse)
     check_normalizer(normalizer)
-    c = Call("sparse", q, k, v, key_size=key_size, scale=scale, backend=backend,
+    c = Call("sparse", q, k, v, key_size=key_size, sinks=sinks, normalizer=normalizer,
+             scale=scale, backend=backend,
              params=(normalizer, getattr(pattern, "indptr", None),
                      getattr(pattern, "indices", None)))
     g = c.grid
@@ -264,13 +283,13 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, backend=None):
+                   return_lse=False, sinks=None, backend=None):
     """:func:`attnnb.topk_attention` on Dask arrays: an exact, global selection."""
     return_lse = check_bool("return_lse", return_lse)
     top_k = check_top_k(top_k)
     causal = check_bool("causal", causal)
-    c = Call("topk", q, k, v, mask=mask, key_size=key_size, scale=scale, backend=backend,
-             params=(top_k, causal))
+    c = Call("topk", q, k, v, mask=mask, key_size=key_size, sinks=sinks, scale=scale,
+             backend=backend, params=(top_k, causal))
     Lk = c.grid.shape[3]
     visible = dense_blocks(c.grid.q_edges, c.grid.k_edges, causal)
     k_starts = c.grid.k_edges
