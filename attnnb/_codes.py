@@ -9,7 +9,9 @@ module (no imports) is the one place where each code is defined, so that the
 SOFTMAX = 0
 SOFTMAX1 = 1
 RELU_EXPM1 = 2
-NORMALIZER_CODES = {"softmax": SOFTMAX, "softmax1": SOFTMAX1, "relu_expm1": RELU_EXPM1}
+SIGMOID = 3
+NORMALIZER_CODES = {"softmax": SOFTMAX, "softmax1": SOFTMAX1, "relu_expm1": RELU_EXPM1,
+                    "sigmoid": SIGMOID}
 
 # diff_attention(mode=...)
 DIFFERENCE = 0

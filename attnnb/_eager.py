@@ -19,23 +19,26 @@ from ._validate import attention_problem, check_bool, compute_dtypes
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
               normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None, sinks=None,
-              backend=None):
+              sigmoid_bias=None, backend=None):
     """:func:`attnnb.attention` of in-memory arrays."""
     return_lse = check_bool("return_lse", return_lse)
     problem = attention_problem(q, k, v, mask=mask, bias=bias, key_size=key_size,
                                 causal=causal, scale=scale, normalizer=normalizer,
-                                dropout_p=dropout_p, seed=seed, sinks=sinks)
+                                dropout_p=dropout_p, seed=seed, sinks=sinks,
+                                sigmoid_bias=sigmoid_bias)
     out, lse = _dispatch.call("attention", backend, problem.on_device, problem)
     out, lse = problem.restore(out, lse)
     return (out, lse) if return_lse else out
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
-                     return_lse=False, dropout_p=0.0, seed=None, sinks=None, backend=None):
+                     return_lse=False, dropout_p=0.0, seed=None, sinks=None, sigmoid_bias=None,
+                     backend=None):
     """:func:`attnnb.sparse_attention` of in-memory arrays."""
     return_lse = check_bool("return_lse", return_lse)
     problem = attention_problem(q, k, v, key_size=key_size, scale=scale, normalizer=normalizer,
-                                dropout_p=dropout_p, seed=seed, sinks=sinks)
+                                dropout_p=dropout_p, seed=seed, sinks=sinks,
+                                sigmoid_bias=sigmoid_bias)
     B, Hq, _, Lq, Lk, _, _ = problem.shape
     check_pattern(pattern, Lq, Lk, Hq)
     out, lse = _dispatch.call("sparse_attention", backend, problem.on_device, problem, pattern)

@@ -113,6 +113,8 @@ def bind_call(caller: str, fn, args, kwargs) -> Call:
                           problem.compute_dtype).astype(np.float64)
         return Call(name, problem, a["backend"], lam=lam, mode=a["mode"])
     common.update(normalizer=a.get("normalizer", "softmax"), sinks=a["sinks"])
+    if "sigmoid_bias" in a:
+        common["sigmoid_bias"] = a["sigmoid_bias"]
     if name == "sparse_attention":
         problem = attention_problem(a["q"], a["k"], a["v"], **common)
         _, Hq, _, Lq, Lk = problem.shape[:5]

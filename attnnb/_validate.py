@@ -347,10 +347,37 @@ def check_sinks(sinks, normalizer, batch_shape, squeeze, B, Hq, dtype):
     return np.ascontiguousarray(view.astype(dtype).reshape(B, Hq))
 
 
+def sigmoid_offset(sigmoid_bias, normalizer: str, Lk: int) -> float:
+    """The bias ``b`` of ``normalizer="sigmoid"`` (``w = sigmoid(s + b)``): ``sigmoid_bias``
+    (a real number) or by default ``-log(Lk)`` (0 without keys); 0 for the other
+    normalizers, which take no ``sigmoid_bias``."""
+    if normalizer != "sigmoid":
+        if sigmoid_bias is not None:
+            raise ValueError("sigmoid_bias belongs to normalizer='sigmoid'; got normalizer="
+                             f"{normalizer!r}")
+        return 0.0
+    if sigmoid_bias is None:
+        return -math.log(Lk) if Lk else 0.0
+    refuse_unreadable_tensor("sigmoid_bias", sigmoid_bias)
+    arr = np.asarray(sigmoid_bias)
+    if isinstance(sigmoid_bias, (bool, np.bool_)) or arr.ndim or arr.dtype.kind not in "fiu":
+        raise TypeError("sigmoid_bias must be a real number (one bias for every head; a "
+                        f"learned array is not supported yet); got {sigmoid_bias!r}")
+    b = float(sigmoid_bias)
+    if not math.isfinite(b):
+        raise ValueError(f"sigmoid_bias must be finite; got {b}")
+    return b
+
+
 def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=False,
                       scale=None, normalizer="softmax", head_pairs=False, dropout_p=0.0,
-                      seed=None, sinks=None) -> Problem:
-    """Validate the arguments of :func:`attnnb.attention` into a :class:`Problem`."""
+                      seed=None, sinks=None, sigmoid_bias=None) -> Problem:
+    """Validate the arguments of :func:`attnnb.attention` into a :class:`Problem`.
+
+    ``normalizer="sigmoid"``'s bias (:func:`sigmoid_offset`) is added to the
+    problem's ``bias`` here, so that the backends see ``sigmoid(s)`` of biased
+    logits only.
+    """
     check_normalizer(normalizer)
     dropout_p, seed = check_dropout(dropout_p, seed)
     causal = check_bool("causal", causal)
@@ -366,6 +393,9 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
                    on_device=on_dev, dropout_p=dropout_p, seed=seed)
     for name, x in (("mask", mask), ("bias", bias), ("key_size", key_size), ("sinks", sinks)):
         refuse_unreadable_tensor(name, x)
+    if normalizer == "sigmoid" and on_dev:
+        raise NotImplementedError("normalizer='sigmoid' on the cuda backend: not yet (the "
+                                  "reference and cpu backends have it)")
     if sinks is not None:
         if on_dev or is_device_array(sinks):
             raise NotImplementedError("sinks on the cuda backend: not yet (the reference and "
@@ -384,5 +414,9 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
                             "pass all of them on the same side")
     prob.mask = broadcast_pairwise("mask", mask, batch, squeeze, B, Hq, Lq, Lk, np.bool_)
     prob.bias = broadcast_pairwise("bias", bias, batch, squeeze, B, Hq, Lq, Lk, comp)
+    offset = sigmoid_offset(sigmoid_bias, normalizer, Lk)
+    if offset:  # added to the bias as given (its own broadcast shape), or alone
+        shifted = np.full((), offset, comp) if bias is None else np.asarray(bias) + offset
+        prob.bias = broadcast_pairwise("bias", shifted, batch, squeeze, B, Hq, Lq, Lk, comp)
     prob.log_key_size = log_key_sizes(key_size, batch, squeeze, B, Lk, comp)
     return prob

@@ -9,7 +9,7 @@ from ._dropout import refuse_lazy_dropout
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
               normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None, sinks=None,
-              backend=None):
+              sigmoid_bias=None, backend=None):
     """Scaled dot-product attention with masks, bias, key sizes and other normalizers.
 
     Parameters
@@ -32,12 +32,16 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         (bottom-right aligned, as FlashAttention).
     scale : float, optional
         Logit scale, default ``1 / sqrt(D)``.
-    normalizer : {"softmax", "softmax1", "relu_expm1"}
+    normalizer : {"softmax", "softmax1", "relu_expm1", "sigmoid"}
         ``softmax1`` adds 1 to the denominator (a head may attend to
-        nothing); ``relu_expm1`` uses ``max(0, exp(s) - 1)`` as the kernel.
+        nothing); ``relu_expm1`` uses ``max(0, exp(s) - 1)`` as the kernel;
+        ``sigmoid`` weighs each key on its own, ``w = key_size[j] *
+        sigmoid(s + sigmoid_bias)``, with no normalisation (Ramapuram et al.
+        2024).
     return_lse : bool
         Also return ``lse = log sum_j key_size[j] * phi(s[i, j])`` over the
-        allowed set (without softmax1's ``+1``), the weights' before dropout.
+        allowed set (without softmax1's ``+1``), the weights' before dropout
+        (for ``sigmoid``: the log of the row's total weight).
     dropout_p : float
         Attention dropout, as FlashAttention's: each weight ``(b, h, i, j)`` is
         dropped with probability ``dropout_p`` and the kept ones scaled by
@@ -52,6 +56,10 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         head in the denominator only, ``w_j = e^{s_j} / (e^{sink} + sum_k
         e^{s_k})``, with ``normalizer="softmax"`` (``softmax1`` is the sink 0).
         ``lse`` excludes the sink; :func:`attnnb.vjp` gives its gradient.
+    sigmoid_bias : float, optional
+        ``normalizer="sigmoid"``'s ``b``, one for every head; default
+        ``-log(Lk)`` (the keys' count, masked or not: FlashSigmoid's
+        ``-log(n)``).  A constant: it gets no gradient.
     backend : {None, "auto", "reference", "cpu", "cuda"}
         None reads :func:`attnnb.use_backend`, then ``ATTNNB_BACKEND``,
         then "auto" (cuda for device arrays, else cpu).
@@ -75,7 +83,8 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         refuse_lazy_dropout(dropout_p)
         return lazy(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                     scale=scale, normalizer=normalizer, return_lse=return_lse, sinks=sinks,
-                    backend=backend)
+                    sigmoid_bias=sigmoid_bias, backend=backend)
     return _eager.attention(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                             scale=scale, normalizer=normalizer, return_lse=return_lse,
-                            dropout_p=dropout_p, seed=seed, sinks=sinks, backend=backend)
+                            dropout_p=dropout_p, seed=seed, sinks=sinks,
+                            sigmoid_bias=sigmoid_bias, backend=backend)

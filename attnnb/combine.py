@@ -32,15 +32,16 @@ def combine(outs, lses, *, normalizer="softmax", sinks=None):
         (any leading shape ``S + (Dv,)``, the same for every part).
     lses : sequence of arrays ``(*batch, H, Lq)``
         Their log-sum-exps (``return_lse=True``), of shape ``S``; one per part.
-    normalizer : {"softmax", "relu_expm1", "softmax1"}
+    normalizer : {"softmax", "relu_expm1", "softmax1", "sigmoid"}
         The normalizer the parts were computed with.  ``softmax`` and
         ``relu_expm1`` merge alike (their normalisers are both sums over the
-        keys).  ``softmax1`` parts are first divided by their own factor
-        ``e^lse / (1 + e^lse)``, merged as softmax parts and multiplied by the
-        factor of the merged LSE; where a part's factor underflows (``lse``
-        below about -87 in float32, -708 in float64) its output has already
-        lost digits, so for such rows compute the parts with ``"softmax"``
-        and finish once after merging.
+        keys); ``sigmoid`` parts are sums that simply add (``lse`` the log of
+        the total weight: the LSEs add as ``logaddexp``).  ``softmax1`` parts
+        are first divided by their own factor ``e^lse / (1 + e^lse)``, merged
+        as softmax parts and multiplied by the factor of the merged LSE;
+        where a part's factor underflows (``lse`` below about -87 in float32,
+        -708 in float64) its output has already lost digits, so for such rows
+        compute the parts with ``"softmax"`` and finish once after merging.
     sinks : real array broadcastable to ``(*batch, H)``, optional
         The parts were computed with these learned sinks (``normalizer``
         ``"softmax"``, docs/contract.md §1.15): they are merged as
@@ -93,6 +94,9 @@ def combine(outs, lses, *, normalizer="softmax", sinks=None):
     comp = np.result_type(out_dtype, lse_dtype, np.float32)
     outs = [_as(o, comp) for o in outs]
     lses = [_as(s, comp) for s in lses]
+    if normalizer == "sigmoid":
+        out, lse = add_parts(outs, lses)
+        return _as(out, out_dtype), _as(lse, lse_dtype)
     if normalizer == "softmax1":
         outs = [_unfinish_softmax1(o, s, sink) for o, s in zip(outs, lses)]
     out, lse = merge_parts(outs, lses)
@@ -148,6 +152,25 @@ def merge_parts(outs, lses):
         safe = np.where(ok, total, 1)
         out = np.where(ok[..., None], acc / safe[..., None], 0)
         lse = np.where(ok, shift + np.log(safe), -np.inf)
+    nan_row = np.isnan(top)
+    return (np.where(nan_row[..., None], np.nan, out), np.where(nan_row, np.nan, lse))
+
+
+def add_parts(outs, lses):
+    """Parts that add up (``sigmoid``'s unnormalised sums): ``out = sum_p out_p`` and
+    ``lse = log sum_p e^lse_p``; a part of no weight (``lse = -inf``) adds nothing, a
+    NaN LSE makes its row NaN."""
+    top = lses[0]
+    for s in lses[1:]:
+        top = np.maximum(top, s)  # NaN wins
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        shift = np.where(np.isfinite(top), top, 0)
+        total = 0
+        out = 0
+        for o, s in zip(outs, lses):
+            total = total + np.exp(s - shift)
+            out = out + np.where(np.isneginf(s)[..., None], 0, o)
+        lse = np.where(total > 0, shift + np.log(np.where(total > 0, total, 1)), -np.inf)
     nan_row = np.isnan(top)
     return (np.where(nan_row[..., None], np.nan, out), np.where(nan_row, np.nan, lse))
 

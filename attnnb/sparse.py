@@ -8,7 +8,8 @@ from ._dropout import refuse_lazy_dropout
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
-                     return_lse=False, dropout_p=0.0, seed=None, sinks=None, backend=None):
+                     return_lse=False, dropout_p=0.0, seed=None, sinks=None, sigmoid_bias=None,
+                     backend=None):
     """Attention over a sparse pattern, at a cost proportional to its allowed pairs.
 
     Equal to ``attention(q, k, v, mask=pattern.to_mask(), ...)``: each query's
@@ -27,13 +28,15 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
         Proportional attention, as in :func:`attnnb.attention`.
     scale : float, optional
         Default ``1 / sqrt(D)``.
-    normalizer : {"softmax", "softmax1", "relu_expm1"}
+    normalizer : {"softmax", "softmax1", "relu_expm1", "sigmoid"}
     return_lse : bool
     dropout_p, seed
         Attention dropout, as in :func:`attnnb.attention`: the same decisions
         as dense attention with the pattern as a mask and the same seed.
     sinks : real array broadcastable to ``(*batch, Hq)``, optional
         Learned attention sinks, as in :func:`attnnb.attention`.
+    sigmoid_bias : float, optional
+        As in :func:`attnnb.attention` (default ``-log(Lk)``).
     backend : {None, "auto", "reference", "cpu", "cuda"}
 
     Returns
@@ -65,10 +68,12 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
 
         refuse_lazy_dropout(dropout_p)
         return lazy(q, k, v, pattern, key_size=key_size, scale=scale, normalizer=normalizer,
-                    return_lse=return_lse, sinks=sinks, backend=backend)
+                    return_lse=return_lse, sinks=sinks, sigmoid_bias=sigmoid_bias,
+                    backend=backend)
     return _eager.sparse_attention(q, k, v, pattern, key_size=key_size, scale=scale,
                                    normalizer=normalizer, return_lse=return_lse,
-                                   dropout_p=dropout_p, seed=seed, sinks=sinks, backend=backend)
+                                   dropout_p=dropout_p, seed=seed, sinks=sinks,
+                                   sigmoid_bias=sigmoid_bias, backend=backend)
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,

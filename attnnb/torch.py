@@ -55,6 +55,7 @@ of O(allowed pairs) integer work per call, small next to the attention).
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import sys
 import warnings
@@ -190,14 +191,15 @@ _FUNCTIONS = {
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("mask", "Tensor?"),
                    ("bias", "Tensor?"), ("key_size", "Tensor?"), ("causal", "bool"),
                    *_STATIC_TAIL, ("normalizer", "str"), ("dropout_p", "float"),
-                   ("seed", "int"), ("sinks", "Tensor?"), ("backend", "str?")),
+                   ("seed", "int"), ("sinks", "Tensor?"), ("sigmoid_bias", "float?"),
+                   ("backend", "str?")),
                   True),
         _Function("sparse_attention", _np_sparse_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"),
                    ("pattern_indptr", "Tensor"), ("pattern_indices", "Tensor"),
                    ("pattern_heads", "int"), ("key_size", "Tensor?"), *_STATIC_TAIL,
                    ("normalizer", "str"), ("dropout_p", "float"), ("seed", "int"),
-                   ("sinks", "Tensor?"), ("backend", "str?")),
+                   ("sinks", "Tensor?"), ("sigmoid_bias", "float?"), ("backend", "str?")),
                   True),
         _Function("topk_attention", _np_topk_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("top_k", "int"),
@@ -368,6 +370,19 @@ def _scale(scale):
     return None if scale is None else float(scale)
 
 
+def _sigmoid_bias(sigmoid_bias):
+    """``sigmoid_bias`` for the operator's ``float?``: None, or a real number (a 0-d
+    tensor is read once: the bias is a constant)."""
+    if isinstance(sigmoid_bias, torch.Tensor) and sigmoid_bias.dim() == 0:
+        sigmoid_bias = sigmoid_bias.item()
+    if sigmoid_bias is None:
+        return None
+    if isinstance(sigmoid_bias, (bool, np.bool_)) or not isinstance(sigmoid_bias, numbers.Real):
+        raise TypeError("sigmoid_bias must be a real number (one bias for every head); got "
+                        f"{type(sigmoid_bias).__name__} {sigmoid_bias!r}")
+    return float(sigmoid_bias)
+
+
 def _chosen(backend):
     """``backend``, with None resolved now (:func:`attnnb.use_backend` of this thread,
     then ``ATTNNB_BACKEND``, then ``"auto"``): the operator and its backward then
@@ -396,7 +411,7 @@ def _finish(out, lse, result_dtype, return_lse):
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
               normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None, sinks=None,
-              backend=None):
+              sigmoid_bias=None, backend=None):
     """:func:`attnnb.attention` on tensors, differentiable in q, k, v, bias, key_size, sinks.
 
     Parameters and results as :func:`attnnb.attention`, with ``torch.Tensor``
@@ -423,7 +438,8 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         _optional("bias", bias, q.device, floating=True),
         _optional("key_size", key_size, q.device, floating=True),
         check_bool("causal", causal), _scale(scale), normalizer, dropout_p, seed,
-        _optional("sinks", sinks, q.device, floating=True), _chosen(backend))
+        _optional("sinks", sinks, q.device, floating=True), _sigmoid_bias(sigmoid_bias),
+        _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 
@@ -440,7 +456,8 @@ def _pattern_tensors(pattern) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
-                     return_lse=False, dropout_p=0.0, seed=None, sinks=None, backend=None):
+                     return_lse=False, dropout_p=0.0, seed=None, sinks=None, sigmoid_bias=None,
+                     backend=None):
     """:func:`attnnb.sparse_attention` on tensors, differentiable in q, k, v, key_size, sinks.
 
     ``pattern`` is an :class:`attnnb.patterns.Pattern` (a constant).
@@ -453,7 +470,8 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     out, lse = _OPS["sparse_attention"](
         q, k, v, indptr, indices, heads,
         _optional("key_size", key_size, q.device, floating=True), _scale(scale), normalizer,
-        dropout_p, seed, _optional("sinks", sinks, q.device, floating=True), _chosen(backend))
+        dropout_p, seed, _optional("sinks", sinks, q.device, floating=True),
+        _sigmoid_bias(sigmoid_bias), _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 

@@ -540,7 +540,8 @@ def _attention(a, forward):
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"], bias=a["bias"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
                                 normalizer=a["normalizer"], dropout_p=a["dropout_p"],
-                                seed=a["seed"], sinks=a["sinks"])
+                                seed=a["seed"], sinks=a["sinks"],
+                                sigmoid_bias=a["sigmoid_bias"])
     return _lse_function("attention", a, forward, problem, (), return_lse, bias=a["bias"],
                          sinks=a["sinks"])
 
@@ -549,7 +550,8 @@ def _sparse_attention(a, forward):
     return_lse = check_bool("return_lse", a["return_lse"])
     problem = attention_problem(a["q"], a["k"], a["v"], key_size=a["key_size"],
                                 scale=a["scale"], normalizer=a["normalizer"],
-                                dropout_p=a["dropout_p"], seed=a["seed"], sinks=a["sinks"])
+                                dropout_p=a["dropout_p"], seed=a["seed"], sinks=a["sinks"],
+                                sigmoid_bias=a["sigmoid_bias"])
     _, Hq, _, Lq, Lk, _, _ = problem.shape
     pattern = check_pattern(a["pattern"], Lq, Lk, Hq)
     return _lse_function("sparse_attention", a, forward, problem, (pattern,), return_lse,

@@ -143,10 +143,13 @@ def _op_cases():
     return {
         "attention": (ops.attention.default,
                       (q, k, v, None, bias, None, True, None, "softmax", 0.3, 11, sinks,
-                       "cpu")),
+                       None, "cpu")),
+        "attention sigmoid": (ops.attention.default,
+                              (q, k, v, None, bias, None, True, None, "sigmoid", 0.3, 11, None,
+                               -1.5, "cpu")),
         "sparse_attention": (ops.sparse_attention.default,
                              (q, k, v, ip, ix, nh, None, None, "softmax", 0.2, 3, sinks,
-                              "cpu")),
+                              None, "cpu")),
         "topk_attention": (ops.topk_attention.default,
                            (q, k, v, 2, None, False, None, 0.7, 0.0, 0, sinks, "cpu")),
         "diff_attention": (ops.diff_attention.default,
@@ -155,21 +158,21 @@ def _op_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["attention", "sparse_attention", "topk_attention",
-                                  "diff_attention"])
+@pytest.mark.parametrize("name", ["attention", "attention sigmoid", "sparse_attention",
+                                  "topk_attention", "diff_attention"])
 def test_opcheck(name):
     op, args = _op_cases()[name]
     torch.library.opcheck(op, args)  # raises on any failed check
 
 
-@pytest.mark.parametrize("name", ["attention", "sparse_attention", "topk_attention",
-                                  "diff_attention"])
+@pytest.mark.parametrize("name", ["attention", "attention sigmoid", "sparse_attention",
+                                  "topk_attention", "diff_attention"])
 def test_opcheck_backward_operators(name):
     op, args = _op_cases()[name]
     result = op(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
     outs = result if isinstance(result, tuple) else (result,)
     douts = [torch.ones_like(o) for o in outs]
-    backward = getattr(torch.ops.attnnb, name + "_backward").default
+    backward = getattr(torch.ops.attnnb, name.split()[0] + "_backward").default
     saved = (douts[0], douts[1], *outs) if len(outs) == 2 else (douts[0], outs[0])
     torch.library.opcheck(backward, (*saved, *[a.detach() if isinstance(a, torch.Tensor) else a
                                                for a in args]))

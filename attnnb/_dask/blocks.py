@@ -22,7 +22,7 @@ import numpy as np
 
 from .._eager import attention, diff_attention, sparse_attention, topk_attention
 from .._function_args import lambda_rows
-from ..combine import finish_softmax1, merge_parts
+from ..combine import add_parts, finish_softmax1, merge_parts
 from .visible import sub_pattern
 
 
@@ -65,26 +65,29 @@ def restrict(mask, limit, nq, nk):
     return namespace(mask).logical_and(mask, namespace(mask).asarray(diagonal)), False
 
 
-def attention_part(q, k, v, mask, bias, key_size, *, limit, heads, scale, normalizer, backend):
-    """``(out, lse)`` of dense attention over one block."""
+def attention_part(q, k, v, mask, bias, key_size, *, limit, heads, scale, normalizer, backend,
+                   sigmoid_bias=None):
+    """``(out, lse)`` of dense attention over one block (``sigmoid_bias``: the whole call's)."""
     k, v = key_heads(k, v, heads)
     mask, causal = restrict(mask, limit, q.shape[-2], k.shape[-2])
     out, lse = attention(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
-                         scale=scale, normalizer=normalizer, return_lse=True, backend=backend)
+                         scale=scale, normalizer=normalizer, return_lse=True, backend=backend,
+                         sigmoid_bias=sigmoid_bias)
     return native(out, q), native(lse, q)
 
 
-def sparse_part(q, k, v, key_size, pattern, *, where, heads, scale, normalizer, backend):
+def sparse_part(q, k, v, key_size, pattern, *, where, heads, scale, normalizer, backend,
+                sigmoid_bias=None):
     """``(out, lse)`` over one block of a pattern; ``where`` None: every pair allowed,
     else ``(query heads, query rows, key columns)`` of the block in the pattern."""
     k, v = key_heads(k, v, heads)
     if where is None:
         out, lse = attention(q, k, v, key_size=key_size, scale=scale, normalizer=normalizer,
-                             return_lse=True, backend=backend)
+                             return_lse=True, backend=backend, sigmoid_bias=sigmoid_bias)
     else:
         out, lse = sparse_attention(q, k, v, sub_pattern(pattern, *where), key_size=key_size,
                                     scale=scale, normalizer=normalizer, return_lse=True,
-                                    backend=backend)
+                                    backend=backend, sigmoid_bias=sigmoid_bias)
     return native(out, q), native(lse, q)
 
 
@@ -176,6 +179,11 @@ def merge_attention(parts):
     """``(out, lse)`` parts merged through their LSEs."""
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         return merge_parts([p[0] for p in parts], [p[1] for p in parts])
+
+
+def merge_sums(parts):
+    """``(out, lse)`` parts that add up (``sigmoid``)."""
+    return add_parts([p[0] for p in parts], [p[1] for p in parts])
 
 
 def merge_streams(parts):

@@ -27,7 +27,14 @@ import numpy as np
 from .._checks import broadcast_pairwise, check_key_size_values, is_device_array, log_key_sizes
 from .._dispatch import requested_backend
 from .._function_args import check_lam_values, check_mode, check_pattern, check_top_k, lambda_rows
-from .._validate import check_bool, check_normalizer, check_scale, check_sinks, lse_dtype
+from .._validate import (
+    check_bool,
+    check_normalizer,
+    check_scale,
+    check_sinks,
+    lse_dtype,
+    sigmoid_offset,
+)
 from . import any_dask, blocks, select
 from .graph import Graph
 from .grid import known_sizes, make_grid, spans
@@ -199,12 +206,14 @@ class Call:
         at = self.position(index)
         self.finals[at] = (self.graph.add("empty", at, (fn,)), (0, 1))
 
-    def lse_finish(self, index, parts, softmax1):
-        """Merge ``(out, lse)`` parts and finish them (``softmax1``: softmax parts, finished
-        with the learned sinks when the call has them); no parts: an empty block."""
+    def lse_finish(self, index, parts, softmax1, merge=blocks.merge_attention):
+        """Merge ``(out, lse)`` parts (``merge``: through their LSEs, or
+        :func:`~attnnb._dask.blocks.merge_sums` for sums) and finish them
+        (``softmax1``: softmax parts, finished with the learned sinks when the call has
+        them); no parts: an empty block."""
         if not parts:
             return self.empty(index)
-        key = self.reduce("merge", index, parts, blocks.merge_attention)
+        key = self.reduce("merge", index, parts, merge)
         dtype = self.grid.out_dtype
         sinks = self.extras["sinks"]
         fn = partial(blocks.finish_attention, softmax1=softmax1 or sinks is not None,
@@ -226,11 +235,21 @@ class Call:
         return out, lse
 
 
-def dense_parts(c, index, row, normalizer):
+def dense_parts(c, index, row, normalizer, sigmoid_bias=None):
     """Parts of dense (masked, causal) attention for one query block."""
-    fn = partial(blocks.attention_part, normalizer=normalizer)
+    fn = partial(blocks.attention_part, normalizer=normalizer, sigmoid_bias=sigmoid_bias)
     return [c.part("part", index, kb, partial(fn, **c.common(index, spec)),
                    ("q", "k", "v", "mask", "bias", "key_size")) for kb, spec in row]
+
+
+def sigmoid_parts(sigmoid_bias, normalizer, Lk):
+    """``(sigmoid_bias, merge)`` of the parts: ``sigmoid``'s bias fixed by the whole
+    call's key count (a block's own default would differ) and parts that add up; other
+    normalizers take none and merge through their LSEs."""
+    offset = sigmoid_offset(sigmoid_bias, normalizer, Lk)
+    if normalizer != "sigmoid":
+        return None, blocks.merge_attention
+    return offset, blocks.merge_sums
 
 
 def part_normalizer(normalizer, row):
@@ -239,34 +258,39 @@ def part_normalizer(normalizer, row):
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
-              normalizer="softmax", return_lse=False, sinks=None, backend=None):
+              normalizer="softmax", return_lse=False, sinks=None, sigmoid_bias=None,
+              backend=None):
     """:func:`attnnb.attention` on Dask arrays."""
     return_lse = check_bool("return_lse", return_lse)
     check_normalizer(normalizer)
     causal = check_bool("causal", causal)
     c = Call("attention", q, k, v, mask=mask, bias=bias, key_size=key_size, sinks=sinks,
-             normalizer=normalizer, scale=scale, backend=backend, params=(causal, normalizer))
+             normalizer=normalizer, scale=scale, backend=backend,
+             params=(causal, normalizer, sigmoid_bias))
+    offset, merge = sigmoid_parts(sigmoid_bias, normalizer, c.grid.shape[3])
     visible = dense_blocks(c.grid.q_edges, c.grid.k_edges, causal)
     for index in c.grid.query_blocks():
         row = visible[index["q"]]
         norm = part_normalizer(normalizer, row)
-        c.lse_finish(index, dense_parts(c, index, row, norm), norm != normalizer)
+        c.lse_finish(index, dense_parts(c, index, row, norm, offset), norm != normalizer,
+                     merge)
     return c.outputs(return_lse)
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
-                     return_lse=False, sinks=None, backend=None):
+                     return_lse=False, sinks=None, sigmoid_bias=None, backend=None):
     """:func:`attnnb.sparse_attention` on Dask arrays."""
     return_lse = check_bool("return_lse", return_lse)
     check_normalizer(normalizer)
     c = Call("sparse", q, k, v, key_size=key_size, sinks=sinks, normalizer=normalizer,
              scale=scale, backend=backend,
-             params=(normalizer, getattr(pattern, "indptr", None),
+             params=(normalizer, sigmoid_bias, getattr(pattern, "indptr", None),
                      getattr(pattern, "indices", None)))
     g = c.grid
     Hq, _, Lq, Lk, _, _ = g.shape
     check_pattern(pattern, Lq, Lk, Hq)
     touched = pattern_blocks(pattern, g.heads.rows, g.q_edges, g.k_edges)
+    offset, merge = sigmoid_parts(sigmoid_bias, normalizer, Lk)
     stored = c.graph.add("pattern", (), pattern)  # one copy, sent to the workers that need it
     head_spans, q_spans, k_spans = spans(g.heads.rows), spans(g.q_edges), spans(g.k_edges)
     for index in g.query_blocks():
@@ -275,10 +299,10 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
         parts = []
         for kb, whole in row:
             where = None if whole else (head_spans[index["h"]], q_spans[index["q"]], k_spans[kb])
-            fn = partial(blocks.sparse_part, where=where, normalizer=norm,
+            fn = partial(blocks.sparse_part, where=where, normalizer=norm, sigmoid_bias=offset,
                          **c.common(index, None, drop=("limit",)))
             parts.append(c.part("part", index, kb, fn, ("q", "k", "v", "key_size"), stored))
-        c.lse_finish(index, parts, norm != normalizer)
+        c.lse_finish(index, parts, norm != normalizer, merge)
     return c.outputs(return_lse)
 
 

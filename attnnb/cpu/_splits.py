@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from .._codes import SOFTMAX1
+from .._codes import SIGMOID, SOFTMAX1
 from ._jit import WIDE_REGISTERS, inner
 from ._tiles import TILE_K, sigmoid
 
@@ -75,7 +75,8 @@ def merge_split_rows(part_out, part_lse, row, normalizer, sinks, out, lse):
     nothing, and a row no split saw is empty (zeros, ``-inf``).  A weight
     that underflows to 0 skips its split, so that an Inf value behind it
     leaves no trace, as inside the sweep.  ``sinks (B, H)``: ``softmax1``'s sink
-    logits (:func:`~attnnb.cpu._tiles.finish_rows`).
+    logits (:func:`~attnnb.cpu._tiles.finish_rows`).  ``sigmoid``'s splits are
+    sums: they simply add (``out = sum_s out_s``, the same LSE).
     """
     n_split, H, Lq = part_out.shape[0], part_out.shape[2], part_out.shape[3]
     b, h, i = row // (H * Lq), (row // Lq) % H, row % Lq
@@ -97,8 +98,10 @@ def merge_split_rows(part_out, part_lse, row, normalizer, sinks, out, lse):
         total += math.exp(part_lse[s, b, h, i] - mx)
     row_lse = mx + math.log(total)
     for s in range(n_split):
-        w = math.exp(part_lse[s, b, h, i] - row_lse)
-        if w != 0.0:
+        x = part_lse[s, b, h, i]
+        # the split's share: its weight in the merged softmax, or all of it (sigmoid)
+        w = 1.0 if normalizer == SIGMOID else math.exp(x - row_lse)
+        if x != -np.inf and w != 0.0:
             prow = part_out[s, b, h, i]
             for c in range(orow.shape[0]):
                 orow[c] += w * prow[c]

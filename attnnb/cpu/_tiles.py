@@ -22,7 +22,9 @@ Scratch buffers are flat 1-D arrays allocated once per task and viewed as
 ``(rows, cols)`` tiles with ``reshape`` (a view: no allocation in the key
 loop).  Tile sizes are module constants, so Numba compiles them in.
 
-Normalizer codes: ``SOFTMAX = 0``, ``SOFTMAX1 = 1``, ``RELU_EXPM1 = 2``.
+Normalizer codes: ``SOFTMAX = 0``, ``SOFTMAX1 = 1``, ``RELU_EXPM1 = 2``, ``SIGMOID = 3``
+(no running maximum: each weight is ``key_size * sigmoid(s)`` on its own, the
+output the sum ``acc`` itself).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import math
 import numpy as np
 
 from .. import _scalars
-from .._codes import RELU_EXPM1, SOFTMAX1
+from .._codes import RELU_EXPM1, SIGMOID, SOFTMAX1
 from ._blocks import (
     COLS,
     ROWS,
@@ -355,6 +357,17 @@ def weighted_rows(p, row_step, step, nq, nk, vh, j0, acc, T_flat):
 
 
 @inner
+def factor_tile(F_flat, S, normalizer):
+    """The tile of :func:`modify_logits`'s factors for logits ``S``: an ``(nq, nk)`` view
+    of ``F_flat`` where the normalizer has factors (``relu_expm1``, ``sigmoid``), else
+    ``S`` itself (never written)."""
+    nq, nk = S.shape
+    if normalizer == RELU_EXPM1 or normalizer == SIGMOID:
+        return view2d(F_flat, nq, nk)
+    return S
+
+
+@inner
 def modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b, has_ks,
                   normalizer):
     """Turn raw logits into the values the online softmax sweeps over.
@@ -362,12 +375,13 @@ def modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logk
     In order: add ``bias``; set keys outside the allowed set (``mask`` false,
     or beyond the causal limit ``j > i + diag``) to ``-inf``; for
     ``relu_expm1`` store the factor ``1 - exp(-s)`` in ``F`` and drop
-    ``s <= 0``; add ``log(key_size)``.
+    ``s <= 0``; add ``log(key_size)`` (for ``sigmoid`` store ``key_size`` in
+    ``F`` instead, 1 without key sizes).
 
     Parameters
     ----------
     S : ``(nq, nk)`` logits for queries ``i0..`` and keys ``j0..``, modified in place.
-    F : ``(nq, nk)`` scratch, written only for ``relu_expm1``.
+    F : ``(nq, nk)`` scratch, written only for ``relu_expm1`` and ``sigmoid``.
     diag : int
         Causal offset ``Lk - Lq``; pass a value ``>= Lk`` for no causal limit
         in this tile.
@@ -400,7 +414,11 @@ def modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logk
                     F[r, c] = 0.0
                     if s == s:  # a NaN logit stays, to propagate
                         S[r, c] = ninf
-    if has_ks:
+    if normalizer == SIGMOID:
+        for r in range(nq):
+            for c in range(nk):
+                F[r, c] = math.exp(logks_b[j0 + c]) if has_ks else 1.0
+    elif has_ks:
         for r in range(nq):
             for c in range(nk):
                 S[r, c] += logks_b[j0 + c]
@@ -474,6 +492,8 @@ def online_weights(S, F, m, l, acc, P_flat, normalizer):
     dv = acc.shape[1]
     s = flat(S)
     P = view2d(P_flat, nq, nk)
+    if normalizer == SIGMOID:
+        return sigmoid_weights(S, F, m, l, P)
     if normalizer == RELU_EXPM1:
         for r in range(nq):
             frow = F[r]
@@ -534,6 +554,30 @@ def online_weights(S, F, m, l, acc, P_flat, normalizer):
 
 
 @inner
+def sigmoid_weights(S, F, m, l, P):
+    """:func:`online_weights` for ``sigmoid``: ``P = F * sigmoid(S)`` (``F`` the key sizes),
+    ``l += sum P``; ``m`` only marks rows: 0 once they have a key, NaN once a NaN
+    logit was seen (no shift: every weight is below its key size)."""
+    nq, nk = S.shape
+    for r in range(nq):
+        if m[r] != m[r]:
+            P[r, :] = 0.0
+            continue
+        total = 0.0
+        for c in range(nk):
+            p = F[r, c] * sigmoid(S[r, c])
+            P[r, c] = p
+            total += p
+        l[r] += total
+        if l[r] != l[r]:
+            m[r] = np.nan
+            P[r, :] = 0.0
+        elif m[r] == -np.inf:
+            m[r] = 0.0
+    return P
+
+
+@inner
 def add_weighted_values(P, vh, j0, v_finite, acc, T_flat):
     """``acc += P @ vh[j0:j0+nk]``; with a non-finite value tile, zero weights are skipped.
 
@@ -589,6 +633,10 @@ def finish_rows(acc, m, l, normalizer, sink, out_rows, lse_rows):
         elif l[r] == 0.0 or m[r] == -np.inf:
             out_rows[r, :] = 0.0
             lse_rows[r] = -np.inf
+        elif normalizer == SIGMOID:  # no normalisation: the sum is the output
+            lse_rows[r] = math.log(l[r])
+            for c in range(dv):
+                out_rows[r, c] = acc[r, c]
         else:
             z = l[r]
             lse = m[r] + math.log(z)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .._codes import NORMALIZER_CODES, RELU_EXPM1, SOFTMAX, SOFTMAX1
+from .._codes import NORMALIZER_CODES, SOFTMAX, SOFTMAX1
 from ._blocks import ROWS
 from ._dropout import kernel_dropout, row_keys, scale_kept
 from ._host import kernel_sinks, run_sweep
@@ -19,6 +19,7 @@ from ._tiles import (
     SWEEP_TILE_Q,
     TILE_K,
     TILE_Q,
+    factor_tile,
     finish_rows,
     key_tiles_seen,
     modify_logits,
@@ -29,7 +30,6 @@ from ._tiles import (
     tile_logits_t,
     transpose_keys,
     transposed_queries,
-    view2d,
 )
 from ._views import keep_alive, unowned
 
@@ -118,7 +118,7 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
             else:
                 S = tile_logits_t(qs, tiles, tile_j0, nk, S_flat)
             # relu_expm1 keeps the logits and the kernel values apart (see modify_logits)
-            F = view2d(F_flat, nq, nk) if normalizer == RELU_EXPM1 else S
+            F = factor_tile(F_flat, S, normalizer)
             modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, masked_here, logks_b,
                           has_ks, normalizer)
             online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer, dropout,

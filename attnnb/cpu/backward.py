@@ -48,7 +48,7 @@ import numpy as np
 from numba import prange
 
 from .._bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
-from .._codes import NORMALIZER_CODES, RELU_EXPM1
+from .._codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID
 from .._dropout import keep_scale
 from ._blocks import ROWS
 from ._dropout import keep_factors, kernel_dropout
@@ -73,8 +73,10 @@ from ._tiles import (
     TILE_K,
     TILE_Q,
     add_weighted_values,
+    factor_tile,
     modify_logits,
     scaled_rows,
+    sigmoid,
     task_rows,
     tile_is_finite,
     tile_logits_keys,
@@ -227,7 +229,7 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, by_keys, b, h, p
             start, stop = indptr[row0 + r], indptr[row0 + r + 1]
             cursor[r] = start + np.searchsorted(indices[start:stop], j0)
         csr_tile_mask(S, indptr, indices, row0, j0, cursor)
-    F = view2d(F_flat, nq, nk) if normalizer == RELU_EXPM1 else S
+    F = factor_tile(F_flat, S, normalizer)
     modify_logits(S, F, i0, j0, diag, pair.bias[b, h], pair.has_bias, pair.mask[b, h],
                   pair.has_mask, pair.logks[b], pair.has_ks, normalizer)
     if pair.selected:  # the forward's rule, on the same modified logits
@@ -262,6 +264,9 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, by_keys, b, h, p
             dS[r, :] = 0.0
             dP[r, :] = 0.0
             continue
+        if normalizer == SIGMOID:
+            sigmoid_row_gradients(S[r], F[r], W[r], dS[r], dP[r], delta_bh[i0 + r])
+            continue
         exp_shifted(S[r], W[r], lse, nk)  # p = exp(s' - lse)
         ratio, delta = ratio_bh[i0 + r], delta_bh[i0 + r]
         for c in range(nk):
@@ -280,6 +285,25 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, by_keys, b, h, p
             for c in range(nk):
                 Wd[r, c] *= W[r, c]
     return W, dS, dP, Wd
+
+
+@inner
+def sigmoid_row_gradients(s, f, w, ds, dp, delta):
+    """One row of :func:`pair_gradients` for ``sigmoid``: ``w = f sigmoid(s)`` (``f`` the
+    key sizes), ``ds = w (1 - sigmoid(s)) (dp - delta)``, ``dp`` becomes ``dp - delta``
+    (``delta = -dlse / e^lse``: each weight depends on its own logit only)."""
+    for c in range(s.shape[0]):
+        sig = sigmoid(s[c])
+        p = f[c] * sig
+        if p == 0.0:  # a key the row does not weigh: its value never reaches it
+            w[c] = 0.0
+            ds[c] = 0.0
+            dp[c] = 0.0
+            continue
+        grad = dp[c] - delta
+        w[c] = p
+        ds[c] = p * (1.0 - sig) * grad
+        dp[c] = grad
 
 
 @inner
@@ -425,7 +449,8 @@ def row_terms(problem, out, lse, dout, dlse):
     """``(ratio, delta)`` per row, ``(B, Hq, Lq)`` in the compute dtype.
 
     ``ratio`` is ``r`` of the module docstring; ``delta = dout . out - dlse / r``
-    (summed in float64).  Empty rows (``lse = -inf``) get 0 for both.
+    (summed in float64); for ``sigmoid``, whose weights are not normalised,
+    ``delta = -dlse / e^lse``.  Empty rows (``lse = -inf``) get 0 for both.
     """
     dt = problem.q.dtype
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
@@ -434,9 +459,14 @@ def row_terms(problem, out, lse, dout, dlse):
             ratio = 1.0 / (1.0 + np.exp(sink - lse.astype(np.float64)))
         else:
             ratio = np.ones(lse.shape)
-        delta = np.einsum("bhid,bhid->bhi", dout, out, dtype=np.float64)
-        if dlse is not None:
-            delta = delta - dlse / ratio
+        if problem.normalizer == "sigmoid":
+            delta = np.zeros(lse.shape)
+            if dlse is not None:
+                delta = -dlse * np.exp(-lse.astype(np.float64))
+        else:
+            delta = np.einsum("bhid,bhid->bhi", dout, out, dtype=np.float64)
+            if dlse is not None:
+                delta = delta - dlse / ratio
         empty = np.isneginf(lse)
         delta = np.where(empty, 0.0, delta)
         ratio = np.where(empty, 0.0, ratio)

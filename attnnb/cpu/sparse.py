@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .._codes import NORMALIZER_CODES, RELU_EXPM1
+from .._codes import NORMALIZER_CODES
 from ._dropout import kernel_dropout, row_keys, scale_kept
 from ._host import kernel_sinks, run_sweep
 from ._jit import kernel, wide_vectors
@@ -22,11 +22,11 @@ from ._task import query_task, sweep_geometry
 from ._tiles import (
     TILE_K,
     TILE_Q,
+    factor_tile,
     finish_rows,
     modify_logits,
     online_update,
     tile_logits_t,
-    view2d,
 )
 
 
@@ -34,8 +34,9 @@ from ._tiles import (
 def sparse_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
                   causal, normalizer, dropout, sinks, p_heads, indptr, indices, tile_ptr,
                   tile_idx, tile_full, out, lse):
-    """Leading arguments as every tiled kernel's (:mod:`attnnb.cpu._host`); ``bias``,
-    ``mask`` and ``causal`` are never read (a pattern carries the whole allowed set).
+    """Leading arguments as every tiled kernel's (:mod:`attnnb.cpu._host`); ``mask`` and
+    ``causal`` are never read (a pattern carries the whole allowed set), ``bias`` only
+    for ``sigmoid``'s bias (the function takes none of its own).
 
     ``p_heads`` is the pattern's head count (1: shared by all query heads);
     ``dropout`` and ``sinks`` as the dense kernel's
@@ -67,8 +68,8 @@ def sparse_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logk
                     cursor[r] += nk
             else:
                 csr_tile_mask(S, indptr, indices, row0, j0, cursor)
-            F = view2d(F_flat, nq, nk) if normalizer == RELU_EXPM1 else S
-            modify_logits(S, F, i0, j0, Lk, bias[0, 0], False, mask[0, 0], False, logks[b],
+            F = factor_tile(F_flat, S, normalizer)
+            modify_logits(S, F, i0, j0, Lk, bias[b, h], has_bias, mask[0, 0], False, logks[b],
                           has_ks, normalizer)
             online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_ok[b, g, t], normalizer,
                           dropout, keys, words)

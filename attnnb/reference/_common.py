@@ -74,7 +74,7 @@ def normalize(s, allowed, log_key_size=None, normalizer="softmax", sink=0.0):
     s : float64 ``(B, H, Lq, Lk)`` logits (scale and bias applied).
     allowed : bool ``(B, H, Lq, Lk)``.
     log_key_size : ``(B, Lk)`` or None, added to the logits (proportional attention).
-    normalizer : ``"softmax"``, ``"softmax1"`` or ``"relu_expm1"``.
+    normalizer : ``"softmax"``, ``"softmax1"``, ``"relu_expm1"`` or ``"sigmoid"``.
     sink : float or float64 ``(B, H, 1, 1)``
         ``softmax1``'s sink logit: the denominator is ``e^sink + S`` (1 + S by
         default; learned sinks otherwise).
@@ -93,7 +93,11 @@ def normalize(s, allowed, log_key_size=None, normalizer="softmax", sink=0.0):
     logits: ``phi(s) ~ s``) and the weights are still ``e / z``.  For
     ``softmax1`` the weights are ``(e / z) * sigmoid(lse - sink)``, which equals
     ``e / (z + e^(sink - m))`` without overflowing for very negative logits.
+    ``sigmoid`` weighs each key on its own, ``w = key_size * sigmoid(s)`` (its
+    bias is in ``s``), with no normalisation; ``lse = log sum_j w``.
     """
+    if normalizer == "sigmoid":
+        return _sigmoid_weights(s, allowed, log_key_size)
     t = s if log_key_size is None else s + log_key_size.astype(np.float64)[:, None, None, :]
     if normalizer == "relu_expm1":
         # key_size * max(0, e^s - 1) = e^(s + log size) * (1 - e^-s) for s > 0: no overflow
@@ -121,6 +125,26 @@ def normalize(s, allowed, log_key_size=None, normalizer="softmax", sink=0.0):
     w = np.where(nan_row, np.nan, w)
     lse = np.where(nan_row[..., 0], np.nan, lse)
     return w, lse
+
+
+def logistic(x):
+    """``1 / (1 + e^-x)`` without overflow (0 at ``-inf``, 1 at ``+inf``, NaN at NaN)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        a = np.exp(-np.abs(x))
+        return np.where(x >= 0, 1.0 / (1.0 + a), a / (1.0 + a))
+
+
+def _sigmoid_weights(s, allowed, log_key_size):
+    """:func:`normalize` for ``"sigmoid"``: ``w = c sigmoid(s)`` on the allowed set, and
+    ``lse = log sum_j w`` (``-inf`` on a row with no weight, NaN on a NaN row)."""
+    w = logistic(s)
+    if log_key_size is not None:
+        w = w * np.exp(log_key_size.astype(np.float64))[:, None, None, :]
+    w = np.where(allowed, w, 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.log(np.sum(w, axis=-1))
+    nan_row = np.isnan(lse)
+    return np.where(nan_row[..., None], np.nan, w), lse
 
 
 def apply_weights(w, v, allowed, dtype=None):

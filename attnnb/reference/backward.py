@@ -47,7 +47,7 @@ import dataclasses
 
 import numpy as np
 
-from ._common import allowed_set, apply_weights, expand_kv_heads, logits, normalize
+from ._common import allowed_set, apply_weights, expand_kv_heads, logistic, logits, normalize
 from .attention import dropout_factors, sink_of
 from .diff import heaviside_gate, pair_dropout, pair_key_heads
 from .sparse import pattern_mask
@@ -106,6 +106,8 @@ def _softmax_backward(s, allowed, log_key_size, normalizer, dw, dlse, sink=0.0):
         queries for the gradient); zeros when there are no key sizes.
     """
     lks = None if log_key_size is None else log_key_size.astype(np.float64)
+    if normalizer == "sigmoid":
+        return _sigmoid_backward(s, allowed, lks, dw, dlse)
     w, lse = normalize(s, allowed, lks, normalizer, sink)
     w = np.where(allowed, w, 0.0)  # a NaN row's weights are NaN only where it reads
     t = s if lks is None else s + lks[:, None, None, :]
@@ -132,6 +134,22 @@ def _softmax_backward(s, allowed, log_key_size, normalizer, dw, dlse, sink=0.0):
             ds = ds + np.where(live, g_s * dl, 0.0)
             dlog_size = dlog_size + np.where(live, w_s * dl, 0.0)
     ds = np.where(allowed, ds, 0.0)
+    return w, ds, dlog_size
+
+
+def _sigmoid_backward(s, allowed, lks, dw, dlse):
+    """:func:`_softmax_backward` for ``w = c sigmoid(s)``, ``lse = log sum_j w``: each
+    weight depends on its own logit, ``ds = w (1 - sigmoid(s)) (dw + dlse / e^lse)``."""
+    w, lse = normalize(s, allowed, lks, "sigmoid")
+    w = np.where(allowed, w, 0.0)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        g = np.where(allowed, dw, 0.0)
+        if dlse is not None:
+            live = ~np.isneginf(lse)
+            g = g + np.where(live, np.asarray(dlse, np.float64) * np.exp(-lse), 0.0)[..., None]
+        g = np.where(allowed, g, 0.0)
+        ds = np.where(allowed, w * (1.0 - logistic(s)) * g, 0.0)
+        dlog_size = np.where(allowed, w * g, 0.0)
     return w, ds, dlog_size
 
 
