@@ -56,6 +56,8 @@ def cases():
             (f"attention dropout 0.3 causal {tag}",
              _case(12, dtype, causal=True, dropout_p=0.3, dropout_seed=12)),
             (f"attention sinks {tag}", _case(13, dtype, sinks=np.linspace(-1.0, 2.0, 4))),
+            (f"attention sigmoid causal key_size {tag}",
+             _case(14, dtype, normalizer="sigmoid", causal=True, key_size=(2, 131))),
         ]
     return out
 

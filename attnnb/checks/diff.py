@@ -1,7 +1,7 @@
 """Self-check cases for :func:`attnnb.diff_attention` (see :mod:`attnnb.checks`).
 
 Seeded data at small, awkward sizes (lengths not multiples of the tile,
-``Lq != Lk``, GQA pairs, an empty row), both modes, float32 and float64.
+``Lq != Lk``, GQA pairs, an empty row), every mode, float32 and float64.
 """
 
 from __future__ import annotations
@@ -55,4 +55,6 @@ def cases():
                  _case(14, dtype, batch=(), h=1, hk=1, lq=65, lk=129, d=3, dv=5, scale=2.0,
                        mode=mode)),
             ]
+        out.append((f"diff heaviside causal mask {tag}",
+                    _case(15, dtype, causal=True, mask=(4, 70, 131), mode="heaviside")))
     return out
