@@ -105,3 +105,13 @@ def test_cuda_refuses_diff_dropout(rng):
     q = rng.standard_normal((1, 2, 4, 4))
     with pytest.raises(NotImplementedError, match="diff_attention on the cuda backend"):
         attnnb.diff_attention(q, q, q[:, :1], 0.5, dropout_p=0.2, seed=1, backend="cuda")
+
+
+def test_cuda_refuses_sigmoid_from_host_arrays(rng):
+    """Host arrays with backend="cuda": sigmoid attention is refused, never run with a
+    normalizer code the kernels do not know."""
+    q = rng.standard_normal((1, 2, 5, 4))
+    with pytest.raises(NotImplementedError, match="normalizer='sigmoid' on the cuda"):
+        attnnb.attention(q, q, q, normalizer="sigmoid", backend="cuda")
+    with pytest.raises(NotImplementedError, match="normalizer='sigmoid' on the cuda"):
+        attnnb.vjp(attnnb.attention, q, q, q, normalizer="sigmoid", backend="cuda")
