@@ -10,8 +10,12 @@ SOFTMAX = 0
 SOFTMAX1 = 1
 RELU_EXPM1 = 2
 SIGMOID = 3
+SOFTPICK = 4
 NORMALIZER_CODES = {"softmax": SOFTMAX, "softmax1": SOFTMAX1, "relu_expm1": RELU_EXPM1,
-                    "sigmoid": SIGMOID}
+                    "sigmoid": SIGMOID, "softpick": SOFTPICK}
+
+# softpick's eps: its denominator is sum_j |e^x_j - 1| + SOFTPICK_EPS (Zuhri et al. 2025)
+SOFTPICK_EPS = 1e-6
 
 # diff_attention(mode=...)
 DIFFERENCE = 0

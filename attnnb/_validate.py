@@ -393,9 +393,9 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
                    on_device=on_dev, dropout_p=dropout_p, seed=seed)
     for name, x in (("mask", mask), ("bias", bias), ("key_size", key_size), ("sinks", sinks)):
         refuse_unreadable_tensor(name, x)
-    if normalizer == "sigmoid" and on_dev:
-        raise NotImplementedError("normalizer='sigmoid' on the cuda backend: not yet (the "
-                                  "reference and cpu backends have it)")
+    if normalizer in ("sigmoid", "softpick") and on_dev:
+        raise NotImplementedError(f"normalizer={normalizer!r} on the cuda backend: not yet "
+                                  "(the reference and cpu backends have it)")
     if sinks is not None:
         if on_dev or is_device_array(sinks):
             raise NotImplementedError("sinks on the cuda backend: not yet (the reference and "

@@ -32,9 +32,11 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         (bottom-right aligned, as FlashAttention).
     scale : float, optional
         Logit scale, default ``1 / sqrt(D)``.
-    normalizer : {"softmax", "softmax1", "relu_expm1", "sigmoid"}
+    normalizer : {"softmax", "softmax1", "relu_expm1", "sigmoid", "softpick"}
         ``softmax1`` adds 1 to the denominator (a head may attend to
         nothing); ``relu_expm1`` uses ``max(0, exp(s) - 1)`` as the kernel;
+        ``softpick`` the same numerator over ``eps + sum_j |exp(s) - 1|``
+        (Zuhri et al. 2025; ``lse`` is the log of that sum without ``eps``);
         ``sigmoid`` weighs each key on its own, ``w = key_size[j] *
         sigmoid(s + sigmoid_bias)``, with no normalisation (Ramapuram et al.
         2024).

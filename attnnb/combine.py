@@ -15,8 +15,11 @@ NumPy, CuPy and Dask arrays work alike, and stay what they are.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from ._codes import SOFTPICK_EPS
 from ._validate import NORMALIZERS
 
 __all__ = ["combine"]
@@ -32,7 +35,7 @@ def combine(outs, lses, *, normalizer="softmax", sinks=None):
         (any leading shape ``S + (Dv,)``, the same for every part).
     lses : sequence of arrays ``(*batch, H, Lq)``
         Their log-sum-exps (``return_lse=True``), of shape ``S``; one per part.
-    normalizer : {"softmax", "relu_expm1", "softmax1", "sigmoid"}
+    normalizer : {"softmax", "relu_expm1", "softmax1", "sigmoid", "softpick"}
         The normalizer the parts were computed with.  ``softmax`` and
         ``relu_expm1`` merge alike (their normalisers are both sums over the
         keys); ``sigmoid`` parts are sums that simply add (``lse`` the log of
@@ -42,6 +45,8 @@ def combine(outs, lses, *, normalizer="softmax", sinks=None):
         where a part's factor underflows (``lse`` below about -87 in float32,
         -708 in float64) its output has already lost digits, so for such rows
         compute the parts with ``"softmax"`` and finish once after merging.
+        ``softpick`` parts merge the same way: their ``eps`` is a sink of
+        logit ``log eps``.
     sinks : real array broadcastable to ``(*batch, H)``, optional
         The parts were computed with these learned sinks (``normalizer``
         ``"softmax"``, docs/contract.md §1.15): they are merged as
@@ -97,6 +102,8 @@ def combine(outs, lses, *, normalizer="softmax", sinks=None):
     if normalizer == "sigmoid":
         out, lse = add_parts(outs, lses)
         return _as(out, out_dtype), _as(lse, lse_dtype)
+    if normalizer == "softpick":  # D / (D + eps): softmax1's factor with the sink log eps
+        sink, normalizer = math.log(SOFTPICK_EPS), "softmax1"
     if normalizer == "softmax1":
         outs = [_unfinish_softmax1(o, s, sink) for o, s in zip(outs, lses)]
     out, lse = merge_parts(outs, lses)

@@ -195,7 +195,8 @@ def attention_stats(fn, *args, stats=("entropy", "max", "argmax", "received"), k
     call = bind_call("attention_stats", fn, args, kwargs)
     B, _, _, Lq, Lk = call.problem.shape[:5]
     names, key_mask = _check_stats(stats, keys, Lk)
-    compiled = call.name == "attention" and call.problem.normalizer != "sigmoid"
+    compiled = (call.name == "attention"
+                and call.problem.normalizer in ("softmax", "softmax1", "relu_expm1"))
     if compiled and choose_backend(call.backend, False) == "cpu":
         per_row, received = _dispatch.implementation("attention_stats", "cpu")(
             call.problem, np.zeros(Lk, bool) if key_mask is None else key_mask)

@@ -28,7 +28,7 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
         Proportional attention, as in :func:`attnnb.attention`.
     scale : float, optional
         Default ``1 / sqrt(D)``.
-    normalizer : {"softmax", "softmax1", "relu_expm1", "sigmoid"}
+    normalizer : {"softmax", "softmax1", "relu_expm1", "sigmoid", "softpick"}
     return_lse : bool
     dropout_p, seed
         Attention dropout, as in :func:`attnnb.attention`: the same decisions

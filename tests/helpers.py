@@ -64,3 +64,32 @@ def from_jit(fn):
 
         caller = _JIT_CALLERS[fn] = numba.njit(call)
     return caller
+
+
+def assert_gradients_near_fd(fn, inputs, rng, *, lse=False, points=6, eps=1e-6, **fixed):
+    """:func:`attnnb.vjp`'s gradients of ``fn(**inputs, **fixed)`` in every entry of
+    ``inputs`` against central differences at ``points`` random indices each (random
+    cotangents of the output, and of the LSE with ``lse``; the dropout seed, if any, in
+    ``fixed``)."""
+    import attnnb
+
+    if lse:
+        fixed = dict(fixed, return_lse=True)
+    result, pullback = attnnb.vjp(fn, **inputs, **fixed)
+    outs = result if lse else (result,)
+    cotangents = [rng.standard_normal(np.shape(o)) for o in outs]
+    grads = pullback(*cotangents)
+
+    def loss(**over):
+        res = fn(**{**inputs, **over}, **fixed)
+        return sum(np.sum(c * r) for c, r in zip(cotangents, res if lse else (res,)))
+
+    for name, x in inputs.items():
+        for _ in range(points):
+            idx = tuple(rng.integers(0, n) for n in np.shape(x))
+            plus, minus = x.copy(), x.copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+            fd = (loss(**{name: plus}) - loss(**{name: minus})) / (2 * eps)
+            assert abs(fd - grads[name][idx]) <= 1e-6 * (1 + abs(fd)), (name, idx)
+

@@ -17,6 +17,8 @@ import pytest
 import attnnb
 from attnnb import _dropout
 
+from .helpers import assert_gradients_near_fd
+
 BACKENDS = ("reference", "cpu")
 
 
@@ -179,42 +181,16 @@ def test_dask_arrays_with_dropout_are_refused():
 # gradients
 
 
-def _fd_agree(fn, arguments, differentiable, rng, eps=1e-6, points=6, **fixed):
-    """vjp's gradients of ``fn(**arguments, **fixed)`` in each of ``differentiable``
-    against central differences at random points (the dropout seed stays fixed)."""
-    out, pullback = attnnb.vjp(fn, **arguments, **fixed)
-    dout = rng.standard_normal(out.shape)
-    grads = pullback(dout)
-    for name in differentiable:
-        x = arguments[name]
-        for _ in range(points):
-            idx = tuple(rng.integers(0, n) for n in x.shape)
-            plus, minus = x.copy(), x.copy()
-            plus[idx] += eps
-            minus[idx] -= eps
-
-            def f(arr, name=name):
-                return np.sum(dout * fn(**{**arguments, name: arr}, **fixed))
-
-            fd = (f(plus) - f(minus)) / (2 * eps)
-            assert abs(fd - grads[name][idx]) <= 1e-6 * (1 + abs(fd)), (name, idx)
-
-
-def _fd_check(backend, q, k, v, kwargs, rng):
-    """Attention's gradients of q, k, v, bias and key sizes against central differences."""
-    differentiable = ["q", "k", "v"] + [n for n in ("bias", "key_size") if n in kwargs]
-    _fd_agree(attnnb.attention, dict(q=q, k=k, v=v, **kwargs), differentiable, rng,
-              backend=backend)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("normalizer", ["softmax", "softmax1", "relu_expm1"])
+@pytest.mark.parametrize("normalizer", ["softmax", "softmax1", "relu_expm1", "sigmoid",
+                                        "softpick"])
 def test_gradients_against_finite_differences(backend, normalizer):
     rng = np.random.default_rng(6)
     q, k, v = _qkv(rng, B=1, Hq=2, Hk=1, Lq=6, Lk=7)
-    kwargs = dict(dropout_p=0.35, seed=77, normalizer=normalizer, causal=True,
-                  bias=rng.standard_normal((6, 7)), key_size=rng.uniform(0.5, 2.0, 7))
-    _fd_check(backend, q, k, v, kwargs, rng)
+    inputs = dict(q=q, k=k, v=v, bias=rng.standard_normal((6, 7)),
+                  key_size=rng.uniform(0.5, 2.0, 7))
+    assert_gradients_near_fd(attnnb.attention, inputs, rng, dropout_p=0.35, seed=77,
+                             normalizer=normalizer, causal=True, backend=backend)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -381,8 +357,8 @@ def test_diff_dropout_gradients_against_finite_differences(mode):
     q, k, v = _pairs(rng, B=1, H=2, Hk=2, Lq=6, Lk=7, d=3, Dv=4)
     arguments = dict(q=q, k=k, v=v, lam=rng.uniform(0.3, 0.8, (2, 1)),
                      bias=rng.standard_normal((6, 7)))
-    _fd_agree(attnnb.diff_attention, arguments, list(arguments), rng, points=5,
-              dropout_p=0.35, seed=5, mode=mode, backend="cpu")
+    assert_gradients_near_fd(attnnb.diff_attention, arguments, rng, points=5,
+                             dropout_p=0.35, seed=5, mode=mode, backend="cpu")
 
 
 def test_diff_dropout_refusals():

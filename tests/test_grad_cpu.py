@@ -72,7 +72,8 @@ def qkv():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("normalizer", ["softmax", "softmax1", "relu_expm1"])
+@pytest.mark.parametrize("normalizer", ["softmax", "softmax1", "relu_expm1", "sigmoid",
+                                        "softpick"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_every_option(qkv, dtype, normalizer, causal):
     q, k, v = qkv(dtype)

@@ -96,7 +96,7 @@ def qkv(rng, batch=(1,), hq=2, hk=None, lq=4, lk=5, d=3, dv=2):
             rng.standard_normal(batch + (hk, lk, dv)))
 
 
-NORMALIZERS = ("softmax", "softmax1", "relu_expm1")
+NORMALIZERS = ("softmax", "softmax1", "relu_expm1", "sigmoid", "softpick")
 
 
 # ---------------------------------------------------------------------------
@@ -351,9 +351,10 @@ def test_huge_logits_stay_finite(rng, normalizer, offset):
     grads = pb(dout, dlse)
     for name, g in grads.items():
         assert np.all(np.isfinite(g)), name
-    if normalizer == "softmax" or offset > 0:
+    if normalizer == "softmax" or (offset > 0 and normalizer != "sigmoid"):
         # a constant shift leaves softmax's weights unchanged (and its LSE shifted); far
-        # above 0 the others are softmax to rounding (e^s - 1 = e^s, 1 + S = S)
+        # above 0 the others are softmax to rounding (e^s - 1 = e^s, 1 + S = S), except
+        # sigmoid, whose weights saturate at 1 each
         _, pb0 = attnnb.vjp(attnnb.attention, q, k, v, bias=bias, return_lse=True,
                             backend=REF)
         for name, g in pb0(dout, dlse).items():
@@ -444,6 +445,8 @@ def test_merged_duplicates_give_summed_gradients(data, counts, normalizer, lq):
     v = _draw_arrays(data, (2, len(counts), 2))
     owner = np.repeat(np.arange(len(counts)), counts)
     kw = dict(normalizer=normalizer, return_lse=True, backend=REF)
+    if normalizer == "sigmoid":  # one bias for both (the default follows the key count)
+        kw["sigmoid_bias"] = -1.0
     (out, lse), pb = attnnb.vjp(attnnb.attention, q, k[:, owner], v[:, owner], **kw)
     (out_m, lse_m), pb_m = attnnb.vjp(attnnb.attention, q, k, v,
                                       key_size=np.array(counts, float), **kw)

@@ -295,3 +295,20 @@ def test_readme_inspection_block_runs():
     exec(compile(match.group(1), "README.md:usage:inspection", "exec"), namespace)
     assert namespace["w"].shape == (1, 8, 2, 4096)
     assert namespace["s"]["received"].shape == (1, 8, 4096)
+
+
+@pytest.mark.parametrize("normalizer", ["sigmoid", "softpick"])
+def test_weights_of_the_unnormalised_and_the_rectified(normalizer):
+    """Sigmoid's and softpick's weights (the host rows: not the compiled pass)."""
+    rng = np.random.default_rng(13)
+    q, k, v = _qkv(rng, Lq=20, Lk=25)
+    kw = dict(normalizer=normalizer, causal=True, bias=2.0 * rng.standard_normal((20, 25)))
+    w = attnnb.weights(attnnb.attention, q, k, v, **kw)
+    out = attnnb.attention(q, k, v, backend="cpu", **kw)
+    np.testing.assert_allclose(w @ _values(v, 4), out, rtol=1e-12, atol=1e-13)
+    s = attnnb.attention_stats(attnnb.attention, q, k, v, stats=("max", "zeros"), **kw)
+    np.testing.assert_allclose(s["max"], np.maximum(w.max(-1), 0.0), rtol=1e-13)
+    allowed = np.tril(np.ones((20, 25), bool), 5)
+    assert (s["zeros"] == (allowed & (w == 0)).sum(-1)).all()
+    assert (s["zeros"] > 0).any() == (normalizer == "softpick")
+

@@ -48,7 +48,7 @@ def test_matches_masked_attention(rng, backend, dtype, name):
 
 
 @pytest.mark.parametrize("backend", HOST_BACKENDS)
-@pytest.mark.parametrize("normalizer", ["softmax", "softmax1", "relu_expm1"])
+@pytest.mark.parametrize("normalizer", ["softmax", "softmax1", "relu_expm1", "sigmoid", "softpick"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_normalizers_key_size_scale(rng, backend, normalizer, dtype):
     q, k, v = qkv(rng, hq=3, lq=77, lk=100, d=8, dtype=dtype, scale=2.0)
@@ -172,7 +172,8 @@ def test_validation():
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), lq=st.integers(1, 140), lk=st.integers(1, 140),
        per_head=st.booleans(), density=st.floats(0.0, 1.0),
-       normalizer=st.sampled_from(["softmax", "softmax1", "relu_expm1"]))
+       normalizer=st.sampled_from(["softmax", "softmax1", "relu_expm1", "sigmoid",
+                                          "softpick"]))
 def test_property_cpu_equals_masked_reference(seed, lq, lk, per_head, density, normalizer):
     rng = np.random.default_rng(seed)
     q, k, v = qkv(rng, hq=2, hk=1, lq=lq, lk=lk, d=4, dtype=np.float32)

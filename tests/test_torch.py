@@ -556,3 +556,16 @@ def test_drop_in_dropout_keys_whole_call_rows():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     assert all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+@pytest.mark.parametrize("normalizer", ["sigmoid", "softpick"])
+def test_gradcheck_of_the_newer_normalizers(normalizer):
+    rng = np.random.default_rng(21)
+    q, k, v = _qkv(rng, hq=2, hk=1, d=3)
+    bias = _t(rng, (5, 6))
+    extra = {"sigmoid_bias": torch.tensor(-0.5)} if normalizer == "sigmoid" else {}
+    _gradcheck(lambda q, k, v, bias: at.attention(q, k, v, bias=2 * bias, causal=True,
+                                                  normalizer=normalizer, backend="cpu",
+                                                  **extra),
+               (q, k, v, bias))
+

@@ -22,7 +22,7 @@ import numpy as np
 
 from .._eager import attention, diff_attention, sparse_attention, topk_attention
 from .._function_args import lambda_rows
-from ..combine import add_parts, finish_softmax1, merge_parts
+from ..combine import add_parts, combine, finish_softmax1, merge_parts
 from .visible import sub_pattern
 
 
@@ -179,6 +179,12 @@ def merge_attention(parts):
     """``(out, lse)`` parts merged through their LSEs."""
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         return merge_parts([p[0] for p in parts], [p[1] for p in parts])
+
+
+def merge_softpick(parts):
+    """``(out, lse)`` softpick parts merged (:func:`attnnb.combine`: finished again, so
+    that merges of merges work alike)."""
+    return combine([p[0] for p in parts], [p[1] for p in parts], normalizer="softpick")
 
 
 def merge_sums(parts):

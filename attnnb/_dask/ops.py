@@ -242,14 +242,17 @@ def dense_parts(c, index, row, normalizer, sigmoid_bias=None):
                    ("q", "k", "v", "mask", "bias", "key_size")) for kb, spec in row]
 
 
-def sigmoid_parts(sigmoid_bias, normalizer, Lk):
+def part_rules(sigmoid_bias, normalizer, Lk):
     """``(sigmoid_bias, merge)`` of the parts: ``sigmoid``'s bias fixed by the whole
-    call's key count (a block's own default would differ) and parts that add up; other
-    normalizers take none and merge through their LSEs."""
+    call's key count (a block's own default would differ) and parts that add up;
+    ``softpick``'s parts merged as finished ``softmax1`` parts (its ``eps`` a sink);
+    the others merge through their LSEs."""
     offset = sigmoid_offset(sigmoid_bias, normalizer, Lk)
-    if normalizer != "sigmoid":
-        return None, blocks.merge_attention
-    return offset, blocks.merge_sums
+    if normalizer == "sigmoid":
+        return offset, blocks.merge_sums
+    if normalizer == "softpick":
+        return None, blocks.merge_softpick
+    return None, blocks.merge_attention
 
 
 def part_normalizer(normalizer, row):
@@ -267,7 +270,7 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     c = Call("attention", q, k, v, mask=mask, bias=bias, key_size=key_size, sinks=sinks,
              normalizer=normalizer, scale=scale, backend=backend,
              params=(causal, normalizer, sigmoid_bias))
-    offset, merge = sigmoid_parts(sigmoid_bias, normalizer, c.grid.shape[3])
+    offset, merge = part_rules(sigmoid_bias, normalizer, c.grid.shape[3])
     visible = dense_blocks(c.grid.q_edges, c.grid.k_edges, causal)
     for index in c.grid.query_blocks():
         row = visible[index["q"]]
@@ -290,7 +293,7 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     Hq, _, Lq, Lk, _, _ = g.shape
     check_pattern(pattern, Lq, Lk, Hq)
     touched = pattern_blocks(pattern, g.heads.rows, g.q_edges, g.k_edges)
-    offset, merge = sigmoid_parts(sigmoid_bias, normalizer, Lk)
+    offset, merge = part_rules(sigmoid_bias, normalizer, Lk)
     stored = c.graph.add("pattern", (), pattern)  # one copy, sent to the workers that need it
     head_spans, q_spans, k_spans = spans(g.heads.rows), spans(g.q_edges), spans(g.k_edges)
     for index in g.query_blocks():

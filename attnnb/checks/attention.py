@@ -58,6 +58,8 @@ def cases():
             (f"attention sinks {tag}", _case(13, dtype, sinks=np.linspace(-1.0, 2.0, 4))),
             (f"attention sigmoid causal key_size {tag}",
              _case(14, dtype, normalizer="sigmoid", causal=True, key_size=(2, 131))),
+            (f"attention softpick mask key_size {tag}",
+             _case(15, dtype, normalizer="softpick", mask=(70, 131), key_size=(2, 131))),
         ]
     return out
 

@@ -17,8 +17,11 @@ allocates the outputs and launches.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from .._codes import SOFTPICK_EPS
 from ._jit import launch
 from ._prologue import filled_key_tiles
 
@@ -73,12 +76,14 @@ def score_arguments(problem):
 
 
 def kernel_sinks(problem):
-    """``(B, Hq)`` sink logits for a kernel, C-contiguous: the problem's, or zeros
-    (``B * Hq`` of them: typed as real ones, so that one compiled kernel serves both)."""
+    """``(B, Hq)`` sink logits for a kernel, C-contiguous: the problem's, ``log eps`` for
+    ``softpick`` (its ``eps`` is a sink), or zeros (``B * Hq`` of them: typed as real
+    ones, so that one compiled kernel serves every case)."""
     if problem.sinks is not None:
         return problem.sinks
     B, Hq = problem.shape[:2]
-    return np.zeros((B, Hq), problem.q.dtype)
+    sink = math.log(SOFTPICK_EPS) if problem.normalizer == "softpick" else 0.0
+    return np.full((B, Hq), sink, problem.q.dtype)
 
 
 def run_sweep(kernel_fn, problem, *own, out_heads=None, key_tiles=True):

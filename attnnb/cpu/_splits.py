@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from .._codes import SIGMOID, SOFTMAX1
+from .._codes import SIGMOID, SOFTMAX1, SOFTPICK
 from ._jit import WIDE_REGISTERS, inner
 from ._tiles import TILE_K, sigmoid
 
@@ -105,7 +105,7 @@ def merge_split_rows(part_out, part_lse, row, normalizer, sinks, out, lse):
             prow = part_out[s, b, h, i]
             for c in range(orow.shape[0]):
                 orow[c] += w * prow[c]
-    if normalizer == SOFTMAX1:
+    if normalizer == SOFTMAX1 or normalizer == SOFTPICK:  # softpick's eps is a sink
         sig = sigmoid(row_lse - sinks[b, h])
         for c in range(orow.shape[0]):
             orow[c] *= sig

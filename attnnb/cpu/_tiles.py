@@ -24,7 +24,9 @@ loop).  Tile sizes are module constants, so Numba compiles them in.
 
 Normalizer codes: ``SOFTMAX = 0``, ``SOFTMAX1 = 1``, ``RELU_EXPM1 = 2``, ``SIGMOID = 3``
 (no running maximum: each weight is ``key_size * sigmoid(s)`` on its own, the
-output the sum ``acc`` itself).
+output the sum ``acc`` itself), ``SOFTPICK = 4`` (numerators ``relu(e^s - 1)``
+over the sum of ``|e^s - 1|``, shifted by a running maximum of at least 0; its
+``eps`` enters as a sink of logit ``log eps``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import math
 import numpy as np
 
 from .. import _scalars
-from .._codes import RELU_EXPM1, SIGMOID, SOFTMAX1
+from .._codes import RELU_EXPM1, SIGMOID, SOFTMAX1, SOFTPICK
 from ._blocks import (
     COLS,
     ROWS,
@@ -362,7 +364,7 @@ def factor_tile(F_flat, S, normalizer):
     of ``F_flat`` where the normalizer has factors (``relu_expm1``, ``sigmoid``), else
     ``S`` itself (never written)."""
     nq, nk = S.shape
-    if normalizer == RELU_EXPM1 or normalizer == SIGMOID:
+    if normalizer == RELU_EXPM1 or normalizer == SIGMOID or normalizer == SOFTPICK:
         return view2d(F_flat, nq, nk)
     return S
 
@@ -375,13 +377,14 @@ def modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logk
     In order: add ``bias``; set keys outside the allowed set (``mask`` false,
     or beyond the causal limit ``j > i + diag``) to ``-inf``; for
     ``relu_expm1`` store the factor ``1 - exp(-s)`` in ``F`` and drop
-    ``s <= 0``; add ``log(key_size)`` (for ``sigmoid`` store ``key_size`` in
-    ``F`` instead, 1 without key sizes).
+    ``s <= 0``; add ``log(key_size)`` (for ``sigmoid`` and ``softpick`` store
+    ``key_size`` in ``F`` instead, 1 without key sizes).
 
     Parameters
     ----------
     S : ``(nq, nk)`` logits for queries ``i0..`` and keys ``j0..``, modified in place.
-    F : ``(nq, nk)`` scratch, written only for ``relu_expm1`` and ``sigmoid``.
+    F : ``(nq, nk)`` scratch, written only for ``relu_expm1``, ``sigmoid`` and
+        ``softpick``.
     diag : int
         Causal offset ``Lk - Lq``; pass a value ``>= Lk`` for no causal limit
         in this tile.
@@ -414,7 +417,7 @@ def modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logk
                     F[r, c] = 0.0
                     if s == s:  # a NaN logit stays, to propagate
                         S[r, c] = ninf
-    if normalizer == SIGMOID:
+    if normalizer == SIGMOID or normalizer == SOFTPICK:
         for r in range(nq):
             for c in range(nk):
                 F[r, c] = math.exp(logks_b[j0 + c]) if has_ks else 1.0
@@ -494,6 +497,8 @@ def online_weights(S, F, m, l, acc, P_flat, normalizer):
     P = view2d(P_flat, nq, nk)
     if normalizer == SIGMOID:
         return sigmoid_weights(S, F, m, l, P)
+    if normalizer == SOFTPICK:
+        return softpick_weights(S, F, m, l, acc, P)
     if normalizer == RELU_EXPM1:
         for r in range(nq):
             frow = F[r]
@@ -578,6 +583,49 @@ def sigmoid_weights(S, F, m, l, P):
 
 
 @inner
+def softpick_weights(S, F, m, l, acc, P):
+    """:func:`online_weights` for ``softpick``: with the shift ``m >= 0`` (moved lazily, as
+    softmax's), ``P = F max(0, e^(S - m) - e^-m)`` and ``l += sum F |e^(S - m) - e^-m|``
+    (``F`` the key sizes): the numerators and the denominator in units of ``e^m``,
+    each term from ``expm1`` (no cancellation near ``s = 0``) and at most ``F``."""
+    nq, nk = S.shape
+    dv = acc.shape[1]
+    for r in range(nq):
+        mo = m[r]
+        if mo != mo:
+            P[r, :] = 0.0
+            continue
+        mx = 0.0  # the shift stays >= 0: then e^-m <= 1 too
+        for c in range(nk):
+            mx = max(mx, S[r, c])
+        if not mx <= mo + LAZY:  # also for mo == -inf and for a NaN mx
+            if mo != -np.inf:
+                alpha = math.exp(mo - mx)
+                l[r] *= alpha
+                for c in range(dv):
+                    acc[r, c] = 0.0 if alpha == 0.0 else acc[r, c] * alpha
+            m[r] = mx
+        sh = m[r]
+        floor = math.exp(-sh)
+        total = 0.0
+        for c in range(nk):
+            s = S[r, c]
+            if s > 0.0:
+                p = F[r, c] * math.exp(s - sh) * -math.expm1(-s)
+                P[r, c] = p
+                total += p
+            else:  # an allowed key at or below 0 weighs 0 but counts in the sum (NaN too)
+                P[r, c] = 0.0
+                if s != -np.inf:
+                    total += F[r, c] * floor * -math.expm1(s)
+        l[r] += total
+        if l[r] != l[r] or m[r] != m[r]:  # a NaN logit, or +inf: the row is NaN
+            m[r] = np.nan
+            P[r, :] = 0.0
+    return P
+
+
+@inner
 def add_weighted_values(P, vh, j0, v_finite, acc, T_flat):
     """``acc += P @ vh[j0:j0+nk]``; with a non-finite value tile, zero weights are skipped.
 
@@ -610,7 +658,8 @@ def finish_rows(acc, m, l, normalizer, sink, out_rows, lse_rows):
     Rows whose allowed set is empty, or whose weights sum to zero, get zeros
     and ``lse = -inf``; rows that met a NaN logit get NaN.  For ``softmax1``
     ``Z = l + exp(sink - m)`` (the ``+e^sink`` in units of ``exp(m)``: 1 for
-    ``sink = 0``, a learned sink otherwise); the LSE excludes it.
+    ``sink = 0``, a learned sink otherwise); the LSE excludes it.  For
+    ``softpick`` ``Z = l + eps e^-m``: its ``eps`` is the sink ``e^sink``.
 
     ``Z`` may be out of reach of a plain ``acc * (1 / Z)``.  ``softmax1``'s
     ``exp(sink - m)`` overflows for very negative logits, so ``acc / Z`` is taken as
@@ -641,16 +690,17 @@ def finish_rows(acc, m, l, normalizer, sink, out_rows, lse_rows):
             z = l[r]
             lse = m[r] + math.log(z)
             lse_rows[r] = lse
-            if z < l_min:  # relu_expm1 only: the softmax sums are >= 1
+            if z < l_min:  # relu_expm1 and softpick only: the softmax sums are >= 1
                 mant, ex = math.frexp(z)
                 inv = 1.0 / mant
                 for c in range(dv):
                     out_rows[r, c] = math.ldexp(acc[r, c], -ex) * inv
-                continue
-            inv = 1.0 / z
-            for c in range(dv):
-                out_rows[r, c] = acc[r, c] * inv
-            if normalizer == SOFTMAX1:  # 1 / (l + e^(sink - m)) = sigmoid(lse - sink) / l
+            else:
+                inv = 1.0 / z
+                for c in range(dv):
+                    out_rows[r, c] = acc[r, c] * inv
+            # 1 / (l + e^(sink - m)) = sigmoid(lse - sink) / l; softpick's eps is the sink e^sink
+            if normalizer == SOFTMAX1 or normalizer == SOFTPICK:
                 sig = sigmoid(lse - sink)
                 for c in range(dv):
                     out_rows[r, c] *= sig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .._codes import NORMALIZER_CODES, SOFTMAX, SOFTMAX1
+from .._codes import NORMALIZER_CODES, SOFTMAX, SOFTMAX1, SOFTPICK
 from ._blocks import ROWS
 from ._dropout import kernel_dropout, row_keys, scale_kept
 from ._host import kernel_sinks, run_sweep
@@ -65,8 +65,9 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, SWEEP_TILE_Q, causal)
     local_tiles = Lq <= LOCAL_TILE_ROWS
     per_split = (n_kt + n_split - 1) // n_split
-    # softmax1's +1 belongs to the whole row: the splits finish as softmax
-    split_normalizer = SOFTMAX if normalizer == SOFTMAX1 and n_split > 1 else normalizer
+    # softmax1's +1 (softpick's eps) belongs to the whole row: the splits finish as softmax
+    whole_row = normalizer == SOFTMAX1 or normalizer == SOFTPICK
+    split_normalizer = SOFTMAX if whole_row and n_split > 1 else normalizer
     for task in prange(B * Hq * n_qt * n_split):
         wide_vectors()
         split = task % n_split

@@ -42,13 +42,14 @@ when a bias was given and needs one).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import numpy as np
 from numba import prange
 
 from .._bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
-from .._codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID
+from .._codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID, SOFTPICK
 from .._dropout import keep_scale
 from ._blocks import ROWS
 from ._dropout import keep_factors, kernel_dropout
@@ -61,7 +62,7 @@ from ._grad_tiles import (
     stored_keys_scratch,
     written_whole,
 )
-from ._host import score_arguments
+from ._host import kernel_sinks, score_arguments
 from ._jit import inner, kernel, launch, wide_vectors
 from ._mask_tiles import mask_tile_classes, visible_tiles
 from ._prologue import filled_kv_tiles
@@ -267,6 +268,10 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, by_keys, b, h, p
         if normalizer == SIGMOID:
             sigmoid_row_gradients(S[r], F[r], W[r], dS[r], dP[r], delta_bh[i0 + r])
             continue
+        if normalizer == SOFTPICK:
+            softpick_row_gradients(S[r], F[r], W[r], dS[r], dP[r], lse, ratio_bh[i0 + r],
+                                   delta_bh[i0 + r])
+            continue
         exp_shifted(S[r], W[r], lse, nk)  # p = exp(s' - lse)
         ratio, delta = ratio_bh[i0 + r], delta_bh[i0 + r]
         for c in range(nk):
@@ -304,6 +309,31 @@ def sigmoid_row_gradients(s, f, w, ds, dp, delta):
         w[c] = p
         ds[c] = p * (1.0 - sig) * grad
         dp[c] = grad
+
+
+@inner
+def softpick_row_gradients(s, f, w, ds, dp, lse, ratio, delta):
+    """One row of :func:`pair_gradients` for ``softpick``: with ``a = ratio f e^(s - lse)``
+    (``f`` the key size, ``ratio = D / (D + eps)``), ``w = a (1 - e^-s)`` for ``s > 0``
+    (else 0), ``ds = a ([s > 0] dp - sign(s) delta)``; ``dp`` becomes the term of ``d log
+    key_size``, ``(1 - e^-s) ds`` (for ``s < 0`` taken as ``ratio f delta e^-lse
+    expm1(s)``: no overflow)."""
+    for c in range(s.shape[0]):
+        x = s[c]
+        a = ratio * f[c] * math.exp(x - lse)
+        if x > 0.0:
+            up = -math.expm1(-x)
+            w[c] = a * up
+            ds[c] = a * (dp[c] - delta)
+            dp[c] = up * ds[c]
+        elif x < 0.0 and x != -np.inf:  # (-inf: a key the row may not attend)
+            w[c] = 0.0
+            ds[c] = a * delta
+            dp[c] = ratio * f[c] * delta * math.exp(-lse) * math.expm1(x)
+        else:  # 0, -inf (and NaN, which the forward made a NaN row, never read here)
+            w[c] = 0.0
+            ds[c] = 0.0
+            dp[c] = 0.0
 
 
 @inner
@@ -349,9 +379,11 @@ def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, by_keys, own
                     for c in range(nk):
                         dbias[b, h, i0 + r, j0 + c] = dS[r, c]
             if pair.has_ks:
+                # softpick's pair loop leaves the whole term in G (its weight may be 0)
+                whole = pair.normalizer == SOFTPICK
                 for r in range(nq):
                     for c in range(nk):
-                        dlogks[b, g, j0 + c] += W[r, c] * G[r, c]
+                        dlogks[b, g, j0 + c] += G[r, c] if whole else W[r, c] * G[r, c]
     for c in range(nk):
         for e in range(D):
             dk[b, g, j0 + c, e] = pair.scale * dk_acc[c, e]
@@ -454,8 +486,9 @@ def row_terms(problem, out, lse, dout, dlse):
     """
     dt = problem.q.dtype
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        if problem.normalizer == "softmax1":  # sigmoid(lse - sink): the sink 0 or learned
-            sink = 0.0 if problem.sinks is None else problem.sinks[:, :, None]
+        if problem.normalizer in ("softmax1", "softpick"):  # sigmoid(lse - sink)
+            # the sink 0, a learned one, or softpick's eps: D / (D + eps)
+            sink = kernel_sinks(problem)[:, :, None].astype(np.float64)
             ratio = 1.0 / (1.0 + np.exp(sink - lse.astype(np.float64)))
         else:
             ratio = np.ones(lse.shape)

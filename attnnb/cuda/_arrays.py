@@ -36,9 +36,9 @@ def device_problem(problem) -> SimpleNamespace:
     if problem.sinks is not None:  # the kernels would read softmax1, the sink 0: refuse
         raise NotImplementedError("sinks on the cuda backend: not yet (the reference and cpu "
                                   "backends have them)")
-    if problem.normalizer == "sigmoid":  # a code the kernels do not know: refuse
-        raise NotImplementedError("normalizer='sigmoid' on the cuda backend: not yet (the "
-                                  "reference and cpu backends have it)")
+    if problem.normalizer in ("sigmoid", "softpick"):  # codes the kernels do not know
+        raise NotImplementedError(f"normalizer={problem.normalizer!r} on the cuda backend: "
+                                  "not yet (the reference and cpu backends have it)")
     q, k, v = problem.q, problem.k, problem.v
     dtype = problem.compute_dtype
     if problem.on_device:

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._codes import SOFTPICK_EPS
+
 
 def expand_kv_heads(x: np.ndarray, hq: int) -> np.ndarray:
     """Repeat key/value heads for grouped-query attention.
@@ -74,7 +76,8 @@ def normalize(s, allowed, log_key_size=None, normalizer="softmax", sink=0.0):
     s : float64 ``(B, H, Lq, Lk)`` logits (scale and bias applied).
     allowed : bool ``(B, H, Lq, Lk)``.
     log_key_size : ``(B, Lk)`` or None, added to the logits (proportional attention).
-    normalizer : ``"softmax"``, ``"softmax1"``, ``"relu_expm1"`` or ``"sigmoid"``.
+    normalizer : ``"softmax"``, ``"softmax1"``, ``"relu_expm1"``, ``"sigmoid"`` or
+        ``"softpick"``.
     sink : float or float64 ``(B, H, 1, 1)``
         ``softmax1``'s sink logit: the denominator is ``e^sink + S`` (1 + S by
         default; learned sinks otherwise).
@@ -98,6 +101,8 @@ def normalize(s, allowed, log_key_size=None, normalizer="softmax", sink=0.0):
     """
     if normalizer == "sigmoid":
         return _sigmoid_weights(s, allowed, log_key_size)
+    if normalizer == "softpick":
+        return softpick_terms(s, allowed, log_key_size)[:2]
     t = s if log_key_size is None else s + log_key_size.astype(np.float64)[:, None, None, :]
     if normalizer == "relu_expm1":
         # key_size * max(0, e^s - 1) = e^(s + log size) * (1 - e^-s) for s > 0: no overflow
@@ -145,6 +150,38 @@ def _sigmoid_weights(s, allowed, log_key_size):
         lse = np.log(np.sum(w, axis=-1))
     nan_row = np.isnan(lse)
     return np.where(nan_row[..., None], np.nan, w), lse
+
+
+def softpick_terms(s, allowed, log_key_size):
+    """Softpick's weights ``w = c relu(e^s - 1) / (D + eps)``, ``D = sum_j c |e^s - 1|``.
+
+    Returns ``(w, lse, a, u, r)``: the weights, ``lse = log D`` (``-inf`` where
+    ``D`` is 0: no allowed key, or every allowed logit exactly 0), ``a = c e^s /
+    (D + eps)`` (the factor of both terms' derivatives), ``u = c |e^s - 1| / (D +
+    eps)`` (the denominator's terms) and ``r = D / (D + eps)`` per row.  Computed shifted by
+    ``M = max(0, max_j s_j)`` (so that ``e^(s - M) <= 1``), each term from
+    ``expm1`` (no cancellation near ``s = 0``); a NaN or ``+inf`` logit makes the
+    row NaN, as in softmax.
+    """
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        x = np.where(allowed, s, -np.inf)
+        top = np.max(x, axis=-1, keepdims=True) if x.shape[-1] else np.full(
+            x.shape[:-1] + (1,), -np.inf)
+        nan_row = (allowed & (np.isnan(s) | np.isposinf(s))).any(axis=-1, keepdims=True)
+        shift = np.where(np.isfinite(top), np.maximum(top, 0.0), 0.0)
+        c = 1.0 if log_key_size is None else np.exp(
+            log_key_size.astype(np.float64))[:, None, None, :]
+        e = np.where(allowed, c * np.exp(x - shift), 0.0)  # c e^(s - M)
+        num = np.where(allowed & (x > 0), e * -np.expm1(-x), 0.0)
+        den = np.where(allowed & (x <= 0), c * np.exp(-shift) * -np.expm1(x), num)
+        z = den.sum(axis=-1, keepdims=True)
+        zeps = z + SOFTPICK_EPS * np.exp(-shift)
+        w, a, u = num / zeps, e / zeps, den / zeps
+        lse = np.where(z > 0, shift + np.log(z), -np.inf)[..., 0]
+        r = (z / zeps)[..., 0]
+    w, a, u = (np.where(nan_row, np.nan, x) for x in (w, a, u))
+    lse = np.where(nan_row[..., 0], np.nan, lse)
+    return w, lse, a, u, r
 
 
 def apply_weights(w, v, allowed, dtype=None):

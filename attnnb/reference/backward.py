@@ -47,7 +47,15 @@ import dataclasses
 
 import numpy as np
 
-from ._common import allowed_set, apply_weights, expand_kv_heads, logistic, logits, normalize
+from ._common import (
+    allowed_set,
+    apply_weights,
+    expand_kv_heads,
+    logistic,
+    logits,
+    normalize,
+    softpick_terms,
+)
 from .attention import dropout_factors, sink_of
 from .diff import heaviside_gate, pair_dropout, pair_key_heads
 from .sparse import pattern_mask
@@ -108,6 +116,8 @@ def _softmax_backward(s, allowed, log_key_size, normalizer, dw, dlse, sink=0.0):
     lks = None if log_key_size is None else log_key_size.astype(np.float64)
     if normalizer == "sigmoid":
         return _sigmoid_backward(s, allowed, lks, dw, dlse)
+    if normalizer == "softpick":
+        return _softpick_backward(s, allowed, lks, dw, dlse)
     w, lse = normalize(s, allowed, lks, normalizer, sink)
     w = np.where(allowed, w, 0.0)  # a NaN row's weights are NaN only where it reads
     t = s if lks is None else s + lks[:, None, None, :]
@@ -150,6 +160,24 @@ def _sigmoid_backward(s, allowed, lks, dw, dlse):
         g = np.where(allowed, g, 0.0)
         ds = np.where(allowed, w * (1.0 - logistic(s)) * g, 0.0)
         dlog_size = np.where(allowed, w * g, 0.0)
+    return w, ds, dlog_size
+
+
+def _softpick_backward(s, allowed, lks, dw, dlse):
+    """:func:`_softmax_backward` for softpick (:func:`~attnnb.reference._common.softpick_terms`):
+    with ``g = dw``, ``delta = sum_j w g - dlse / r``, ``ds = a ([s > 0] g - sign(s) delta)``
+    and ``d log c = w g - u delta``."""
+    w, lse, a, u, r = softpick_terms(s, allowed, lks)
+    w, a, u = (np.where(allowed, x, 0.0) for x in (w, a, u))
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        g = np.where(allowed, dw, 0.0)
+        delta = np.sum(np.where(allowed, w * g, 0.0), axis=-1)
+        if dlse is not None:
+            live = ~np.isneginf(lse)
+            delta = delta - np.where(live, np.asarray(dlse, np.float64) / r, 0.0)
+        delta = delta[..., None]
+        ds = np.where(allowed, a * (np.where(s > 0, g, 0.0) - np.sign(s) * delta), 0.0)
+        dlog_size = np.where(allowed, w * g - u * delta, 0.0)
     return w, ds, dlog_size
 
 

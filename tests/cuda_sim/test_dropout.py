@@ -115,3 +115,6 @@ def test_cuda_refuses_sigmoid_from_host_arrays(rng):
         attnnb.attention(q, q, q, normalizer="sigmoid", backend="cuda")
     with pytest.raises(NotImplementedError, match="normalizer='sigmoid' on the cuda"):
         attnnb.vjp(attnnb.attention, q, q, q, normalizer="sigmoid", backend="cuda")
+    with pytest.raises(NotImplementedError, match="normalizer='softpick' on the cuda"):
+        attnnb.sparse_attention(q, q, q, attnnb.patterns.local(5, 1), normalizer="softpick",
+                                backend="cuda")
