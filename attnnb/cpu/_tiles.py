@@ -49,7 +49,7 @@ from ._blocks import (
     padded_width,
 )
 from ._dropout import drop_tile
-from ._exp import exp_shifted_sum_at, exp_tile_accumulate, maxnum, sum_at
+from ._exp import exp_shifted, exp_shifted_sum_at, exp_tile_accumulate, maxnum, sum_at
 from ._jit import blocks, inner, wide_vectors
 from ._vector_ir import prefetch_line, row_max_64, transpose_16
 from ._views import flat, rows_of
@@ -562,17 +562,24 @@ def online_weights(S, F, m, l, acc, P_flat, normalizer):
 def sigmoid_weights(S, F, m, l, P):
     """:func:`online_weights` for ``sigmoid``: ``P = F * sigmoid(S)`` (``F`` the key sizes),
     ``l += sum P``; ``m`` only marks rows: 0 once they have a key, NaN once a NaN
-    logit was seen (no shift: every weight is below its key size)."""
+    logit was seen (no shift: every weight is below its key size).  ``S`` is
+    overwritten."""
     nq, nk = S.shape
     for r in range(nq):
         if m[r] != m[r]:
             P[r, :] = 0.0
             continue
-        total = 0.0
+        srow, prow = S[r], P[r]
         for c in range(nk):
-            p = F[r, c] * sigmoid(S[r, c])
-            P[r, c] = p
-            total += p
+            prow[c] = -srow[c]
+        # e^-s over the logits (no longer needed; separate arrays vectorise), then
+        # 1 / (1 + e^-s), exactly 0 for a masked key (-s = inf: float32's exp clamps)
+        exp_shifted(prow, srow, 0.0, nk)
+        for c in range(nk):
+            prow[c] = F[r, c] / (1.0 + srow[c]) if prow[c] != np.inf else 0.0
+        total = 0.0
+        for c in range(nk):  # a loop of its own: see attnnb.cpu._exp.sum_at
+            total += prow[c]
         l[r] += total
         if l[r] != l[r]:
             m[r] = np.nan
@@ -587,7 +594,9 @@ def softpick_weights(S, F, m, l, acc, P):
     """:func:`online_weights` for ``softpick``: with the shift ``m >= 0`` (moved lazily, as
     softmax's), ``P = F max(0, e^(S - m) - e^-m)`` and ``l += sum F |e^(S - m) - e^-m|``
     (``F`` the key sizes): the numerators and the denominator in units of ``e^m``,
-    each term from ``expm1`` (no cancellation near ``s = 0``) and at most ``F``."""
+    the exponentials from the vectorised :func:`~attnnb.cpu._exp.exp_shifted`,
+    each term at most ``F``; the differences lose digits near ``s = 0`` only where
+    the terms are small against the row's (``e^-m <= 1``)."""
     nq, nk = S.shape
     dv = acc.shape[1]
     for r in range(nq):
@@ -607,17 +616,14 @@ def softpick_weights(S, F, m, l, acc, P):
             m[r] = mx
         sh = m[r]
         floor = math.exp(-sh)
+        srow, prow = S[r], P[r]
+        exp_shifted(srow, prow, sh, nk)  # e^(s - m): then |e^(s - m) - e^-m| by selects
         total = 0.0
-        for c in range(nk):
-            s = S[r, c]
-            if s > 0.0:
-                p = F[r, c] * math.exp(s - sh) * -math.expm1(-s)
-                P[r, c] = p
-                total += p
-            else:  # an allowed key at or below 0 weighs 0 but counts in the sum (NaN too)
-                P[r, c] = 0.0
-                if s != -np.inf:
-                    total += F[r, c] * floor * -math.expm1(s)
+        for c in range(nk):  # every allowed key counts (a NaN one too), a masked one not
+            term = F[r, c] * abs(prow[c] - floor)
+            total += term if srow[c] != -np.inf else 0.0
+        for c in range(nk):  # the numerators: the keys above 0 only
+            prow[c] = F[r, c] * max(prow[c] - floor, 0.0)
         l[r] += total
         if l[r] != l[r] or m[r] != m[r]:  # a NaN logit, or +inf: the row is NaN
             m[r] = np.nan

@@ -77,7 +77,6 @@ from ._tiles import (
     factor_tile,
     modify_logits,
     scaled_rows,
-    sigmoid,
     task_rows,
     tile_is_finite,
     tile_logits_keys,
@@ -296,44 +295,44 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, by_keys, b, h, p
 def sigmoid_row_gradients(s, f, w, ds, dp, delta):
     """One row of :func:`pair_gradients` for ``sigmoid``: ``w = f sigmoid(s)`` (``f`` the
     key sizes), ``ds = w (1 - sigmoid(s)) (dp - delta)``, ``dp`` becomes ``dp - delta``
-    (``delta = -dlse / e^lse``: each weight depends on its own logit only)."""
-    for c in range(s.shape[0]):
-        sig = sigmoid(s[c])
+    (``delta = -dlse / e^lse``: each weight depends on its own logit only); ``s`` is
+    overwritten."""
+    n = s.shape[0]
+    for c in range(n):
+        w[c] = -s[c]
+    exp_shifted(w, s, 0.0, n)  # e^-s over the logits: separate arrays vectorise
+    for c in range(n):
+        # exactly 0 for a masked key (-s = inf: float32's exp clamps)
+        sig = 1.0 / (1.0 + s[c]) if w[c] != np.inf else 0.0
         p = f[c] * sig
-        if p == 0.0:  # a key the row does not weigh: its value never reaches it
-            w[c] = 0.0
-            ds[c] = 0.0
-            dp[c] = 0.0
-            continue
         grad = dp[c] - delta
+        live = p != 0.0  # a key the row does not weigh: its value never reaches it
         w[c] = p
-        ds[c] = p * (1.0 - sig) * grad
-        dp[c] = grad
+        ds[c] = p * (1.0 - sig) * grad if live else 0.0
+        dp[c] = grad if live else 0.0
 
 
 @inner
 def softpick_row_gradients(s, f, w, ds, dp, lse, ratio, delta):
     """One row of :func:`pair_gradients` for ``softpick``: with ``a = ratio f e^(s - lse)``
-    (``f`` the key size, ``ratio = D / (D + eps)``), ``w = a (1 - e^-s)`` for ``s > 0``
-    (else 0), ``ds = a ([s > 0] dp - sign(s) delta)``; ``dp`` becomes the term of ``d log
-    key_size``, ``(1 - e^-s) ds`` (for ``s < 0`` taken as ``ratio f delta e^-lse
-    expm1(s)``: no overflow)."""
-    for c in range(s.shape[0]):
+    (``f`` the key size, ``ratio = D / (D + eps)``) and ``u = ratio f (e^(s - lse) -
+    e^-lse) = a (1 - e^-s)``: ``w = u`` for ``s > 0`` (else 0), ``ds = a ([s > 0] dp -
+    sign(s) delta)``; ``dp`` becomes the term of ``d log key_size``, ``(1 - e^-s) ds``
+    (``u (dp - delta)`` above 0, ``u delta`` below).  The exponentials come from the
+    vectorised exp, the rest by selects."""
+    n = s.shape[0]
+    floor = math.exp(-lse)
+    exp_shifted(s, w, lse, n)
+    for c in range(n):
         x = s[c]
-        a = ratio * f[c] * math.exp(x - lse)
-        if x > 0.0:
-            up = -math.expm1(-x)
-            w[c] = a * up
-            ds[c] = a * (dp[c] - delta)
-            dp[c] = up * ds[c]
-        elif x < 0.0 and x != -np.inf:  # (-inf: a key the row may not attend)
-            w[c] = 0.0
-            ds[c] = a * delta
-            dp[c] = ratio * f[c] * delta * math.exp(-lse) * math.expm1(x)
-        else:  # 0, -inf (and NaN, which the forward made a NaN row, never read here)
-            w[c] = 0.0
-            ds[c] = 0.0
-            dp[c] = 0.0
+        a = ratio * f[c] * w[c]
+        u = ratio * f[c] * (w[c] - floor)
+        grad = dp[c] - delta
+        above = x > 0.0
+        below = x < 0.0 and x != -np.inf  # (-inf: a key the row may not attend)
+        w[c] = u if above else 0.0
+        ds[c] = a * grad if above else (a * delta if below else 0.0)
+        dp[c] = u * grad if above else (u * delta if below else 0.0)
 
 
 @inner
