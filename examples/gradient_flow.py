@@ -1,4 +1,4 @@
-"""Gradient flow through eight attention variants, trained on a planted-key retrieval task.
+"""Gradient flow through ten attention variants, trained on a planted-key retrieval task.
 
 The task (a learnable cousin of ``examples/diff_noise.py``): every sequence
 holds ``LK`` key tokens and ``LQ`` query tokens.  Key token ``j`` carries a
@@ -17,10 +17,12 @@ trained with a mean squared error by Adam (no ``subln``, no residual:
 output).  The forward pass runs through attnnb under :func:`attnnb.vjp`,
 the backward pass through its pullback, and the gradients of the
 projections (and of the re-parameterised ``lambda``) follow in a few lines
-of NumPy.  The eight variants:
+of NumPy.  The ten variants:
 
-* ``softmax``, ``softmax1``, ``relu_expm1``: :func:`attnnb.attention` with
-  that ``normalizer=`` (``backend="cpu"``);
+* ``softmax``, ``softmax1``, ``relu_expm1``, ``softpick`` (``relu_expm1``'s
+  numerator over ``sum |e^s - 1|``), ``sigmoid`` (``sigmoid(s - log 64)``, no
+  normalisation): :func:`attnnb.attention` with that ``normalizer=``
+  (``backend="cpu"``);
 * ``sinks``: softmax with a learned sink logit in the denominator
   (gpt-oss's; it starts at 0, i.e. ``softmax1``, and learns through
   :func:`attnnb.vjp`'s ``sinks`` gradient);
@@ -85,6 +87,8 @@ VARIANTS = (
     ("softmax", "attention", {"normalizer": "softmax", "backend": "cpu"}, None),
     ("softmax1", "attention", {"normalizer": "softmax1", "backend": "cpu"}, None),
     ("relu_expm1", "attention", {"normalizer": "relu_expm1", "backend": "cpu"}, None),
+    ("softpick", "attention", {"normalizer": "softpick", "backend": "cpu"}, None),
+    ("sigmoid", "attention", {"normalizer": "sigmoid", "backend": "cpu"}, None),
     ("sinks", "attention", {"normalizer": "softmax", "backend": "cpu"}, "sink"),
     ("diff", "diff", {"mode": "difference", "backend": "cpu"}, "learned"),
     ("rectified", "diff", {"mode": "rectified", "backend": "cpu"}, "learned"),
