@@ -49,7 +49,14 @@ from ._blocks import (
     padded_width,
 )
 from ._dropout import drop_tile
-from ._exp import exp_shifted, exp_shifted_sum_at, exp_tile_accumulate, maxnum, sum_at
+from ._exp import (
+    exp_shifted,
+    exp_shifted_sum_at,
+    exp_tile_accumulate,
+    maxnum,
+    relu_expm1_factors,
+    sum_at,
+)
 from ._jit import blocks, inner, wide_vectors
 from ._vector_ir import prefetch_line, row_max_64, transpose_16
 from ._views import flat, rows_of
@@ -409,14 +416,9 @@ def modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logk
                 S[r, c] = ninf
     if normalizer == RELU_EXPM1:
         for r in range(nq):
-            for c in range(nk):
-                s = S[r, c]
-                if s > 0:
-                    F[r, c] = -math.expm1(-s)
-                else:
-                    F[r, c] = 0.0
-                    if s == s:  # a NaN logit stays, to propagate
-                        S[r, c] = ninf
+            relu_expm1_factors(S[r], F[r], nk)
+            for c in range(nk):  # drop s <= 0; a NaN logit stays, to propagate
+                S[r, c] = ninf if S[r, c] <= 0.0 else S[r, c]
     if normalizer == SIGMOID or normalizer == SOFTPICK:
         for r in range(nq):
             for c in range(nk):
