@@ -15,8 +15,8 @@ The forward and the backward pass each run attnnb's NumPy API on the host
 through one ``jax.pure_callback``; JAX arrays on other devices are copied to
 the host and back.
 
-* **Arguments.** ``q``, ``k``, ``v``, ``bias``, ``key_size`` and ``lam`` are
-  differentiable arrays (when floating); ``mask`` is an array without a
+* **Arguments.** ``q``, ``k``, ``v``, ``bias``, ``key_size``, ``lam`` and
+  ``sinks`` are differentiable arrays (when floating); ``mask`` is an array without a
   gradient (its cotangent is zero).  Everything else (``causal``, ``scale``,
   ``normalizer``, ``pattern``, ``top_k``, ``mode``, ``return_lse``,
   ``backend``) is static: a Python value fixed when the function is traced,
@@ -89,8 +89,9 @@ _VMAP_METHOD = "expand_dims"
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
-              normalizer="softmax", return_lse=False, backend=None):
-    """:func:`attnnb.attention` on JAX arrays, differentiable in q, k, v, bias, key_size.
+              normalizer="softmax", return_lse=False, sinks=None, backend=None):
+    """:func:`attnnb.attention` on JAX arrays, differentiable in q, k, v, bias, key_size,
+    sinks.
 
     Parameters
     ----------
@@ -100,8 +101,11 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         No gradient.
     bias : JAX array broadcastable to ``(*batch, Hq, Lq, Lk)``, optional
     key_size : positive JAX array broadcastable to ``(*batch, Lk)``, optional
+    sinks : JAX array broadcastable to ``(*batch, Hq)``, optional
+        Learned sink logits (``normalizer="softmax"``), with a gradient.
     causal, scale, normalizer, return_lse, backend
-        Static, as in :func:`attnnb.attention`.
+        Static, as in :func:`attnnb.attention` (every normalizer; ``sigmoid``
+        with its default bias).
 
     Returns
     -------
@@ -109,14 +113,16 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     lse : JAX array ``(*batch, Hq, Lq)``, only with ``return_lse=True``
         Differentiable too: its cotangent reaches the backward pass.
     """
-    return _call("attention", dict(q=q, k=k, v=v, mask=mask, bias=bias, key_size=key_size),
+    return _call("attention", dict(q=q, k=k, v=v, mask=mask, bias=bias, key_size=key_size,
+                                   sinks=sinks),
                  dict(causal=causal, scale=scale, normalizer=normalizer,
                       return_lse=return_lse, backend=backend))
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
-                     return_lse=False, backend=None):
-    """:func:`attnnb.sparse_attention` on JAX arrays, differentiable in q, k, v, key_size.
+                     return_lse=False, sinks=None, backend=None):
+    """:func:`attnnb.sparse_attention` on JAX arrays, differentiable in q, k, v, key_size,
+    sinks.
 
     Parameters
     ----------
@@ -124,6 +130,7 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     pattern : :class:`attnnb.patterns.Pattern`
         Static, of shape ``(Lq, Lk)``; a constant of the gradient.
     key_size : positive JAX array broadcastable to ``(*batch, Lk)``, optional
+    sinks : JAX array broadcastable to ``(*batch, Hq)``, optional
     scale, normalizer, return_lse, backend
         Static, as in :func:`attnnb.sparse_attention`.
 
@@ -132,14 +139,15 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     out : JAX array ``(*batch, Hq, Lq, Dv)``
     lse : JAX array ``(*batch, Hq, Lq)``, only with ``return_lse=True``
     """
-    return _call("sparse_attention", dict(q=q, k=k, v=v, key_size=key_size),
+    return _call("sparse_attention", dict(q=q, k=k, v=v, key_size=key_size, sinks=sinks),
                  dict(pattern=pattern, scale=scale, normalizer=normalizer,
                       return_lse=return_lse, backend=backend))
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, backend=None):
-    """:func:`attnnb.topk_attention` on JAX arrays, differentiable in q, k, v, key_size.
+                   return_lse=False, sinks=None, backend=None):
+    """:func:`attnnb.topk_attention` on JAX arrays, differentiable in q, k, v, key_size,
+    sinks.
 
     Parameters
     ----------
@@ -148,6 +156,7 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
         Static.  The keys each row kept are a constant of the gradient.
     mask : bool JAX array broadcastable to ``(*batch, Hq, Lq, Lk)``, optional
     key_size : positive JAX array broadcastable to ``(*batch, Lk)``, optional
+    sinks : JAX array broadcastable to ``(*batch, Hq)``, optional
     causal, scale, return_lse, backend
         Static, as in :func:`attnnb.topk_attention`.
 
@@ -156,7 +165,8 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     out : JAX array ``(*batch, Hq, Lq, Dv)``
     lse : JAX array ``(*batch, Hq, Lq)``, only with ``return_lse=True``
     """
-    return _call("topk_attention", dict(q=q, k=k, v=v, mask=mask, key_size=key_size),
+    return _call("topk_attention", dict(q=q, k=k, v=v, mask=mask, key_size=key_size,
+                                        sinks=sinks),
                  dict(top_k=top_k, causal=causal, scale=scale, return_lse=return_lse,
                       backend=backend))
 
@@ -237,13 +247,13 @@ def _full_rank(arrays) -> dict:
     """The shapes that make a vmap axis a leading batch axis of every argument.
 
     Leading axes of size 1 change nothing under attnnb's broadcasting rules
-    (mask, bias, key_size and lam broadcast against the full problem), so the
+    (mask, bias, key_size, lam and sinks broadcast against the full problem), so the
     shapes are as good as the given ones; they only fix every argument's rank.
     """
     q = arrays["q"].shape
     nb = max(len(q) - 3, 0)  # batch axes (2-D input: none, and a head axis is added)
     rank = {"q": 3, "k": 3, "v": 3, "mask": nb + 3, "bias": nb + 3, "key_size": nb + 1,
-            "lam": nb + 2}
+            "lam": nb + 2, "sinks": nb + 1}
     return {a: (1,) * max(rank[a] - x.ndim, 0) + tuple(x.shape) for a, x in arrays.items()}
 
 

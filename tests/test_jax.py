@@ -57,6 +57,12 @@ def _case(name, rng):
         return (ajax.attention, attnnb.attention,
                 dict(q=q, k=k, v=v, key_size=rng.uniform(0.5, 2, (1, Lk, 1))),
                 dict(normalizer="softmax1", backend=REF))
+    if name == "attention-sinks":  # learned sinks, with a gradient
+        return (ajax.attention, attnnb.attention, dict(q=q, k=k, v=v, sinks=randn(rng, 2)),
+                dict(causal=True, return_lse=True, backend=REF))
+    if name == "attention-softpick":
+        return (ajax.attention, attnnb.attention, dict(q=q, k=k, v=v, bias=randn(rng, Lq, Lk)),
+                dict(normalizer="softpick", mask=mask))
     if name == "sparse":
         return (ajax.sparse_attention, attnnb.sparse_attention,
                 dict(q=q, k=k, v=v, key_size=rng.uniform(0.5, 2, Lk)),
@@ -77,7 +83,8 @@ def _case(name, rng):
             dict(mode="rectified", causal=True, backend=REF))
 
 
-CASES = ["attention", "attention-key_size", "sparse", "topk", "diff", "diff-rectified"]
+CASES = ["attention", "attention-key_size", "attention-sinks", "attention-softpick", "sparse",
+         "topk", "diff", "diff-rectified"]
 
 
 def _as_positional(jfn, names, kwargs):
