@@ -93,3 +93,19 @@ def assert_gradients_near_fd(fn, inputs, rng, *, lse=False, points=6, eps=1e-6, 
             fd = (loss(**{name: plus}) - loss(**{name: minus})) / (2 * eps)
             assert abs(fd - grads[name][idx]) <= 1e-6 * (1 + abs(fd)), (name, idx)
 
+
+def assert_drops_the_reference_keys(q, k, v, backend, causal):
+    """Dropout 0.4 with one-hot values ``v``: the output is each row's dropped weights, so
+    ``backend`` must zero exactly the reference's entries and agree on the rest (and on
+    the LSE, that of the weights before dropout) to rounding.  Returns the reference's
+    output."""
+    import attnnb
+
+    kw = dict(dropout_p=0.4, seed=2024, causal=causal, return_lse=True)
+    ref, ref_lse = attnnb.attention(q, k, v, backend="reference", **kw)
+    out, lse = attnnb.attention(q, k, v, backend=backend, **kw)
+    np.testing.assert_array_equal(out == 0, ref == 0)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
+    return ref
+

@@ -17,7 +17,7 @@ import pytest
 import attnnb
 from attnnb import _dropout
 
-from .helpers import assert_gradients_near_fd
+from .helpers import assert_drops_the_reference_keys, assert_gradients_near_fd
 
 BACKENDS = ("reference", "cpu")
 
@@ -99,12 +99,7 @@ def test_cpu_drops_the_reference_keys(shape, causal):
     Lk = o["Lk"]
     q, k, _ = _qkv(rng, **{**o, "Dv": 1})
     v = np.broadcast_to(np.eye(Lk), (o["B"], o["Hk"], Lk, Lk)).copy()
-    kw = dict(dropout_p=0.4, seed=2024, causal=causal, return_lse=True)
-    ref, ref_lse = attnnb.attention(q, k, v, backend="reference", **kw)
-    out, lse = attnnb.attention(q, k, v, backend="cpu", **kw)
-    np.testing.assert_array_equal(out == 0, ref == 0)
-    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
+    ref = assert_drops_the_reference_keys(q, k, v, "cpu", causal)
     factor = 1 / (1 - 0.4)
     w = attnnb.attention(q, k, v, backend="reference", causal=causal)
     kept = (ref != 0)
@@ -351,14 +346,15 @@ def test_diff_dropout_cpu_equals_the_reference(mode, dtype, rtol):
                                    atol=rtol * np.abs(r[name]).max(), err_msg=name)
 
 
-@pytest.mark.parametrize("mode", ["difference", "rectified"])
-def test_diff_dropout_gradients_against_finite_differences(mode):
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["difference", "rectified", "heaviside"])
+def test_diff_dropout_gradients_against_finite_differences(mode, backend):
     rng = np.random.default_rng(14)
     q, k, v = _pairs(rng, B=1, H=2, Hk=2, Lq=6, Lk=7, d=3, Dv=4)
     arguments = dict(q=q, k=k, v=v, lam=rng.uniform(0.3, 0.8, (2, 1)),
                      bias=rng.standard_normal((6, 7)))
     assert_gradients_near_fd(attnnb.diff_attention, arguments, rng, points=5,
-                             dropout_p=0.35, seed=5, mode=mode, backend="cpu")
+                             dropout_p=0.35, seed=5, mode=mode, backend=backend)
 
 
 def test_diff_dropout_refusals():
