@@ -34,6 +34,7 @@ from ._exp import exp_shifted
 from ._host import kernel_sinks, run_sweep
 from ._jit import kernel, wide_vectors
 from ._splits import SPLIT_TASKS
+from ._task import sweep_geometry
 from ._tiles import (
     TILE_K,
     TILE_Q,
@@ -63,11 +64,7 @@ def stats_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks
     5)`` (float64; the argmax and zeros as floats) and ``received (B * Hq *
     n_split, Lk)`` (float64, zeros on entry).
     """
-    B, Hq, Lq, Lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    group = Hq // k.shape[1]
-    n_qt = (Lq + TILE_Q - 1) // TILE_Q
-    n_kt = (Lk + TILE_K - 1) // TILE_K
-    diag = Lk - Lq if causal else Lk
+    B, Hq, Lq, Lk, _, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
     per_split = (n_qt + n_split - 1) // n_split
     dropping = dropout[2] != 0
     log_keep = math.log(kept_scale) if dropping else 0.0
