@@ -19,13 +19,14 @@ from ._validate import attention_problem, check_bool, compute_dtypes
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
               normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None, sinks=None,
-              sigmoid_bias=None, backend=None):
+              sigmoid_bias=None, mask_mod=None, score_mod=None, backend=None):
     """:func:`attnnb.attention` of in-memory arrays."""
     return_lse = check_bool("return_lse", return_lse)
     problem = attention_problem(q, k, v, mask=mask, bias=bias, key_size=key_size,
                                 causal=causal, scale=scale, normalizer=normalizer,
                                 dropout_p=dropout_p, seed=seed, sinks=sinks,
-                                sigmoid_bias=sigmoid_bias)
+                                sigmoid_bias=sigmoid_bias, mask_mod=mask_mod,
+                                score_mod=score_mod)
     out, lse = _dispatch.call("attention", backend, problem.on_device, problem)
     out, lse = problem.restore(out, lse)
     return (out, lse) if return_lse else out

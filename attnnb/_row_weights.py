@@ -34,7 +34,13 @@ from ._validate import Problem, attention_problem, check_bool
 from .attention import attention
 from .diff import diff_attention
 from .patterns import Pattern
-from .reference._common import expand_kv_heads, logits, normalize
+from .reference._common import (
+    expand_kv_heads,
+    logits,
+    mask_mod_values,
+    normalize,
+    problem_logits,
+)
 from .reference.attention import sink_of
 from .reference.diff import heaviside_gate, pair_key_heads
 from .reference.topk import topk_selection
@@ -126,6 +132,7 @@ def bind_call(caller: str, fn, args, kwargs) -> Call:
         return Call(name, attention_problem(a["q"], a["k"], a["v"], **masks, **common),
                     a["backend"], top_k=top_k)
     return Call(name, attention_problem(a["q"], a["k"], a["v"], bias=a["bias"], **masks,
+                                        mask_mod=a["mask_mod"], score_mod=a["score_mod"],
                                         **common), a["backend"])
 
 
@@ -172,7 +179,8 @@ def _allowed_rows(call: Call, rows: np.ndarray) -> np.ndarray:
         allowed &= np.arange(Lk)[None, :] <= rows[:, None] + (Lk - Lq)
     if call.pattern is not None:
         allowed &= _pattern_rows(call.pattern, rows)[None]
-    return allowed
+    by_mod = mask_mod_values(p, (B, call.heads, Lq, Lk), rows)
+    return allowed if by_mod is None else allowed & by_mod
 
 
 def _dropout_rows(call: Call, rows: np.ndarray, shape) -> np.ndarray | None:
@@ -214,7 +222,7 @@ def row_weights(call: Call, rows: np.ndarray):
         if call.mode == "rectified":
             w = np.maximum(w, 0.0)  # NaN rows stay NaN
     else:
-        s = logits(p.q[:, :, rows], expand_kv_heads(p.k, call.heads), p.scale, bias)
+        s = problem_logits(p, expand_kv_heads(p.k, call.heads), rows=rows)[0]
         if call.top_k is not None:
             allowed = topk_selection(s, allowed, lks, call.top_k)
         w, _ = normalize(s, allowed, lks, p.normalizer, sink_of(p))

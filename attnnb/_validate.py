@@ -141,6 +141,9 @@ class Problem:
         Learned sink logits (docs/contract.md §1.15), in the compute dtype; the
         problem's ``normalizer`` is then ``"softmax1"``, whose ``+1`` is the
         case of a sink of 0.
+    mask_mod, score_mod : :class:`attnnb.mods.MaskMod`, :class:`attnnb.mods.ScoreMod` or None
+        Functions of ``(b, h, i, j)`` compiled into the kernels (docs/contract.md
+        §2.10); ``dropout_origin`` is added to the ``b`` and ``h`` they get.
     """
 
     q: Any
@@ -160,6 +163,8 @@ class Problem:
     seed: int = 0
     dropout_origin: tuple = (0, 0)
     sinks: Any = None
+    mask_mod: Any = None
+    score_mod: Any = None
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int, int]:
@@ -369,9 +374,25 @@ def sigmoid_offset(sigmoid_bias, normalizer: str, Lk: int) -> float:
     return b
 
 
+def check_mods(mask_mod, score_mod, on_device: bool, Lq: int, Lk: int, dtype):
+    """``mask_mod=`` and ``score_mod=`` as :mod:`attnnb.mods` objects, compiled for this
+    call's types (a ``TypeError`` names a function that does not compile)."""
+    from .mods import as_mask_mod, as_score_mod
+
+    mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
+    if on_device:
+        raise NotImplementedError("mask_mod and score_mod on the cuda backend: not yet (the "
+                                  "reference and cpu backends have them)")
+    from ._mod_compile import check_types
+
+    check_types(mask, score, Lq, Lk, dtype)
+    return mask, score
+
+
 def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=False,
                       scale=None, normalizer="softmax", head_pairs=False, dropout_p=0.0,
-                      seed=None, sinks=None, sigmoid_bias=None) -> Problem:
+                      seed=None, sinks=None, sigmoid_bias=None, mask_mod=None,
+                      score_mod=None) -> Problem:
     """Validate the arguments of :func:`attnnb.attention` into a :class:`Problem`.
 
     ``normalizer="sigmoid"``'s bias (:func:`sigmoid_offset`) is added to the
@@ -402,6 +423,8 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
                                       "cpu backends have them)")
         prob.sinks = check_sinks(sinks, normalizer, batch, squeeze, B, Hq, comp)
         prob.normalizer = "softmax1"
+    if mask_mod is not None or score_mod is not None:
+        prob.mask_mod, prob.score_mod = check_mods(mask_mod, score_mod, on_dev, Lq, Lk, comp)
     if on_dev:  # host or device mask / bias / key_size: see attnnb/_device.py
         from ._device import device_extras
 

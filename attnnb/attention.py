@@ -9,7 +9,7 @@ from ._dropout import refuse_lazy_dropout
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
               normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None, sinks=None,
-              sigmoid_bias=None, backend=None):
+              sigmoid_bias=None, mask_mod=None, score_mod=None, backend=None):
     """Scaled dot-product attention with masks, bias, key sizes and other normalizers.
 
     Parameters
@@ -62,6 +62,14 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         ``normalizer="sigmoid"``'s ``b``, one for every head; default
         ``-log(Lk)`` (the keys' count, masked or not: FlashSigmoid's
         ``-log(n)``).  A constant: it gets no gradient.
+    mask_mod : :class:`attnnb.mods.MaskMod` or function ``(b, h, i, j) -> bool``, optional
+        Key ``j`` is allowed for query ``i`` only where it returns True (and
+        ``mask`` and ``causal`` allow it); compiled into the kernels, never
+        materialised on the cpu backend (:mod:`attnnb.mods`).
+    score_mod : :class:`attnnb.mods.ScoreMod` or function ``(s, b, h, i, j) -> float``
+        Rewrites each scaled logit ``s`` before ``bias``, key sizes and the
+        normalizer (:mod:`attnnb.mods`); ``b`` is the flattened batch index and
+        ``h`` the query head.
     backend : {None, "auto", "reference", "cpu", "cuda"}
         None reads :func:`attnnb.use_backend`, then ``ATTNNB_BACKEND``,
         then "auto" (cuda for device arrays, else cpu).
@@ -83,10 +91,14 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         from ._dask.ops import attention as lazy
 
         refuse_lazy_dropout(dropout_p)
+        if mask_mod is not None or score_mod is not None:
+            raise NotImplementedError("mask_mod and score_mod on Dask arrays: not yet (compute "
+                                      "the arrays, or call attention on each block)")
         return lazy(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                     scale=scale, normalizer=normalizer, return_lse=return_lse, sinks=sinks,
                     sigmoid_bias=sigmoid_bias, backend=backend)
     return _eager.attention(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                             scale=scale, normalizer=normalizer, return_lse=return_lse,
                             dropout_p=dropout_p, seed=seed, sinks=sinks,
-                            sigmoid_bias=sigmoid_bias, backend=backend)
+                            sigmoid_bias=sigmoid_bias, mask_mod=mask_mod,
+                            score_mod=score_mod, backend=backend)

@@ -196,7 +196,8 @@ def attention_stats(fn, *args, stats=("entropy", "max", "argmax", "received"), k
     B, _, _, Lq, Lk = call.problem.shape[:5]
     names, key_mask = _check_stats(stats, keys, Lk)
     compiled = (call.name == "attention"
-                and call.problem.normalizer in ("softmax", "softmax1", "relu_expm1"))
+                and call.problem.normalizer in ("softmax", "softmax1", "relu_expm1")
+                and call.problem.mask_mod is None and call.problem.score_mod is None)
     if compiled and choose_backend(call.backend, False) == "cpu":
         per_row, received = _dispatch.implementation("attention_stats", "cpu")(
             call.problem, np.zeros(Lk, bool) if key_mask is None else key_mask)

@@ -50,7 +50,9 @@ at once for the same saved forward.
     heads of each GQA group), ``dbias`` of shape ``dbias_shape`` or None,
     ``dlog_key_size (B, Lk)`` (summed over heads and queries) or None when
     ``problem.log_key_size`` is None.  Float32 or float64; the public layer
-    casts.
+    casts.  With ``problem.score_mod`` a sixth result: the gradients of its
+    parameter arrays, flat in leaf order
+    (:func:`attnnb._mod_compile.param_grads`).
 ``sparse_attention_vjp(problem, pattern, out, lse, dout, dlse)``
     ``pattern``: the forward's :class:`~attnnb.patterns.Pattern` (shared, or
     one per query head), a constant mask.  Returns as ``attention_vjp``
@@ -124,8 +126,10 @@ def vjp(fn, *args, **kwargs):
         ``return_lse=True``: ``dout`` of ``out``'s shape, ``dlse`` of
         ``lse``'s shape or None (no gradient into the LSE).  Returns a
         ``dict`` of gradients keyed by argument name: ``"q"``, ``"k"``,
-        ``"v"``, and ``"bias"``, ``"key_size"`` when those were given,
-        ``"lam"`` for :func:`attnnb.diff_attention`.
+        ``"v"``, and ``"bias"``, ``"key_size"``, ``"sinks"`` when those were
+        given, ``"lam"`` for :func:`attnnb.diff_attention`, ``"score_mod"``
+        with a score mod: a tuple with one gradient per parameter array of its
+        functions, in order (``None`` for integer arrays and constant mods).
 
     Raises
     ------
@@ -458,6 +462,7 @@ class _Saved:
         dtype = p.compute_dtype
         dev = p.on_device
         dout = _cotangent("dout", dout, self.out_shape, self.out.shape, dtype, "out", dev)
+        dmod = ()
         if self.lse is None:
             dq, dk, dv, dbias, dlks, dlam = self.backward(p, *self.extras, self.out, dout,
                                                           *self.tail)
@@ -465,10 +470,11 @@ class _Saved:
             if dlse is not None:
                 dlse = _cotangent("dlse", dlse, self.out_shape[:-1], self.lse.shape, dtype,
                                   "lse", dev)
-            dq, dk, dv, dbias, dlks = self.backward(p, *self.extras, self.out, self.lse, dout,
-                                                    dlse, *self.tail)
+            dq, dk, dv, dbias, dlks, *dmod = self.backward(p, *self.extras, self.out, self.lse,
+                                                           dout, dlse, *self.tail)
             dlam = None
-        raw = {"q": dq, "k": dk, "v": dv, "bias": dbias, "key_size": dlks, "lam": dlam}
+        raw = {"q": dq, "k": dk, "v": dv, "bias": dbias, "key_size": dlks, "lam": dlam,
+               "score_mod": dmod[0] if dmod else None}
         if "sinks" in self.args:
             raw["sinks"] = _Sinks.gradient(p, self.out, self.lse, dout)
         return {name: arg.restore(raw[name]) for name, arg in self.args.items()}
@@ -513,7 +519,34 @@ def _extra_args(a, problem, H, **given) -> dict:
         args["key_size"] = _KeySizes.of(given["key_size"], problem)
     if given.get("sinks") is not None:
         args["sinks"] = _Sinks.of(given["sinks"], problem)
+    if getattr(problem, "score_mod", None) is not None:
+        args["score_mod"] = _ModArrays()
     return args
+
+
+class _ModArrays:
+    """A score mod's parameters: the backend's gradients, flat in leaf order
+    (:func:`attnnb._mod_compile.param_grads`), as they are."""
+
+    @staticmethod
+    def restore(grads) -> tuple:
+        return tuple(grads)
+
+
+def _check_mod_gradients(problem) -> None:
+    """Before the forward: a score mod's derivatives must exist (docs/contract.md §2.10)."""
+    mod = problem.score_mod
+    if mod is None:
+        return
+    from ._mod_compile import check_slope, missing_array_gradients
+
+    missing = missing_array_gradients(mod)
+    if missing:
+        raise NotImplementedError(
+            f"vjp: score_mod {', '.join(missing)} reads float arrays but has no grad_arrays= "
+            "(their gradients); pass grad_arrays=, or constant=True for arrays that take none")
+    Lq, Lk = problem.shape[3], problem.shape[4]
+    check_slope(mod, Lq, Lk, problem.compute_dtype)
 
 
 def _dbias_tail(name, args) -> tuple:
@@ -541,7 +574,9 @@ def _attention(a, forward):
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
                                 normalizer=a["normalizer"], dropout_p=a["dropout_p"],
                                 seed=a["seed"], sinks=a["sinks"],
-                                sigmoid_bias=a["sigmoid_bias"])
+                                sigmoid_bias=a["sigmoid_bias"], mask_mod=a["mask_mod"],
+                                score_mod=a["score_mod"])
+    _check_mod_gradients(problem)
     return _lse_function("attention", a, forward, problem, (), return_lse, bias=a["bias"],
                          sinks=a["sinks"])
 

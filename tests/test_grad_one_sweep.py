@@ -99,8 +99,8 @@ def test_the_shape_alone_chooses_the_sweep(monkeypatch):
     real_launch = backward.launch
 
     def launch(fn, *args):
-        # the dk/dv kernel's own_dq: its 14th argument, after need_dbias
-        seen.append((fn.py_func.__name__, args[13] if fn is backward.dkdv_kernel else None))
+        # the dk/dv kernel's own_dq: its 16th argument, after need_dbias
+        seen.append((fn.py_func.__name__, args[15] if fn is backward.dkdv_kernel else None))
         return real_launch(fn, *args)
 
     monkeypatch.setattr(backward, "launch", launch)

@@ -32,6 +32,15 @@ from ._threading import in_forked_child, launch_lock
 
 FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
 
+# the attribute that keeps the decorator a kernel or shared loop was made with, so
+# that attnnb.cpu._respecialise can make a copy of it the same way
+REMAKE = "_attnnb_remake"
+
+
+def _remade_by(dispatcher, remake):
+    setattr(dispatcher, REMAKE, remake)
+    return dispatcher
+
 
 def _targets_avx512() -> bool:
     """Whether kernels compile for AVX-512 (the CPU Numba targets, or this host's)."""
@@ -77,9 +86,9 @@ def kernel(fn=None, *, parallel=True):
 
     def make(fn):
         dispatcher = deco(fn)
-        if not parallel:
-            return dispatcher
-        return compile_in_child_first(link_parfors_once(dispatcher))
+        if parallel:
+            dispatcher = compile_in_child_first(link_parfors_once(dispatcher))
+        return _remade_by(dispatcher, make)
 
     return make(fn) if fn is not None else make
 
@@ -105,7 +114,8 @@ def inner(fn):
     a cold ``warmup``), so it cannot be called from Python (``TypeError``);
     tests call it through a ``numba.njit`` caller.
     """
-    return link_only(numba.njit(cache=True, fastmath=FASTMATH, nogil=True, forceinline=True)(fn))
+    deco = numba.njit(cache=True, fastmath=FASTMATH, nogil=True, forceinline=True)
+    return _remade_by(link_only(deco(fn)), inner)
 
 
 def blocks(fn=None, *, noalias=None):
@@ -122,7 +132,7 @@ def blocks(fn=None, *, noalias=None):
     deco = numba.njit(**opts)
 
     def make(fn):
-        return link_only(deco(fn), optimise_alone=True)
+        return _remade_by(link_only(deco(fn), optimise_alone=True), make)
 
     return make(fn) if fn is not None else make
 

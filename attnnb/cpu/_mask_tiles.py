@@ -17,31 +17,55 @@ import numpy as np
 from numba import prange
 
 from ._jit import inner, kernel, launch
+from ._mod_hooks import MASK_FN, mod_allowed, no_mods
 from ._tiles import TILE_K, TILE_Q
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
-@kernel
-def classify_kernel(mask, classes):
-    """``classes[b, h, qt, kt]`` of ``mask (MB, MH, Lq, Lk)``'s tiles, one task per tile."""
+@inner
+def task_tile(task, classes):
+    """``(b, h, qt, kt, i0, j0)``: the tile that task ``task`` of a classifier classifies."""
     MB, MH, NQ, NK = classes.shape
-    Lq, Lk = mask.shape[2], mask.shape[3]
-    for task in prange(MB * MH * NQ * NK):
-        b, h = task // (MH * NQ * NK), (task // (NQ * NK)) % MH
-        qt, kt = (task // NK) % NQ, task % NK
-        i0, j0 = qt * TILE_Q, kt * TILE_K
+    qt, kt = (task // NK) % NQ, task % NK
+    return task // (MH * NQ * NK), (task // (NQ * NK)) % MH, qt, kt, qt * TILE_Q, kt * TILE_K
+
+
+@inner
+def allowed_at(mask, b, h, i, j, mods):
+    """Whether ``(i, j)`` is allowed: by the mask function in its copies (``MASK_FN``),
+    else by ``mask``."""
+    if MASK_FN:
+        origin = mods[0]
+        return mod_allowed(b + origin[0], h + origin[1], i, j, mods)
+    return mask[b, h, i, j]
+
+
+@kernel
+def classify_kernel(mask, Lq, Lk, mods, classes):
+    """``classes[b, h, qt, kt]`` of the tiles of ``mask (MB, MH, Lq, Lk)``, or of the mask
+    function (its copies: :mod:`attnnb.cpu._mods`, whose ``mask`` is a placeholder), one
+    task per tile; a ``classes`` axis of length 1 (batch or head) stands for all,
+    evaluated at index 0."""
+    for task in prange(classes.size):
+        b, h, qt, kt, i0, j0 = task_tile(task, classes)
         allowed = masked = False
-        for r in range(min(TILE_Q, Lq - i0)):
-            row = mask[b, h, i0 + r]
-            for c in range(j0, min(j0 + TILE_K, Lk)):
-                if row[c]:
+        for i in range(i0, min(i0 + TILE_Q, Lq)):
+            for j in range(j0, min(j0 + TILE_K, Lk)):
+                if allowed_at(mask, b, h, i, j, mods):
                     allowed = True
                 else:
                     masked = True
             if allowed and masked:
                 break
         classes[b, h, qt, kt] = PARTIAL if allowed and masked else FULL if allowed else EMPTY
+
+
+def combined_classes(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """The tile map of two masks together: empty where either is, full where both are."""
+    a, b = np.broadcast_arrays(first, second)
+    return np.where((a == EMPTY) | (b == EMPTY), EMPTY,
+                    np.where((a == FULL) & (b == FULL), FULL, PARTIAL)).astype(np.int8)
 
 
 def unbroadcast(mask: np.ndarray) -> np.ndarray:
@@ -57,7 +81,7 @@ def mask_tile_classes(mask: np.ndarray) -> np.ndarray:
     MB, MH, Lq, Lk = reduced.shape
     classes = np.empty((MB, MH, -(-Lq // TILE_Q), -(-Lk // TILE_K)), np.int8)
     if classes.size:
-        launch(classify_kernel, reduced, classes)
+        launch(classify_kernel, reduced, Lq, Lk, no_mods(), classes)
     return classes
 
 

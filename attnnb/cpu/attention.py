@@ -11,7 +11,9 @@ from ._blocks import ROWS
 from ._dropout import kernel_dropout, row_keys, scale_kept
 from ._host import kernel_sinks, run_sweep
 from ._jit import kernel, wide_vectors
-from ._mask_tiles import EMPTY, FULL, mask_tile_classes, no_tile_map, tile_class
+from ._mask_tiles import EMPTY, FULL, tile_class
+from ._mod_hooks import MASK_FN, mask_tile, score_tile
+from ._mods import mod_kernel, mods_argument, tile_map
 from ._splits import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS, key_splits, merge_split_rows
 from ._task import query_task, sweep_geometry
 from ._tiles import (
@@ -36,8 +38,8 @@ from ._views import keep_alive, unowned
 
 @kernel
 def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                     causal, normalizer, dropout, mask_tiles, sinks, n_split, part_out, part_lse,
-                     out, lse):
+                     causal, normalizer, dropout, mask_tiles, sinks, mods, n_split, part_out,
+                     part_lse, out, lse):
     """One task per (batch, query head, query tile, key split); see :mod:`attnnb.cpu._tiles`.
 
     Leading arguments as every tiled kernel's (:mod:`attnnb.cpu._host`).  With
@@ -56,11 +58,13 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
     ``dropout`` (:func:`attnnb.cpu._dropout.kernel_dropout`): the dropped
     weights of each tile are zeroed after they have entered the row's sum, so
     the LSE is that of the weights before dropout; the host scales ``out``.
-    ``mask_tiles``: the mask's tile map (:mod:`attnnb.cpu._mask_tiles`, read
-    only with ``has_mask``): key tiles the mask hides from every row of the
-    task are not visited, and those it allows whole are not masked element
-    by element.  ``sinks (B, Hq)``: ``softmax1``'s sink logits (zeros for
-    plain ``softmax1``, learned sinks otherwise; read only by ``softmax1``).
+    ``mask_tiles``: the tile map of the mask and the mask function together
+    (:mod:`attnnb.cpu._mask_tiles`, read only with either): key tiles they
+    hide from every row of the task are not visited, and those they allow
+    whole are not masked element by element.  ``sinks (B, Hq)``: ``softmax1``'s
+    sink logits (zeros for plain ``softmax1``, learned sinks otherwise; read
+    only by ``softmax1``).  ``mods``: the mask and score functions' arguments
+    (:mod:`attnnb.cpu._mod_hooks`).
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, SWEEP_TILE_Q, causal)
     local_tiles = Lq <= LOCAL_TILE_ROWS
@@ -92,12 +96,12 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
         kh, bias_bh, mask_bh, logks_b = k[b, g], bias[b, h], mask[b, h], logks[b]
         last = min(key_tiles_seen(i0, nq, diag, n_kt), (split + 1) * per_split)
         for t in range(split * per_split, last):
-            masked_here = has_mask
-            if has_mask:
+            partial = has_mask or MASK_FN
+            if has_mask or MASK_FN:
                 cls = tile_class(mask_tiles, b, h, i0 // TILE_Q, (i0 + nq - 1) // TILE_Q, t)
                 if cls == EMPTY:
                     continue
-                masked_here = cls != FULL
+                partial = cls != FULL
             j0 = t * TILE_K
             nk = min(TILE_K, Lk - j0)
             # the key tile: from the filled buffer, or transposed here (decoding)
@@ -118,10 +122,12 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
                 S = tile_logits_keys(qt, kh, vh, j0, nq, St_flat, S_flat, True)
             else:
                 S = tile_logits_t(qs, tiles, tile_j0, nk, S_flat)
+            score_tile(S, b, h, i0, j0, mods)
             # relu_expm1 keeps the logits and the kernel values apart (see modify_logits)
             F = factor_tile(F_flat, S, normalizer)
-            modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, masked_here, logks_b,
-                          has_ks, normalizer)
+            modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, partial and has_mask,
+                          logks_b, has_ks, normalizer)
+            mask_tile(S, b, h, i0, j0, partial, mods)
             online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_finite, normalizer, dropout,
                           keys, words)
         dest_out = out
@@ -144,8 +150,8 @@ def attention(problem):
     dt = problem.q.dtype
     part_out = np.empty((n_split if n_split > 1 else 0, B, Hq, Lq, Dv), dt)
     part_lse = np.empty(part_out.shape[:4], dt)
-    tile_map = no_tile_map() if problem.mask is None else mask_tile_classes(problem.mask)
-    out, lse = run_sweep(attention_kernel, problem, NORMALIZER_CODES[problem.normalizer],
-                         kernel_dropout(problem), tile_map, kernel_sinks(problem), n_split,
-                         part_out, part_lse, key_tiles=Lq > LOCAL_TILE_ROWS)
+    out, lse = run_sweep(mod_kernel(attention_kernel, problem), problem,
+                         NORMALIZER_CODES[problem.normalizer], kernel_dropout(problem),
+                         tile_map(problem), kernel_sinks(problem), mods_argument(problem),
+                         n_split, part_out, part_lse, key_tiles=Lq > LOCAL_TILE_ROWS)
     return scale_kept(out, problem), lse

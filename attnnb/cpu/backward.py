@@ -64,7 +64,17 @@ from ._grad_tiles import (
 )
 from ._host import kernel_sinks, score_arguments
 from ._jit import inner, kernel, launch, wide_vectors
-from ._mask_tiles import mask_tile_classes, visible_tiles
+from ._mask_tiles import visible_tiles
+from ._mod_hooks import (
+    add_array_gradients,
+    mask_tile,
+    mod_grad_views,
+    mod_scratch,
+    raw_gradients,
+    score_tile_kept,
+    task_groups,
+)
+from ._mods import group_gradients, mod_kernel, mods_argument, parameter_gradients, tile_map
 from ._prologue import filled_kv_tiles
 from ._sparse_tiles import csr_tile_mask
 from ._splits import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS
@@ -185,7 +195,7 @@ def pair_tiles(k, v, kt, vt, k_ok, local, by_rows, by_keys, own, b, g, t):
 
 @inner
 def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, by_keys, b, h, ph, i0, nq, j0,
-                   nk, diag, csr_masked, cursor, scratch, keys_scratch):
+                   nk, diag, csr_masked, cursor, scratch, keys_scratch, mods, modded):
     """Weights ``W`` and logit gradients ``dS`` of one (query tile, key tile) pair.
 
     Recomputes the forward's modified logits of query head ``h``'s rows
@@ -207,6 +217,11 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, by_keys, b, h, p
     and ``Wd = z W`` the weights that reach the values (``W`` itself without
     dropout), ``z`` the dropout factor (``1 / (1 - p)`` kept, 0 dropped).  Rows
     with ``lse = -inf`` (nothing allowed) have zero weights and gradients.
+
+    With a score function (:mod:`attnnb.cpu._mod_hooks`) ``dS`` is the gradient
+    of its values, and ``modded = (R_flat, M_flat)`` receives the logits
+    before it and its slopes (:func:`~attnnb.cpu._mod_hooks.raw_gradients`);
+    a mask function masks every pair.
     """
     q_flat, do_flat, S_flat, F_flat, W_flat, dS_flat, dP_flat, Wd_flat, _, words = scratch
     qt_flat, dot_flat, St_flat = keys_scratch
@@ -229,9 +244,11 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, by_keys, b, h, p
             start, stop = indptr[row0 + r], indptr[row0 + r + 1]
             cursor[r] = start + np.searchsorted(indices[start:stop], j0)
         csr_tile_mask(S, indptr, indices, row0, j0, cursor)
+    score_tile_kept(S, modded[0], modded[1], b, h, i0, j0, mods)
     F = factor_tile(F_flat, S, normalizer)
     modify_logits(S, F, i0, j0, diag, pair.bias[b, h], pair.has_bias, pair.mask[b, h],
                   pair.has_mask, pair.logks[b], pair.has_ks, normalizer)
+    mask_tile(S, b, h, i0, j0, True, mods)
     if pair.selected:  # the forward's rule, on the same modified logits
         for r in range(nq):
             thr, cut = pair.thr[b, h, i0 + r], pair.cut[b, h, i0 + r]
@@ -338,7 +355,7 @@ def softpick_row_gradients(s, f, w, ds, dp, lse, ratio, delta):
 @inner
 def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, by_keys, own, b, g, t,
                        col_ptr, col_qt, col_full, need_dbias, own_dq, dq, dk, dv, dbias,
-                       dlogks, scratch, keys_scratch, cursor):
+                       dlogks, scratch, keys_scratch, cursor, mods, modded, mod_grads):
     """Every gradient term of key tile ``t`` of key head ``g``: its ``dk``, ``dv``,
     ``dbias`` columns and ``dlogks``, and with ``own_dq`` its terms of ``dq``.
 
@@ -347,7 +364,8 @@ def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, by_keys, own
     group.  ``dq`` gets ``dS @ k_tile`` added unscaled (its owner scales it
     once at the end); ``dk`` and ``dv`` of the tile are written, scaled.
     ``kt``, ``vt``, ``k_ok``, ``local``, ``by_rows``, ``by_keys``, ``own``: as
-    :func:`pair_tiles` takes them.
+    :func:`pair_tiles` takes them.  A score function's array gradients go to
+    ``mod_grads`` (this task's group's, :mod:`attnnb.cpu._mod_hooks`).
     """
     _, _, Lq, Lk, Dv, group, _, n_kt, diag = sweep_geometry(q, k, dv, TILE_Q, pair.causal)
     D = k.shape[3]
@@ -367,16 +385,18 @@ def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, by_keys, own
             partial = pair.csr and not col_full[p]  # (no control flow inside a call)
             W, dS, G, Wd = pair_gradients(pair, q, kth, vth, tile_j0, k[b, g], v[b, g],
                                           by_rows, by_keys, b, h, ph, i0, nq, j0, nk, diag,
-                                          partial, cursor, scratch, keys_scratch)
+                                          partial, cursor, scratch, keys_scratch, mods, modded)
+            if need_dbias:
+                for r in range(nq):
+                    for c in range(nk):
+                        dbias[b, h, i0 + r, j0 + c] = dS[r, c]
+            add_array_gradients(dS, modded[0], b, h, i0, j0, mods, mod_grads)
+            raw_gradients(dS, modded[1])
             if own_dq:
                 # a key tile holding Inf or NaN: skip the zero weights, as the forward does
                 add_weighted_values(dS, k[b, g], j0, k_finite, dq[b, h, i0 : i0 + nq], T_flat)
             transposed_values_product(Wd, pair.dout[b, h], i0, dv_acc, T_flat)
             transposed_values_product(dS, q[b, h], i0, dk_acc, T_flat)
-            if need_dbias:
-                for r in range(nq):
-                    for c in range(nk):
-                        dbias[b, h, i0 + r, j0 + c] = dS[r, c]
             if pair.has_ks:
                 # softpick's pair loop leaves the whole term in G (its weight may be 0)
                 whole = pair.normalizer == SOFTPICK
@@ -391,8 +411,8 @@ def key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, by_keys, own
 
 
 @kernel
-def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, local, pair, col_ptr, col_qt, col_full,
-                need_dbias, own_dq, dq, dk, dv, dbias, dlogks):
+def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, local, pair, mods, mod_grads, col_ptr, col_qt,
+                col_full, need_dbias, own_dq, dq, dk, dv, dbias, dlogks):
     """``dk``, ``dv``, ``dbias`` columns and ``dlogks`` (per key head; summed on the
     host), and with ``own_dq`` also ``dq``.
 
@@ -412,6 +432,10 @@ def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, local, pair, col_ptr, col_qt, col_f
     ``col_qt[col_ptr[ph * n_kt + t] : col_ptr[ph * n_kt + t + 1]]`` (the
     forward's tile lists read by key tile, :func:`by_key_tile`); ``col_full``
     says which need no element mask from the CSR rows (``pair.csr``).
+
+    ``mods``: the mask and score functions' arguments, ``mod_grads`` the score
+    function's array gradients, one set per group of tasks
+    (:mod:`attnnb.cpu._mod_hooks`).
     """
     B, Hq, Lq, D = q.shape
     Hk, Dv, n_kt = k.shape[1], v.shape[3], -(-k.shape[2] // TILE_K)
@@ -420,26 +444,32 @@ def dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, local, pair, col_ptr, col_qt, col_f
     n_ranges = n_kt // per_task
     by_rows = few_rows(local, Lq, pair.selected)
     by_keys = from_stored_keys(local, Lq)
-    for task in prange(B * Hk * n_ranges):
+    n_tasks = B * Hk * n_ranges
+    n_groups = task_groups(n_tasks)
+    for grp in prange(n_groups):
         wide_vectors()
-        b, g, span = task // (Hk * n_ranges), (task // n_ranges) % Hk, task % n_ranges
-        scratch = pair_scratch(q.dtype, D, Dv)
-        keys_scratch = stored_keys_scratch(q.dtype, D, Dv, by_keys)
-        cursor = np.empty(TILE_Q, np.int64)
-        own = (np.empty((1, D, TILE_K), q.dtype), np.empty((1, Dv, TILE_K), q.dtype))
-        for t in range(span * per_task, (span + 1) * per_task):
-            key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, by_keys, own, b,
-                               g, t, col_ptr, col_qt, col_full, need_dbias, own_dq, dq, dk, dv,
-                               dbias, dlogks, scratch, keys_scratch, cursor)
-        if own_dq:  # dq's terms arrived in key-tile order, as in dq_kernel; now scaled
-            for h in range(g * group, (g + 1) * group):
-                for r in range(Lq):
-                    for e in range(D):
-                        dq[b, h, r, e] = pair.scale * dq[b, h, r, e]
+        group_grads = mod_grad_views(mod_grads, grp)
+        for task in range(grp, n_tasks, n_groups):
+            b, g, span = task // (Hk * n_ranges), (task // n_ranges) % Hk, task % n_ranges
+            scratch = pair_scratch(q.dtype, D, Dv)
+            keys_scratch = stored_keys_scratch(q.dtype, D, Dv, by_keys)
+            cursor = np.empty(TILE_Q, np.int64)
+            own = (np.empty((1, D, TILE_K), q.dtype), np.empty((1, Dv, TILE_K), q.dtype))
+            modded = mod_scratch(q.dtype)
+            for t in range(span * per_task, (span + 1) * per_task):
+                key_tile_gradients(pair, q, k, v, kt, vt, k_ok, local, by_rows, by_keys, own,
+                                   b, g, t, col_ptr, col_qt, col_full, need_dbias, own_dq, dq,
+                                   dk, dv, dbias, dlogks, scratch, keys_scratch, cursor, mods,
+                                   modded, group_grads)
+            if own_dq:  # dq's terms arrived in key-tile order, as in dq_kernel; now scaled
+                for h in range(g * group, (g + 1) * group):
+                    for r in range(Lq):
+                        for e in range(D):
+                            dq[b, h, r, e] = pair.scale * dq[b, h, r, e]
 
 
 @kernel
-def dq_kernel(q, k, v, kt, vt, k_ok, local, pair, row_ptr, row_kt, row_full, dq):
+def dq_kernel(q, k, v, kt, vt, k_ok, local, pair, mods, row_ptr, row_kt, row_full, dq):
     """One task per (batch, query head, query tile): ``dq`` of its rows, over the key
     tiles ``row_kt[row_ptr[ph * n_qt + qt] : ...]`` of the forward's tile lists.
 
@@ -459,6 +489,7 @@ def dq_kernel(q, k, v, kt, vt, k_ok, local, pair, row_ptr, row_kt, row_full, dq)
         keys_scratch = stored_keys_scratch(q.dtype, D, Dv, by_keys)
         cursor = np.empty(TILE_Q, np.int64)
         own = (np.empty((1, D, TILE_K), q.dtype), np.empty((1, Dv, TILE_K), q.dtype))
+        modded = mod_scratch(q.dtype)
         dq_acc = np.zeros((nq, D), q.dtype)
         for p in range(row_ptr[row], row_ptr[row + 1]):
             j0 = row_kt[p] * TILE_K
@@ -467,8 +498,9 @@ def dq_kernel(q, k, v, kt, vt, k_ok, local, pair, row_ptr, row_kt, row_full, dq)
             kth, vth, tile_j0, k_finite = pair_tiles(k, v, kt, vt, k_ok, local, by_rows,
                                                      by_keys, own, b, g, row_kt[p])
             _, dS, _, _ = pair_gradients(pair, q, kth, vth, tile_j0, k[b, g], v[b, g], by_rows,
-                                      by_keys, b, h, ph, i0, nq, j0, nk, diag, partial, cursor,
-                                      scratch, keys_scratch)
+                                         by_keys, b, h, ph, i0, nq, j0, nk, diag, partial,
+                                         cursor, scratch, keys_scratch, mods, modded)
+            raw_gradients(dS, modded[1])
             # a key tile holding Inf or NaN: skip the zero weights, as the forward does
             add_weighted_values(dS, k[b, g], j0, k_finite, dq_acc, scratch[8])
         for r in range(nq):
@@ -548,8 +580,8 @@ def tiled_vjp(problem, out, lse, dout, dlse, need_bias, pattern=None, selection=
         # placeholders typed as a Pattern's arrays: one compiled kernel for both paths
         indptr, indices = read_only(np.zeros(1, np.int64)), read_only(np.zeros(1, np.int32))
         p_heads = 1
-        visible = (None if problem.mask is None else
-                   visible_tiles(mask_tile_classes(problem.mask), n_qt, n_kt))
+        visible = (None if problem.mask is None and problem.mask_mod is None else
+                   visible_tiles(tile_map(problem), n_qt, n_kt))
         rows = dense_tiles(Lq, Lk, problem.causal, visible)
     else:
         layout = pattern.blocks(TILE_Q, TILE_K)
@@ -574,13 +606,18 @@ def tiled_vjp(problem, out, lse, dout, dlse, need_bias, pattern=None, selection=
     # few query rows: each key tile serves one query tile, so a task transposes it itself
     # instead of a prologue pass over all of k and v (the forward's rule, _splits)
     local = Lq <= LOCAL_TILE_ROWS
+    mods = mods_argument(problem)
+    mod_grads = group_gradients(problem, mods, B * Hk * (1 if one_sweep else n_kt))
     with filled_kv_tiles(k, v, tiles=not local) as (kt, vt, k_ok, v_ok):
-        launch(dkdv_kernel, q, k, v, kt, vt, k_ok, v_ok, local, pair, *cols, need_bias,
-               one_sweep, dq, dk, dv, dbias, dlogks)
+        launch(mod_kernel(dkdv_kernel, problem), q, k, v, kt, vt, k_ok, v_ok, local, pair,
+               mods, mod_grads, *cols, need_bias, one_sweep, dq, dk, dv, dbias, dlogks)
         if not one_sweep:
-            launch(dq_kernel, q, k, v, kt, vt, k_ok, local, pair, *rows, dq)
+            launch(mod_kernel(dq_kernel, problem), q, k, v, kt, vt, k_ok, local, pair, mods,
+                   *rows, dq)
     if has_ks:
         grads["log_key_size"] = dlogks.sum(axis=1)
+    if problem.score_mod is not None:
+        grads["score_mod"] = parameter_gradients(problem, mod_grads)
     return grads
 
 
@@ -596,14 +633,24 @@ def attention_vjp(problem, out, lse, dout, dlse, dbias_shape=None):
     chunks = bias_chunks(problem.shape, problem.q.dtype.itemsize, dbias_shape,
                          min_heads=ONE_SWEEP_TASKS)
     if chunks is not None:
+        mod_parts = []
+
         def run(part, out_c, lse_c, dout_c, dlse_c):
             g = tiled_vjp(part, out_c, lse_c, dout_c, dlse_c, True)
+            if "score_mod" in g:
+                mod_parts.append(g["score_mod"])
             return g["q"], g["k"], g["v"], g["bias"], g["log_key_size"]
 
-        return chunked_vjp(run, problem, (out, lse, dout, dlse), chunks, dbias_shape)
+        whole = chunked_vjp(run, problem, (out, lse, dout, dlse), chunks, dbias_shape)
+        if not mod_parts:
+            return whole
+        summed = tuple(None if parts[0] is None else sum(parts[1:], parts[0].copy())
+                       for parts in zip(*mod_parts))
+        return whole + (summed,)
     g = tiled_vjp(problem, out, lse, dout, dlse, dbias_shape is not None)
     dbias = None if dbias_shape is None else sum_to_shape(g["bias"], dbias_shape)
-    return g["q"], g["k"], g["v"], dbias, g["log_key_size"]
+    grads = (g["q"], g["k"], g["v"], dbias, g["log_key_size"])
+    return grads + (g["score_mod"],) if "score_mod" in g else grads
 
 
 def sparse_attention_vjp(problem, pattern, out, lse, dout, dlse):

@@ -55,6 +55,46 @@ def logits(q, k, scale, bias=None):
     return s
 
 
+def problem_logits(problem, k, with_slope=False, rows=None):
+    """The logits of a problem's rows in float64, as the kernels form them: ``scale q k^T``,
+    then ``score_mod`` (:mod:`attnnb.mods`), then ``bias``.
+
+    Returns ``(s, raw, slope)``: the logits, those before ``score_mod`` and its
+    derivative ``d s / d raw`` (None without a score mod or unless asked).  ``rows``:
+    only these query rows (all by default).
+    """
+    Lq = problem.q.shape[2]
+    q = problem.q if rows is None else problem.q[:, :, rows]
+    raw = logits(q, k, problem.scale)
+    s, slope = raw, None
+    if problem.score_mod is not None:
+        from .._mod_compile import score_values
+
+        s, slope = score_values(problem.score_mod, raw, Lq, problem.dropout_origin, rows,
+                                with_slope)
+    if problem.bias is not None:
+        bias = problem.bias if rows is None else problem.bias[:, :, rows]
+        s = s + bias.astype(np.float64)
+    return s, raw, slope
+
+
+def mask_mod_values(problem, shape, rows=None):
+    """bool ``(B, H, n, Lk)``: the problem's ``mask_mod`` on ``rows`` (all by default) of
+    a problem of ``shape`` ``(B, H, Lq, Lk)``; None without one."""
+    if problem.mask_mod is None:
+        return None
+    from .._mod_compile import mask_values
+
+    return mask_values(problem.mask_mod, shape, problem.dropout_origin, rows)
+
+
+def problem_allowed(problem, shape):
+    """:func:`allowed_set` of a problem, with its ``mask_mod`` evaluated everywhere."""
+    allowed = allowed_set(shape, problem.mask, problem.causal)
+    by_mod = mask_mod_values(problem, shape)
+    return allowed if by_mod is None else allowed & by_mod
+
+
 def allowed_set(shape, mask=None, causal=False):
     """Boolean ``(B, H, Lq, Lk)``: True where query i may attend key j."""
     B, H, Lq, Lk = shape

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._dropout import keep_mask, keep_scale
-from ._common import allowed_set, apply_weights, expand_kv_heads, logits, normalize
+from ._common import apply_weights, expand_kv_heads, normalize, problem_allowed, problem_logits
 
 
 def sink_of(problem):
@@ -38,8 +38,8 @@ def attention_weights(problem):
     """
     B, Hq, _, Lq, Lk, _, _ = problem.shape
     k = expand_kv_heads(problem.k, Hq)
-    s = logits(problem.q, k, problem.scale, problem.bias)
-    allowed = allowed_set((B, Hq, Lq, Lk), problem.mask, problem.causal)
+    s = problem_logits(problem, k)[0]
+    allowed = problem_allowed(problem, (B, Hq, Lq, Lk))
     w, lse = normalize(s, allowed, problem.log_key_size, problem.normalizer, sink_of(problem))
     return w, lse, allowed
 

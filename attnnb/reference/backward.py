@@ -54,6 +54,8 @@ from ._common import (
     logistic,
     logits,
     normalize,
+    problem_allowed,
+    problem_logits,
     softpick_terms,
 )
 from .attention import dropout_factors, sink_of
@@ -182,7 +184,7 @@ def _softpick_backward(s, allowed, lks, dw, dlse):
 
 
 def _weights_backward(problem_q, k_exp, v_exp, scale, s, allowed, log_key_size,
-                      normalizer, dout, dlse, dropout=None, sink=0.0):
+                      normalizer, dout, dlse, dropout=None, sink=0.0, slope=None):
     """Gradients of one dense stream ``out = w(s) @ v`` with query-head-expanded k, v.
 
     With ``dropout`` (the factors ``z`` of :func:`~attnnb.reference.attention.dropout_factors`)
@@ -191,7 +193,9 @@ def _weights_backward(problem_q, k_exp, v_exp, scale, s, allowed, log_key_size,
 
     Returns ``dq (B, H, Lq, D)``, ``dk (B, H, Lk, D)``, ``dv (B, H, Lk, Dv)``
     (per query head, before GQA summing), ``ds`` and the ``d log key_size``
-    contributions ``(B, H, Lq, Lk)``.
+    contributions ``(B, H, Lq, Lk)``.  ``slope``: a score mod's ``d s / d raw``, which
+    the logits' gradient passes through on its way to ``q`` and ``k`` (``ds`` stays the
+    gradient of the modified logits ``s``).
     """
     dout = np.asarray(dout, np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -203,9 +207,10 @@ def _weights_backward(problem_q, k_exp, v_exp, scale, s, allowed, log_key_size,
     if dropout is not None:
         w = w * dropout
     q = problem_q.astype(np.float64)
+    ds_raw = ds if slope is None else np.where(ds == 0.0, 0.0, ds * slope)
     # apply_weights keeps a non-finite k, q or dout out of the rows that never read it
-    dq = scale * apply_weights(ds, k_exp, allowed)
-    dk = scale * apply_weights(_t(ds), q, _t(allowed))
+    dq = scale * apply_weights(ds_raw, k_exp, allowed)
+    dk = scale * apply_weights(_t(ds_raw), q, _t(allowed))
     dv = apply_weights(_t(w), dout, _t(allowed))
     return dq, dk, dv, ds, dlog_size
 
@@ -259,9 +264,33 @@ def attention_vjp(problem, out, lse, dout, dlse=None, dbias_shape=None):
     dlog_key_size : float64 ``(B, Lk)``, or None without key sizes
     """
     B, Hq, _, Lq, Lk, _, _ = problem.shape
-    allowed = allowed_set((B, Hq, Lq, Lk), problem.mask, problem.causal)
-    return _masked_vjp(problem, allowed, problem.bias, dout, dlse, dbias_shape,
-                       problem.normalizer)
+    if problem.mask_mod is None and problem.score_mod is None:
+        allowed = allowed_set((B, Hq, Lq, Lk), problem.mask, problem.causal)
+        return _masked_vjp(problem, allowed, problem.bias, dout, dlse, dbias_shape,
+                           problem.normalizer)
+    return _modded_vjp(problem, dout, dlse, dbias_shape)
+
+
+def _modded_vjp(problem, dout, dlse, dbias_shape):
+    """:func:`attention_vjp` with a mask or score mod: the score mod's slope on the way to
+    ``q`` and ``k``, and its arrays' gradients (a sixth result, flat in leaf order)."""
+    B, Hq, _, Lq, Lk, _, _ = problem.shape
+    k = expand_kv_heads(problem.k, Hq)
+    v = expand_kv_heads(problem.v, Hq)
+    mod = problem.score_mod
+    s, raw, slope = problem_logits(problem, k, with_slope=mod is not None)
+    allowed = problem_allowed(problem, (B, Hq, Lq, Lk))
+    grads = _weights_backward(problem.q, k, v, problem.scale, s, allowed,
+                              problem.log_key_size, problem.normalizer, dout, dlse,
+                              dropout_factors(problem), sink_of(problem), slope)
+    finished = _finish(problem, *grads, dbias_shape)
+    if mod is None:
+        return finished
+    from .._mod_compile import array_gradients, missing_array_gradients
+
+    if missing_array_gradients(mod):
+        return finished + (None,)
+    return finished + (array_gradients(mod, grads[3], raw, problem.dropout_origin),)
 
 
 def sparse_attention_vjp(problem, pattern, out, lse, dout, dlse=None):

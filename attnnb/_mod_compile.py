@@ -1,0 +1,452 @@
+"""Compile :mod:`attnnb.mods`' functions into the small Numba functions the kernels inline.
+
+A mask mod becomes ``allowed(b, h, i, j, args) -> bool`` and a score mod
+three functions of one flat ``args`` tuple (every leaf's arrays in leaf
+order, from a given offset: the kernels put other arrays first):
+``value(s, b, h, i, j, args)``, ``slope(s, b, h, i, j, args)`` (``d value /
+d s``) and ``agrad(g, s, b, h, i, j, grads, args)`` (adds ``g`` times the
+derivative with respect to the arrays into ``grads``, shaped like ``args``).
+Flat, because Numba's parallel loops cannot take a tuple held in a tuple.
+All are compiled with ``forceinline`` (inlined where they are called, as
+the kernels' own shared loops), without caching: they are inlined into
+kernels that the cpu backend caches under the mod's
+fingerprint.
+
+Also here: the call-time binding of the arrays (:func:`bind`), the type
+check that names the function when it does not compile (:func:`check_types`),
+the float64 loops that the reference backend materialises mods with, and
+:func:`check_derivatives` behind :func:`attnnb.mods.check`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numba
+import numpy as np
+
+from .mods import OFFSET, MaskMod, ScoreMod
+
+COMPLEX_STEP = 1e-30
+
+_jitted: dict = {}
+_compiled: dict = {}
+
+
+def _skip(module: str) -> bool:
+    return module.split(".")[0] in ("numpy", "numba", "math", "builtins", "llvmlite")
+
+
+def jit(fn: Callable) -> Any:
+    """``fn`` compiled to be inlined (``forceinline``, no cache); plain Python functions
+    it calls by a global name are compiled alike (a helper need not be decorated)."""
+    if isinstance(fn, numba.core.registry.CPUDispatcher):
+        fn = fn.py_func
+    key = (fn, id(fn.__globals__))
+    found = _jitted.get(key)
+    if found is not None:
+        return found
+    names = set(fn.__code__.co_names)
+    helpers = {n: fn.__globals__[n] for n in names
+               if inspect.isfunction(fn.__globals__.get(n))
+               and not _skip(getattr(fn.__globals__[n], "__module__", "") or "")}
+    target = fn
+    if helpers:
+        scope = dict(fn.__globals__)
+        scope.update({n: jit(h) for n, h in helpers.items()})
+        target = type(fn)(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+        target.__qualname__ = fn.__qualname__
+    found = numba.njit(forceinline=True, nogil=True)(target)
+    _jitted[key] = found
+    return found
+
+
+def _inline(fn: Callable) -> Any:
+    return numba.njit(forceinline=True, nogil=True)(fn)
+
+
+@dataclass(frozen=True)
+class CompiledMask:
+    allowed: Any
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class CompiledScore:
+    value: Any
+    slope: Any
+    agrad: Any
+    fingerprint: str
+
+
+def _closure_text(fn) -> str:
+    cells = getattr(getattr(fn, "py_func", fn), "__closure__", None) or ()
+    return repr(tuple(c.cell_contents for c in cells))
+
+
+_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fingerprint(mod: MaskMod | ScoreMod) -> str:
+    """A short hash of the mod's functions (source, closure) and composition: mods with
+    one fingerprint share their compiled functions and kernels.  The globals a function
+    reads are not part of it (a module-level function's are its module's)."""
+    found = _fingerprints.get(mod)
+    if found is None:
+        found = _fingerprints[mod] = _fingerprint(mod)
+    return found
+
+
+def _fingerprint(mod: MaskMod | ScoreMod) -> str:
+    funcs = []
+
+    def walk(m):
+        if m.kind == "fn":
+            funcs.extend(_closure_text(f) for f in (m.fn, getattr(m, "grad_s", None),
+                                                      getattr(m, "grad_arrays", None)))
+        for p in m.parts:
+            walk(p)
+
+    walk(mod)
+    text = mod.fingerprint() + "|" + "|".join(funcs)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _leaf_call(callee: Callable, head: str, offset: int, n: int, grads: bool = False):
+    """A function ``(head..., [grads,] args)`` that calls ``callee(head..., [its grads,]
+    args[offset], ..., args[offset + n - 1])``: a leaf's arrays at their static places
+    in the flat ``args`` (Numba indexes a heterogeneous tuple by constants only)."""
+    arrays = "".join(f", args[{offset + n_}]" for n_ in range(n))
+    own_grads = ""
+    if grads:
+        own_grads = ", (" + "".join(f"grads[{offset + n_}], " for n_ in range(n)) + ")"
+    params = head + (", grads" if grads else "") + ", args"
+    source = f"def leaf({params}):\n    return callee({head}{own_grads}{arrays})\n"
+    scope = {"callee": callee}
+    exec(source, scope)  # noqa: S102 - the text above, with integers only
+    return scope["leaf"]
+
+
+def arity(mod: MaskMod | ScoreMod) -> int:
+    """How many arrays ``mod`` reads: its slots in the flat ``args``."""
+    if mod.kind == "fn":
+        return len(mod.arrays)
+    return sum(arity(p) for p in mod.parts)
+
+
+def compile_mask(mod: MaskMod, offset: int = 0) -> CompiledMask:
+    """``allowed(b, h, i, j, args)`` of a mask mod whose arrays start at ``args[offset]``."""
+    key = ("mask", fingerprint(mod), offset)
+    found = _compiled.get(key)
+    if found is not None:
+        return found
+    if mod.kind == "fn":
+        allowed = _leaf_call(jit(mod.fn), "b, h, i, j", offset, len(mod.arrays))
+    elif mod.kind == "not":
+        inner = compile_mask(mod.parts[0], offset).allowed
+
+        def allowed(b, h, i, j, args):
+            return not inner(b, h, i, j, args)
+    else:
+        left = compile_mask(mod.parts[0], offset).allowed
+        right = compile_mask(mod.parts[1], offset + arity(mod.parts[0])).allowed
+        if mod.kind == "and":
+            def allowed(b, h, i, j, args):
+                return left(b, h, i, j, args) and right(b, h, i, j, args)
+        else:
+            def allowed(b, h, i, j, args):
+                return left(b, h, i, j, args) or right(b, h, i, j, args)
+    found = CompiledMask(_inline(allowed), fingerprint(mod))
+    _compiled[key] = found
+    return found
+
+
+def compile_score(mod: ScoreMod, offset: int = 0) -> CompiledScore:
+    """``value``, ``slope`` and ``agrad`` of a score mod whose arrays start at
+    ``args[offset]`` (module docstring)."""
+    key = ("score", fingerprint(mod), offset)
+    found = _compiled.get(key)
+    if found is not None:
+        return found
+    if mod.kind == "fn":
+        n = len(mod.arrays)
+        f = jit(mod.fn)
+        value = _leaf_call(f, "s, b, h, i, j", offset, n)
+        if mod.grad_s is not None:
+            slope = _leaf_call(jit(mod.grad_s), "s, b, h, i, j", offset, n)
+        else:
+            at = _inline(_leaf_call(f, "s, b, h, i, j", offset, n))
+
+            def slope(s, b, h, i, j, args):
+                return at(complex(s, COMPLEX_STEP), b, h, i, j, args).imag / COMPLEX_STEP
+
+        if mod.grad_arrays is not None:
+            agrad = _leaf_call(jit(mod.grad_arrays), "g, s, b, h, i, j", offset, n, grads=True)
+        else:
+            def agrad(g, s, b, h, i, j, grads, args):
+                pass
+    else:
+        first = compile_score(mod.parts[0], offset)
+        then = compile_score(mod.parts[1], offset + arity(mod.parts[0]))
+        v1, s1, a1 = first.value, first.slope, first.agrad
+        v2, s2, a2 = then.value, then.slope, then.agrad
+
+        def value(s, b, h, i, j, args):
+            return v2(v1(s, b, h, i, j, args), b, h, i, j, args)
+
+        def slope(s, b, h, i, j, args):
+            t = v1(s, b, h, i, j, args)
+            return s2(t, b, h, i, j, args) * s1(s, b, h, i, j, args)
+
+        def agrad(g, s, b, h, i, j, grads, args):
+            t = v1(s, b, h, i, j, args)
+            a2(g, t, b, h, i, j, grads, args)
+            a1(g * s2(t, b, h, i, j, args), s, b, h, i, j, grads, args)
+    found = CompiledScore(_inline(value), _inline(slope), _inline(agrad), fingerprint(mod))
+    _compiled[key] = found
+    return found
+
+
+# ---------------------------------------------------------------------------
+# the arrays at call time
+
+
+def bind(mod: MaskMod | ScoreMod, Lq: int, Lk: int) -> tuple:
+    """The flat ``args`` tuple of ``mod``'s arrays in leaf order for a call with ``Lq``
+    queries and ``Lk`` keys (:data:`~attnnb.mods.OFFSET` becomes ``[Lk - Lq]``),
+    C-contiguous."""
+    if mod.kind == "fn":
+        return tuple(np.array([Lk - Lq], np.int64) if a is OFFSET else _readable(a)
+                     for a in mod.arrays)
+    return sum((bind(p, Lq, Lk) for p in mod.parts), ())
+
+
+def _readable(a: np.ndarray) -> np.ndarray:
+    """C-contiguous and writeable (Numba types read-only arrays apart); never written."""
+    out = np.ascontiguousarray(a)
+    return out if out.flags.writeable else out.copy()
+
+
+def zero_grads(args: tuple) -> tuple:
+    """float64 zeros shaped like every array of ``args``."""
+    return tuple(np.zeros(a.shape, np.float64) for a in args)
+
+
+def param_grads(mod: ScoreMod, grads: tuple) -> tuple:
+    """The gradients of ``mod``'s parameters, flat in leaf order, from ``grads`` shaped
+    like its flat ``args``: ``None`` for integer and boolean arrays and constant leaves."""
+    if mod.kind != "fn":
+        out, at = (), 0
+        for p in mod.parts:
+            out += param_grads(p, grads[at:at + arity(p)])
+            at += arity(p)
+        return out
+    own = tuple(None if mod.constant or a.dtype.kind != "f" else g
+                for a, g in zip(mod.arrays, grads) if a is not OFFSET)
+    if mod.to_params is not None:
+        own = mod.to_params(own)
+    return tuple(None if g is None or p.dtype.kind != "f" else g.astype(p.dtype, copy=False)
+                 for g, p in zip(own, mod.params))
+
+
+def missing_array_gradients(mod: ScoreMod) -> list[str]:
+    """Names of the leaves with float arrays, not constant, and no ``grad_arrays``."""
+    if mod.kind != "fn":
+        return sum((missing_array_gradients(p) for p in mod.parts), [])
+    floats = any(a is not OFFSET and a.dtype.kind == "f" for a in mod.arrays)
+    return [mod.name] if floats and not mod.constant and mod.grad_arrays is None else []
+
+
+# ---------------------------------------------------------------------------
+# type checks
+
+
+def _compile_for(role: str, mod, disp, argtypes: tuple, what: str):
+    try:
+        disp.compile(argtypes)
+    except numba.core.errors.NumbaError as err:
+        detail = str(err).strip()
+        if len(detail) > 2000:  # Numba's report: its first and last lines say what failed
+            detail = detail[:800] + "\n...\n" + detail[-1200:]
+        raise TypeError(f"{role} {mod.name!r} does not compile for {what}:\n{detail}") from None
+    return disp.overloads[argtypes].signature.return_type
+
+
+def check_types(mask: MaskMod | None, score: ScoreMod | None, Lq: int, Lk: int,
+                dtype=np.float64) -> None:
+    """Compile the mods for this call's argument types; a ``TypeError`` names the function
+    when one does not compile or returns the wrong type."""
+    i64 = numba.types.int64
+    if mask is not None:
+        args = bind(mask, Lq, Lk)
+        ret = _compile_for("mask_mod", mask, compile_mask(mask).allowed,
+                           (i64, i64, i64, i64, numba.typeof(args)),
+                           "(b, h, i, j: int64, arrays)")
+        if not isinstance(ret, numba.types.Boolean):
+            raise TypeError(f"mask_mod {mask.name!r} must return a bool; it returns {ret}")
+    if score is not None:
+        args = bind(score, Lq, Lk)
+        s = numba.from_dtype(np.dtype(dtype))
+        ret = _compile_for("score_mod", score, compile_score(score).value,
+                           (s, i64, i64, i64, i64, numba.typeof(args)),
+                           f"(s: {s}, b, h, i, j: int64, arrays)")
+        if not isinstance(ret, (numba.types.Float, numba.types.Integer)):
+            raise TypeError(f"score_mod {score.name!r} must return a real number; it "
+                            f"returns {ret}")
+
+
+def check_slope(score: ScoreMod, Lq: int, Lk: int, dtype=np.float64) -> None:
+    """Compile ``d score / d s``; a ``TypeError`` says to pass ``grad_s=`` when the
+    complex step does not compile (a function that compares or clips ``s``)."""
+    args = bind(score, Lq, Lk)
+    s = numba.from_dtype(np.dtype(dtype))
+    i64 = numba.types.int64
+    try:
+        _compile_for("score_mod", score, compile_score(score).slope,
+                     (s, i64, i64, i64, i64, numba.typeof(args)), "a complex s")
+    except TypeError as err:
+        raise TypeError(f"{err}\nattnnb derives d score/ds by the complex step, which needs "
+                        "a function of s built from arithmetic and analytic functions (no "
+                        "comparisons, abs, min or max of s; np.tanh, not math.tanh); pass "
+                        "grad_s= to score_mod") from None
+
+
+# ---------------------------------------------------------------------------
+# materialised, for the reference backend (float64, small problems)
+
+
+@numba.njit
+def _mask_loop(allowed, args, out, b0, h0, rows):
+    B, H, n, Lk = out.shape
+    for b in range(B):
+        for h in range(H):
+            for r in range(n):
+                for j in range(Lk):
+                    out[b, h, r, j] = allowed(b + b0, h + h0, rows[r], j, args)
+
+
+@numba.njit
+def _score_loop(value, args, s, out, b0, h0, rows):
+    B, H, n, Lk = s.shape
+    for b in range(B):
+        for h in range(H):
+            for r in range(n):
+                for j in range(Lk):
+                    out[b, h, r, j] = value(s[b, h, r, j], b + b0, h + h0, rows[r], j, args)
+
+
+@numba.njit
+def _agrad_loop(agrad, args, grads, g, s, b0, h0):
+    B, H, Lq, Lk = s.shape
+    for b in range(B):
+        for h in range(H):
+            for i in range(Lq):
+                for j in range(Lk):
+                    if g[b, h, i, j] != 0.0:  # a pair the output does not read gives nothing
+                        agrad(g[b, h, i, j], s[b, h, i, j], b + b0, h + h0, i, j, grads, args)
+
+
+def _rows(rows, Lq: int) -> np.ndarray:
+    return np.arange(Lq, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+
+
+def mask_values(mod: MaskMod, shape: tuple, origin=(0, 0), rows=None) -> np.ndarray:
+    """bool ``(B, H, n, Lk)``: the mask mod at query rows ``rows`` (all ``Lq`` by default)
+    of a problem of ``shape`` ``(B, H, Lq, Lk)`` (``origin``: ``(b0, h0)`` of the problem's
+    first batch element and head in the call)."""
+    B, H, Lq, Lk = shape
+    index = _rows(rows, Lq)
+    out = np.empty((B, H, index.size, Lk), np.bool_)
+    _mask_loop(compile_mask(mod).allowed, bind(mod, Lq, Lk), out, *origin, index)
+    return out
+
+
+def score_values(mod: ScoreMod, s: np.ndarray, Lq: int, origin=(0, 0), rows=None,
+                 with_slope=False):
+    """``(value, slope)`` float64 of the score mod at every logit of ``s (B, H, n, Lk)``,
+    the rows ``rows`` (all ``Lq`` by default) of a problem with ``Lq`` queries; ``slope``
+    is None unless asked."""
+    s = np.ascontiguousarray(s, np.float64)
+    c = compile_score(mod)
+    args, index = bind(mod, Lq, s.shape[3]), _rows(rows, Lq)
+    out = np.empty_like(s)
+    _score_loop(c.value, args, s, out, *origin, index)
+    if not with_slope:  # (the slope is compiled only for gradients)
+        return out, None
+    dout = np.empty_like(s)
+    _score_loop(c.slope, args, s, dout, *origin, index)
+    return out, dout
+
+
+def array_gradients(mod: ScoreMod, g: np.ndarray, s: np.ndarray, origin=(0, 0)) -> tuple:
+    """The parameters' gradients (:func:`param_grads`) from ``g = dL / d value`` and the
+    logits ``s``, both float64 ``(B, H, Lq, Lk)``."""
+    args = bind(mod, s.shape[2], s.shape[3])
+    grads = zero_grads(args)
+    _agrad_loop(compile_score(mod).agrad, args, grads, np.ascontiguousarray(g, np.float64),
+                np.ascontiguousarray(s, np.float64), *origin)
+    return param_grads(mod, grads)
+
+
+# ---------------------------------------------------------------------------
+# attnnb.mods.check
+
+
+def check_derivatives(mod: ScoreMod, *, points: int, seed: int, shape: tuple,
+                      rtol: float) -> None:
+    if not isinstance(mod, ScoreMod):
+        raise TypeError(f"mods.check takes a score mod; got {type(mod).__name__}")
+    B, H, Lq, Lk = shape
+    rng = np.random.default_rng(seed)
+    c = compile_score(mod)
+    args = _copied(bind(mod, Lq, Lk))  # perturbed below: never the user's arrays
+    check_types(None, mod, Lq, Lk)
+    check_slope(mod, Lq, Lk)
+    for _ in range(points):
+        s = float(rng.uniform(-3, 3))
+        b, h, i, j = (int(rng.integers(n)) for n in shape)
+        step = 1e-6 * max(1.0, abs(s))
+        numeric = (c.value(s + step, b, h, i, j, args)
+                   - c.value(s - step, b, h, i, j, args)) / (2 * step)
+        exact = c.slope(s, b, h, i, j, args)
+        if not np.isclose(exact, numeric, rtol=rtol, atol=rtol):
+            raise AssertionError(f"{mod.name}: d score/ds = {exact} but central differences "
+                                 f"give {numeric} at s={s}, (b, h, i, j)={(b, h, i, j)}")
+        if missing_array_gradients(mod):
+            continue
+        grads = zero_grads(args)
+        _agrad_one(c.agrad, s, b, h, i, j, grads, args)
+        _check_array_slopes(mod, c, s, (b, h, i, j), args, grads, rtol)
+
+
+@numba.njit
+def _agrad_one(agrad, s, b, h, i, j, grads, args):
+    agrad(1.0, s, b, h, i, j, grads, args)
+
+
+def _copied(args: tuple) -> tuple:
+    return tuple(a.copy() for a in args)
+
+
+def _check_array_slopes(mod, c, s, index, args, grads, rtol) -> None:
+    for arr, grad in zip(args, grads):
+        if arr.dtype.kind != "f":
+            continue
+        for pos in np.ndindex(arr.shape):
+            keep = arr[pos]
+            step = 1e-6 * max(1.0, abs(float(keep)))
+            arr[pos] = keep + step
+            up = c.value(s, *index, args)
+            arr[pos] = keep - step
+            down = c.value(s, *index, args)
+            arr[pos] = keep
+            numeric = (up - down) / (2 * step)
+            if not np.isclose(grad[pos], numeric, rtol=rtol, atol=rtol):
+                raise AssertionError(
+                    f"{mod.name}: the gradient into an array entry {pos} is {grad[pos]} but "
+                    f"central differences give {numeric} at s={s}, (b, h, i, j)={index}")

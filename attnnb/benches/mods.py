@@ -1,0 +1,94 @@
+"""Benchmark cases: mask and score functions (see ``python -m attnnb bench``).
+
+Dense attention on the cpu backend, float32, B = 1, H = 8, D = 64, causal.
+
+* ALiBi at N = 2048: the same logits as a materialised ``bias`` (the first
+  candidate), ``mods.alibi``, the same function written as a user's
+  ``score_mod``, and no mod at all; ``mods.softcap`` against no mod.
+* A document mask of 8 documents of N / 8 at N = 16384 (1024 quick), with
+  ``causal``: ``mods.document`` against ``sparse_attention`` with the
+  equivalent pattern (built once, outside the timing) and against dense
+  causal attention.
+
+Forward, and forward + backward through :func:`attnnb.vjp`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+H, D = 8, 64
+
+
+def user_alibi(s, b, h, i, j, slopes):
+    """ALiBi as a user writes it (queries and keys of one length)."""
+    return s + slopes[h] * (j - i)
+
+
+def user_alibi_grad(g, s, b, h, i, j, grads, slopes):
+    grads[0][h] += g * (j - i)
+
+
+def _data(N, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal((1, H, N, D)).astype(np.float32) for _ in range(3))
+
+
+def _runner(q, k, v, backward, fn=None, **kwargs):
+    from attnnb import attention, vjp
+
+    fn = attention if fn is None else fn
+
+    def run():
+        if not backward:
+            return fn(q, k, v, backend="cpu", **kwargs)
+        out, pullback = vjp(fn, q, k, v, backend="cpu", **kwargs)
+        return pullback(out)
+
+    return run
+
+
+def alibi_case(N, backward):
+    from attnnb import mods
+
+    q, k, v = _data(N)
+    slopes = 2.0 ** -np.arange(1, H + 1, dtype=np.float32)
+    i, j = np.arange(N)[:, None], np.arange(N)[None, :]
+    bias = (slopes[:, None, None] * (j - i)).astype(np.float32)
+    user = mods.score_mod(user_alibi, slopes, grad_s=lambda s, b, h, i, j, slopes: 1.0,
+                          grad_arrays=user_alibi_grad)
+    what = "forward+backward" if backward else "forward"
+    return {"name": f"mods alibi {what} f32 H={H} N={N} D={D} causal",
+            "work": 4.0 * H * N * N * D / 2 * (3.5 if backward else 1.0),
+            "candidates": {
+                "bias": _runner(q, k, v, backward, causal=True, bias=bias),
+                "alibi": _runner(q, k, v, backward, causal=True, score_mod=mods.alibi(slopes)),
+                "user alibi": _runner(q, k, v, backward, causal=True, score_mod=user),
+                "softcap": _runner(q, k, v, backward, causal=True,
+                                   score_mod=mods.softcap(20.0)),
+                "no mod": _runner(q, k, v, backward, causal=True)}}
+
+
+def document_case(N, backward):
+    from attnnb import mods, patterns, sparse_attention
+
+    q, k, v = _data(N)
+    ids = np.arange(N) // (N // 8)
+    mask = (ids[:, None] == ids[None, :]) & (np.arange(N)[None, :] <= np.arange(N)[:, None])
+    pattern = patterns.from_mask(mask)
+    del mask
+    what = "forward+backward" if backward else "forward"
+    return {"name": f"mods document {what} f32 H={H} N={N} D={D} 8 docs causal",
+            "work": 4.0 * H * N * N * D / 16 * (3.5 if backward else 1.0),
+            "candidates": {
+                "pattern": _runner(q, k, v, backward, fn=sparse_attention, pattern=pattern),
+                "document": _runner(q, k, v, backward, causal=True,
+                                    mask_mod=mods.document(ids)),
+                "dense causal": _runner(q, k, v, backward, causal=True)}}
+
+
+def cases(quick: bool) -> list[dict]:
+    """``{"name", "work", "candidates"}`` for ``python -m attnnb bench``."""
+    n_alibi, n_doc = (256, 1024) if quick else (2048, 16384)
+    return ([alibi_case(n_alibi, backward) for backward in (False, True)]
+            + [document_case(n_doc, backward) for backward in (False, True)])

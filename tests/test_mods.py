@@ -1,0 +1,411 @@
+"""Mask and score functions (attnnb.mods, docs/contract.md §2.10).
+
+The reference backend against materialised masks and biases (its own
+arithmetic, written out here), the cpu kernels against the reference,
+gradients against finite differences, composition, the tile map of a mask
+function, and the errors.  Each distinct mod compiles its own cpu kernels
+(seconds each), so the cpu tests combine several mods per call.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import attnnb
+from attnnb import mods
+from tests.helpers import assert_close, assert_gradients_near_fd, qkv
+
+# ---------------------------------------------------------------------------
+# user functions (module level: their kernels are cached by their source)
+
+
+def checkerboard(b, h, i, j):
+    return (i + j) % 3 != 0
+
+
+def per_head_shift(s, b, h, i, j, shift):
+    return s + shift[h] * 0.5
+
+
+def per_head_shift_grad(g, s, b, h, i, j, grads, shift):
+    grads[0][h] += 0.5 * g
+
+
+def cubic(s, b, h, i, j):
+    return s + 0.1 * s * s * s  # the complex step derives 1 + 0.3 s^2
+
+
+def clipped(s, b, h, i, j):
+    return s if s < 1.0 else 1.0
+
+
+def returns_float(b, h, i, j):
+    return 1.5
+
+
+def reads_a_python_object(s, b, h, i, j):
+    return s + len(object())
+
+
+# ---------------------------------------------------------------------------
+# materialised equivalents (independent of attnnb's compiled functions)
+
+
+def positions(Lq, Lk):
+    return np.arange(Lq)[:, None] + (Lk - Lq), np.arange(Lk)[None, :]
+
+
+def t5_bucket(relative, bidirectional, num_buckets, max_distance):
+    """transformers' T5Attention._relative_position_bucket, in NumPy (float32 logarithm)."""
+    buckets = np.zeros(relative.shape, np.int64)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative > 0) * num_buckets
+        relative = np.abs(relative)
+    else:
+        relative = -np.minimum(relative, 0)
+    max_exact = num_buckets // 2
+    small = relative < max_exact
+    with np.errstate(divide="ignore", invalid="ignore"):
+        large = max_exact + (np.log(relative.astype(np.float32) / max_exact)
+                             / np.float32(math.log(max_distance / max_exact))
+                             * (num_buckets - max_exact)).astype(np.int64)
+    large = np.minimum(large, num_buckets - 1)
+    return buckets + np.where(small, relative, large)
+
+
+def plain(q, k, v, **kw):
+    return attnnb.attention(q, k, v, backend="reference", **kw)
+
+
+# ---------------------------------------------------------------------------
+# reference backend: each built-in against its materialised form
+
+
+@pytest.mark.parametrize("lq,lk", [(7, 9), (9, 9), (1, 12)])
+def test_builtin_masks_equal_their_materialised_masks(lq, lk):
+    rng = np.random.default_rng(0)
+    q, k, v = qkv(rng, batch=(2,), hq=2, lq=lq, lk=lk)
+    i, j = positions(lq, lk)
+    ids = np.repeat(np.arange(4), 3)[:lk]
+    cases = [
+        (mods.causal, j <= i),
+        (mods.sliding_window(3), (i - j >= 0) & (i - j < 3)),
+        (mods.sliding_window(3) | mods.sinks(2), ((i - j >= 0) & (i - j < 3)) | (j < 2)),
+        (mods.prefix_lm(4), (j < 4) | (j <= i)),
+        (mods.document(ids[:lq] if lq == lk else ids[-lq:], ids) & mods.causal,
+         ((ids[i] == ids[j]) if lq == lk else (ids[-lq:][:, None] == ids[None, :])) & (j <= i)),
+        (~mods.sinks(2), j >= 2),
+    ]
+    for mod, mask in cases:
+        assert_close(plain(q, k, v, mask_mod=mod), plain(q, k, v, mask=mask), what=mod.name)
+
+
+def test_from_cu_seqlens_is_the_document_mask():
+    rng = np.random.default_rng(1)
+    q, k, v = qkv(rng, hq=1, lq=10, lk=10)
+    ids = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 3])
+    expected = plain(q, k, v, mask=ids[:, None] == ids[None, :], causal=True)
+    got = plain(q, k, v, mask_mod=mods.from_cu_seqlens([0, 3, 5, 9, 10]), causal=True)
+    assert_close(got, expected)
+
+
+@pytest.mark.parametrize("lq,lk", [(7, 9), (5, 5)])
+def test_builtin_scores_equal_their_materialised_biases(lq, lk):
+    rng = np.random.default_rng(2)
+    H = 3
+    q, k, v = qkv(rng, batch=(2,), hq=H, lq=lq, lk=lk)
+    i, j = positions(lq, lk)
+    slopes = rng.standard_normal(H)
+    table = rng.standard_normal((16, H))
+    log_f = -np.abs(rng.standard_normal((H, lk)))
+    c = np.cumsum(log_f, axis=-1)
+    for bidirectional in (True, False):
+        bucket = t5_bucket(j - i, bidirectional, 16, 20)
+        mod = mods.relative_bias(table, 16, 20, bidirectional)
+        assert_close(plain(q, k, v, score_mod=mod, causal=True),
+                     plain(q, k, v, bias=np.moveaxis(table[bucket], -1, 0), causal=True))
+    assert_close(plain(q, k, v, score_mod=mods.alibi(slopes), causal=True),
+                 plain(q, k, v, bias=slopes[:, None, None] * (j - i), causal=True))
+    cq = np.take(c, np.arange(lq) + lk - lq, axis=-1)
+    assert_close(plain(q, k, v, score_mod=mods.forgetting(log_f), causal=True),
+                 plain(q, k, v, bias=cq[:, :, None] - c[:, None, :], causal=True))
+
+
+def test_softcap_and_chains_apply_in_order():
+    rng = np.random.default_rng(3)
+    q, k, v = qkv(rng, hq=2, lq=6, lk=8, scale=3.0)
+    slopes = np.array([0.5, -1.0])
+    i, j = positions(6, 8)
+    s = np.einsum("hid,hjd->hij", q, k) / math.sqrt(q.shape[-1])
+    for mod, logits in (
+            (mods.softcap(2.0), 2.0 * np.tanh(s / 2.0)),
+            (mods.softcap(2.0) + mods.alibi(slopes),
+             2.0 * np.tanh(s / 2.0) + slopes[:, None, None] * (j - i)),
+            (mods.alibi(slopes) + mods.softcap(2.0),
+             2.0 * np.tanh((s + slopes[:, None, None] * (j - i)) / 2.0))):
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        expected = (w / w.sum(-1, keepdims=True)) @ v
+        assert_close(plain(q, k, v, score_mod=mod), expected, what=mod.name)
+
+
+def test_score_mod_comes_before_bias_key_sizes_and_normalizer():
+    rng = np.random.default_rng(4)
+    q, k, v = qkv(rng, hq=1, lq=5, lk=7)
+    bias = rng.standard_normal((5, 7))
+    sizes = rng.uniform(1, 3, 7)
+    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])
+    logits = 2.0 * np.tanh(s / 2.0) + bias + np.log(sizes)
+    expected = (np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)) @ v
+    got = plain(q, k, v, score_mod=mods.softcap(2.0), bias=bias, key_size=sizes)
+    assert_close(got, expected)
+
+
+def test_user_functions_plain_and_bound():
+    rng = np.random.default_rng(5)
+    q, k, v = qkv(rng, hq=2, lq=6, lk=6)
+    i, j = positions(6, 6)
+    assert_close(plain(q, k, v, mask_mod=checkerboard),
+                 plain(q, k, v, mask=(i + j) % 3 != 0))
+    shift = np.array([1.0, -2.0])
+    got = plain(q, k, v, score_mod=mods.score_mod(per_head_shift, shift, constant=True))
+    assert_close(got, plain(q, k, v, bias=0.5 * shift[:, None, None] + 0 * i))
+
+
+def test_empty_rows_from_a_mask_function_are_zero():
+    rng = np.random.default_rng(6)
+    q, k, v = qkv(rng, hq=1, lq=4, lk=4)
+    out, lse = plain(q, k, v, mask_mod=mods.document([0, 1, 1, 2], [1, 1, 1, 1]),
+                     return_lse=True)
+    assert np.all(out[0, [0, 3]] == 0) and np.all(np.isneginf(lse[0, [0, 3]]))
+    assert np.all(np.isfinite(lse[0, [1, 2]]))
+
+
+# ---------------------------------------------------------------------------
+# gradients (reference) against finite differences, into the mods' arrays too
+
+
+def _mod_loss_fd(mod_of, params, q, k, v, rng, **kw):
+    """vjp's gradients of the mod's parameters against central differences."""
+    out, pullback = attnnb.vjp(attnnb.attention, q, k, v, score_mod=mod_of(*params),
+                               backend="reference", **kw)
+    dout = rng.standard_normal(out.shape)
+    grads = pullback(dout)["score_mod"]
+    for n, p in enumerate(params):
+        for idx in list(np.ndindex(p.shape))[:6]:
+            plus, minus = [x.copy() for x in params], [x.copy() for x in params]
+            plus[n][idx] += 1e-6
+            minus[n][idx] -= 1e-6
+            fd = (np.sum(dout * plain(q, k, v, score_mod=mod_of(*plus), **kw))
+                  - np.sum(dout * plain(q, k, v, score_mod=mod_of(*minus), **kw))) / 2e-6
+            assert abs(fd - grads[n][idx]) <= 1e-6 * (1 + abs(fd)), (mod_of, n, idx)
+
+
+@pytest.mark.parametrize("name", ["alibi", "softcap", "relative_bias", "forgetting", "chain"])
+def test_builtin_score_gradients_against_finite_differences(name):
+    rng = np.random.default_rng(7)
+    H = 2
+    q, k, v = qkv(rng, batch=(2,), hq=H, lq=5, lk=7)
+    mod_of, params = {
+        "alibi": (mods.alibi, [rng.standard_normal(H)]),
+        "softcap": (mods.softcap, [np.array([1.5])]),
+        "relative_bias": (lambda t: mods.relative_bias(t, 8, 10, False),
+                          [rng.standard_normal((8, H))]),
+        "forgetting": (mods.forgetting, [-np.abs(rng.standard_normal((H, 7)))]),
+        "chain": (lambda s, c: mods.alibi(s) + mods.softcap(c),
+                  [rng.standard_normal(H), np.array([2.0])]),
+    }[name]
+    _mod_loss_fd(mod_of, params, q, k, v, rng, causal=True)
+    assert_gradients_near_fd(attnnb.attention, dict(q=q, k=k, v=v), rng,
+                             score_mod=mod_of(*params), mask_mod=mods.sliding_window(4),
+                             backend="reference")
+
+
+def test_user_function_gradients_complex_step_and_given():
+    rng = np.random.default_rng(8)
+    q, k, v = qkv(rng, hq=2, lq=5, lk=6)
+    assert_gradients_near_fd(attnnb.attention, dict(q=q, k=k, v=v), rng, score_mod=cubic,
+                             backend="reference")
+    _mod_loss_fd(lambda s: mods.score_mod(per_head_shift, s, grad_arrays=per_head_shift_grad),
+                 [rng.standard_normal(2)], q, k, v, rng)
+
+
+def test_check_passes_builtins_and_names_a_wrong_derivative():
+    rng = np.random.default_rng(9)
+    for mod in (mods.alibi(rng.standard_normal(2)), mods.softcap(3.0),
+                mods.relative_bias(rng.standard_normal((8, 2)), 8, 16),
+                mods.forgetting(-np.abs(rng.standard_normal((2, 8)))),
+                mods.score_mod(cubic)):
+        mods.check(mod)
+    wrong = mods.score_mod(cubic, grad_s=lambda s, b, h, i, j: 1.0)
+    with pytest.raises(AssertionError, match="cubic.*d score/ds"):
+        mods.check(wrong)
+    half = mods.score_mod(per_head_shift, np.zeros(2),
+                          grad_arrays=lambda g, s, b, h, i, j, grads, shift: None)
+    with pytest.raises(AssertionError, match="per_head_shift.*array entry"):
+        mods.check(half)
+
+
+def test_check_never_writes_the_mods_arrays():
+    slopes = np.array([0.25, -0.5])
+    before = slopes.copy()
+    mods.check(mods.alibi(slopes))
+    assert np.array_equal(slopes, before)
+
+
+# ---------------------------------------------------------------------------
+# errors
+
+
+def test_errors_name_the_function_and_what_was_expected():
+    rng = np.random.default_rng(10)
+    q, k, v = qkv(rng, hq=1, lq=3, lk=3)
+    with pytest.raises(TypeError, match="returns_float.*must return a bool"):
+        plain(q, k, v, mask_mod=returns_float)
+    with pytest.raises(TypeError, match="reads_a_python_object.*does not compile"):
+        plain(q, k, v, score_mod=reads_a_python_object)
+    with pytest.raises(TypeError, match="per_head_shift.*must take 5 arguments"):
+        mods.score_mod(per_head_shift)
+    with pytest.raises(TypeError, match="score_mod got a mask mod"):
+        plain(q, k, v, score_mod=mods.causal)
+    with pytest.raises(TypeError, match="array 0 must hold real numbers"):
+        mods.score_mod(per_head_shift, np.array(["a"]))
+    with pytest.raises(ValueError, match="cap must be one positive"):
+        mods.softcap(-1.0)
+
+
+def test_vjp_refuses_missing_derivatives_before_the_forward():
+    rng = np.random.default_rng(11)
+    q, k, v = qkv(rng, hq=2, lq=3, lk=3)
+    with pytest.raises(NotImplementedError, match="per_head_shift.*grad_arrays"):
+        attnnb.vjp(attnnb.attention, q, k, v,
+                   score_mod=mods.score_mod(per_head_shift, np.ones(2)), backend="reference")
+    with pytest.raises(TypeError, match="(?s)clipped.*complex s.*pass grad_s="):
+        attnnb.vjp(attnnb.attention, q, k, v, score_mod=clipped, backend="reference")
+    # forward only: no derivative needed
+    plain(q, k, v, score_mod=clipped)
+
+
+def test_dask_refuses_mods():
+    da = pytest.importorskip("dask.array")
+    q = da.ones((1, 4, 8), chunks=2)
+    with pytest.raises(NotImplementedError, match="mask_mod and score_mod on Dask"):
+        attnnb.attention(q, q, q, mask_mod=mods.causal)
+
+
+# ---------------------------------------------------------------------------
+# cpu kernels against the reference (a few combined mods: each compiles its kernels)
+
+CPU_CASES = {
+    "alibi+relative, window|sinks": lambda rng, H: (
+        mods.alibi(rng.standard_normal(H)) + mods.relative_bias(rng.standard_normal((16, H)),
+                                                                16, 40, False),
+        mods.sliding_window(70) | mods.sinks(3)),
+    "softcap+forgetting, document&causal": lambda rng, H: (
+        mods.softcap(2.0) + mods.forgetting(-0.05 * np.abs(rng.standard_normal((H, 150)))),
+        mods.document(np.arange(130) // 50 + 1, np.arange(150) // 50) & mods.causal),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CPU_CASES))
+def test_cpu_forward_and_gradients_match_the_reference(name):
+    rng = np.random.default_rng(12)
+    H = 4
+    q, k, v = qkv(rng, batch=(2,), hq=H, hk=2, lq=130, lk=150, d=16)
+    score, mask = CPU_CASES[name](rng, H)
+    results = {}
+    for backend in ("reference", "cpu"):
+        out, pullback = attnnb.vjp(attnnb.attention, q, k, v, score_mod=score, mask_mod=mask,
+                                   backend=backend, return_lse=True)
+        dout = np.random.default_rng(0).standard_normal(out[0].shape)
+        results[backend] = out, pullback(dout, None)
+    (out_r, lse_r), g_r = results["reference"]
+    (out_c, lse_c), g_c = results["cpu"]
+    assert_close(out_c, out_r, rtol=1e-12)
+    assert_close(lse_c, lse_r, rtol=1e-12, what="lse")
+    for n in ("q", "k", "v"):
+        assert_close(g_c[n], g_r[n], rtol=1e-12, what=n)
+    for a, b in zip(g_c["score_mod"], g_r["score_mod"]):
+        assert_close(a, b, rtol=1e-12, what="score_mod arrays")
+
+
+def test_cpu_float32_mask_only_and_user_functions():
+    """A function with no derivative (``clipped``) runs forward: its slope is never compiled."""
+    rng = np.random.default_rng(13)
+    q, k, v = qkv(rng, batch=(1,), hq=2, lq=100, lk=140, d=8, dtype=np.float32, scale=2.0)
+    for kw in (dict(mask_mod=mods.prefix_lm(70)),
+               dict(mask_mod=checkerboard, score_mod=clipped)):
+        expected = attnnb.attention(q, k, v, backend="reference", **kw)
+        assert_close(attnnb.attention(q, k, v, backend="cpu", **kw), expected,
+                     dtype=np.float32)
+
+
+def test_cpu_mask_function_tile_map_matches_the_materialised_mask():
+    from attnnb._validate import attention_problem
+    from attnnb.cpu._mask_tiles import mask_tile_classes
+    from attnnb.cpu._mods import tile_map
+
+    rng = np.random.default_rng(14)
+    q, k, v = qkv(rng, batch=(1,), hq=2, lq=200, lk=260, d=4)
+    mod = mods.prefix_lm(70)
+    problem = attention_problem(q, k, v, mask_mod=mod)
+    i, j = positions(200, 260)
+    materialised = np.broadcast_to((j < 70) | (j <= i), (1, 1, 200, 260))
+    by_function = tile_map(problem)
+    assert by_function.shape[:2] == (1, 1)  # prefix_lm reads neither b nor h
+    assert np.array_equal(by_function, mask_tile_classes(materialised))
+
+
+def test_cpu_copies_differ_by_closure_and_load_in_a_new_process(tmp_path):
+    """Two closures of one source are two kernels; a new process finds both in the cache."""
+    script = tmp_path / "closures.py"
+    script.write_text(
+        "import numpy as np, attnnb\n"
+        "def scaled(c):\n"
+        "    def f(s, b, h, i, j):\n"
+        "        return s * c\n"
+        "    return f\n"
+        "rng = np.random.default_rng(0)\n"
+        "q, k, v = (rng.standard_normal((1, 70, 8)) for _ in range(3))\n"
+        "for c in (0.5, 3.0):\n"
+        "    got = attnnb.attention(q, k, v, score_mod=scaled(c), backend='cpu')\n"
+        "    ref = attnnb.attention(q, k, v, scale=c / np.sqrt(8), backend='reference')\n"
+        "    assert np.abs(got - ref).max() < 1e-12, c\n"
+        "print('ok')\n")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    for _ in range(2):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              env=env, cwd=os.getcwd(), timeout=600)
+        assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_weights_of_a_call_with_mods():
+    rng = np.random.default_rng(15)
+    q, k, v = qkv(rng, batch=(1,), hq=2, lq=9, lk=9, d=4)
+    slopes = np.array([0.3, -0.2])
+    i, j = positions(9, 9)
+    w = attnnb.weights(attnnb.attention, q, k, v, score_mod=mods.alibi(slopes),
+                       mask_mod=mods.sliding_window(4), rows=[2, 7], backend="reference")
+    expected = attnnb.weights(attnnb.attention, q, k, v,
+                              bias=slopes[:, None, None] * (j - i),
+                              mask=(i - j >= 0) & (i - j < 4), rows=[2, 7], backend="reference")
+    assert_close(w, expected)
+
+
+def test_readme_example_runs():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    match = re.search(r"<!-- usage:mods -->\n```python\n(.*?)```\n<!-- /usage:mods -->", text,
+                      re.S)
+    assert match, "README has no usage:mods block"
+    namespace: dict = {}
+    exec(compile(match.group(1), "README.md:usage:mods", "exec"), namespace)
+    assert namespace["out"].shape == (1, 4, 256, 32)
