@@ -34,12 +34,13 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
                      return_lse=False, dropout_p=0.0, seed=None, sinks=None, sigmoid_bias=None,
-                     backend=None):
+                     mask_mod=None, score_mod=None, backend=None):
     """:func:`attnnb.sparse_attention` of in-memory arrays."""
     return_lse = check_bool("return_lse", return_lse)
     problem = attention_problem(q, k, v, key_size=key_size, scale=scale, normalizer=normalizer,
                                 dropout_p=dropout_p, seed=seed, sinks=sinks,
-                                sigmoid_bias=sigmoid_bias)
+                                sigmoid_bias=sigmoid_bias, mask_mod=mask_mod,
+                                score_mod=score_mod)
     B, Hq, _, Lq, Lk, _, _ = problem.shape
     check_pattern(pattern, Lq, Lk, Hq)
     out, lse = _dispatch.call("sparse_attention", backend, problem.on_device, problem, pattern)

@@ -92,3 +92,10 @@ def lambda_rows(lam, batch_shape, B, H, Lq, dtype):
         ) from None
     check_lam_values(arr)
     return np.ascontiguousarray(view.astype(dtype).reshape(B, H, Lq))
+
+
+def refuse_lazy_mods(mask_mod, score_mod) -> None:
+    """Dask arrays take no mask or score functions yet (docs/contract.md §2.10)."""
+    if mask_mod is not None or score_mod is not None:
+        raise NotImplementedError("mask_mod and score_mod on Dask arrays: not yet (compute "
+                                  "the arrays, or call the function on each block)")

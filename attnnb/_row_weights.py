@@ -122,7 +122,8 @@ def bind_call(caller: str, fn, args, kwargs) -> Call:
     if "sigmoid_bias" in a:
         common["sigmoid_bias"] = a["sigmoid_bias"]
     if name == "sparse_attention":
-        problem = attention_problem(a["q"], a["k"], a["v"], **common)
+        problem = attention_problem(a["q"], a["k"], a["v"], mask_mod=a["mask_mod"],
+                                    score_mod=a["score_mod"], **common)
         _, Hq, _, Lq, Lk = problem.shape[:5]
         return Call(name, problem, a["backend"],
                     pattern=check_pattern(a["pattern"], Lq, Lk, Hq))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from . import _eager
 from ._dask import any_dask
 from ._dropout import refuse_lazy_dropout
+from ._function_args import refuse_lazy_mods
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
@@ -91,9 +92,7 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         from ._dask.ops import attention as lazy
 
         refuse_lazy_dropout(dropout_p)
-        if mask_mod is not None or score_mod is not None:
-            raise NotImplementedError("mask_mod and score_mod on Dask arrays: not yet (compute "
-                                      "the arrays, or call attention on each block)")
+        refuse_lazy_mods(mask_mod, score_mod)
         return lazy(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                     scale=scale, normalizer=normalizer, return_lse=return_lse, sinks=sinks,
                     sigmoid_bias=sigmoid_bias, backend=backend)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from . import _eager
 from ._dask import any_dask
 from ._dropout import refuse_lazy_dropout
+from ._function_args import refuse_lazy_mods
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
                      return_lse=False, dropout_p=0.0, seed=None, sinks=None, sigmoid_bias=None,
-                     backend=None):
+                     mask_mod=None, score_mod=None, backend=None):
     """Attention over a sparse pattern, at a cost proportional to its allowed pairs.
 
     Equal to ``attention(q, k, v, mask=pattern.to_mask(), ...)``: each query's
@@ -37,6 +38,9 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
         Learned attention sinks, as in :func:`attnnb.attention`.
     sigmoid_bias : float, optional
         As in :func:`attnnb.attention` (default ``-log(Lk)``).
+    mask_mod, score_mod : optional
+        As in :func:`attnnb.attention` (:mod:`attnnb.mods`): the mask function
+        is intersected with the pattern.
     backend : {None, "auto", "reference", "cpu", "cuda"}
 
     Returns
@@ -67,13 +71,15 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
         from ._dask.ops import sparse_attention as lazy
 
         refuse_lazy_dropout(dropout_p)
+        refuse_lazy_mods(mask_mod, score_mod)
         return lazy(q, k, v, pattern, key_size=key_size, scale=scale, normalizer=normalizer,
                     return_lse=return_lse, sinks=sinks, sigmoid_bias=sigmoid_bias,
                     backend=backend)
     return _eager.sparse_attention(q, k, v, pattern, key_size=key_size, scale=scale,
                                    normalizer=normalizer, return_lse=return_lse,
                                    dropout_p=dropout_p, seed=seed, sinks=sinks,
-                                   sigmoid_bias=sigmoid_bias, backend=backend)
+                                   sigmoid_bias=sigmoid_bias, mask_mod=mask_mod,
+                                   score_mod=score_mod, backend=backend)
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,

@@ -586,7 +586,9 @@ def _sparse_attention(a, forward):
     problem = attention_problem(a["q"], a["k"], a["v"], key_size=a["key_size"],
                                 scale=a["scale"], normalizer=a["normalizer"],
                                 dropout_p=a["dropout_p"], seed=a["seed"], sinks=a["sinks"],
-                                sigmoid_bias=a["sigmoid_bias"])
+                                sigmoid_bias=a["sigmoid_bias"], mask_mod=a["mask_mod"],
+                                score_mod=a["score_mod"])
+    _check_mod_gradients(problem)
     _, Hq, _, Lq, Lk, _, _ = problem.shape
     pattern = check_pattern(a["pattern"], Lq, Lk, Hq)
     return _lse_function("sparse_attention", a, forward, problem, (pattern,), return_lse,

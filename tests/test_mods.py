@@ -424,3 +424,27 @@ def test_cpu_kernel_copies_carry_the_package_stamp():
     assert copy is not attention_kernel
     assert copy.py_func.__qualname__.startswith("attention_kernel__mod_")
     assert copy._cache._cache_file._source_stamp == _cache.package_stamp()
+
+
+def test_sparse_attention_with_mods_is_dense_with_the_pattern_as_a_mask():
+    """Reference: the mask function intersected with the pattern; cpu: the same, both ways."""
+    from attnnb import patterns
+
+    rng = np.random.default_rng(16)
+    H = 2
+    q, k, v = qkv(rng, batch=(1,), hq=H, lq=150, lk=150, d=8)
+    pattern = patterns.local(150, 40, causal=True)
+    slopes = rng.standard_normal(H)
+    kw = dict(score_mod=mods.alibi(slopes), mask_mod=mods.document(np.arange(150) // 60))
+    dense = plain(q, k, v, mask=pattern.to_mask(), **kw)
+    assert_close(attnnb.sparse_attention(q, k, v, pattern, backend="reference", **kw), dense)
+    results = {}
+    for backend in ("reference", "cpu"):
+        out, pullback = attnnb.vjp(attnnb.sparse_attention, q, k, v, pattern, backend=backend,
+                                   **kw)
+        results[backend] = out, pullback(np.cos(out))
+    assert_close(results["cpu"][0], results["reference"][0], rtol=1e-12)
+    for n in ("q", "k", "v"):
+        assert_close(results["cpu"][1][n], results["reference"][1][n], rtol=1e-12, what=n)
+    assert_close(results["cpu"][1]["score_mod"][0], results["reference"][1]["score_mod"][0],
+                 rtol=1e-12, what="slopes")

@@ -238,13 +238,13 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, by_keys, b, h, p
         S = tile_logits_keys(qt, kh, vh, j0, nq, St_flat, S_flat, True)
     else:
         S = tile_logits_t(qs, kth, tile_j0, nk, S_flat)
+    score_tile_kept(S, modded[0], modded[1], b, h, i0, j0, mods)  # before any -inf
     if csr_masked:
         # the pairs are visited in any order: find each row's first key >= j0
         for r in range(nq):
             start, stop = indptr[row0 + r], indptr[row0 + r + 1]
             cursor[r] = start + np.searchsorted(indices[start:stop], j0)
         csr_tile_mask(S, indptr, indices, row0, j0, cursor)
-    score_tile_kept(S, modded[0], modded[1], b, h, i0, j0, mods)
     F = factor_tile(F_flat, S, normalizer)
     modify_logits(S, F, i0, j0, diag, pair.bias[b, h], pair.has_bias, pair.mask[b, h],
                   pair.has_mask, pair.logks[b], pair.has_ks, normalizer)
@@ -656,7 +656,8 @@ def attention_vjp(problem, out, lse, dout, dlse, dbias_shape=None):
 def sparse_attention_vjp(problem, pattern, out, lse, dout, dlse):
     """Gradients of :func:`attnnb.sparse_attention`: the pattern's tiles only."""
     g = tiled_vjp(problem, out, lse, dout, dlse, False, pattern=pattern)
-    return g["q"], g["k"], g["v"], None, g["log_key_size"]
+    grads = (g["q"], g["k"], g["v"], None, g["log_key_size"])
+    return grads + (g["score_mod"],) if "score_mod" in g else grads
 
 
 def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
