@@ -30,7 +30,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from .mods import OFFSET, MaskMod, ScoreMod
+from .mods import OFFSET, MaskMod, ScoreMod, _as_numpy
 
 COMPLEX_STEP = 1e-30
 
@@ -252,8 +252,9 @@ def param_grads(mod: ScoreMod, grads: tuple) -> tuple:
                 for a, g in zip(mod.arrays, grads) if a is not OFFSET)
     if mod.to_params is not None:
         own = mod.to_params(own)
-    return tuple(None if g is None or p.dtype.kind != "f" else g.astype(p.dtype, copy=False)
-                 for g, p in zip(own, mod.params))
+    dtypes = [_as_numpy("a parameter", p).dtype for p in mod.params]
+    return tuple(None if g is None or dt.kind != "f" else g.astype(dt, copy=False)
+                 for g, dt in zip(own, dtypes))
 
 
 def missing_array_gradients(mod: ScoreMod) -> list[str]:

@@ -377,9 +377,16 @@ def sigmoid_offset(sigmoid_bias, normalizer: str, Lk: int) -> float:
 def check_mods(mask_mod, score_mod, on_device: bool, Lq: int, Lk: int, dtype):
     """``mask_mod=`` and ``score_mod=`` as :mod:`attnnb.mods` objects, compiled for this
     call's types (a ``TypeError`` names a function that does not compile)."""
-    from .mods import as_mask_mod, as_score_mod
+    from .mods import as_mask_mod, as_score_mod, parameters
 
     mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
+    for role, mod in (("mask_mod", mask), ("score_mod", score)):
+        for n, param in enumerate(parameters(mod) if mod is not None else ()):
+            if getattr(param, "requires_grad", False):
+                raise TypeError(f"{role} {mod.name!r} reads a torch.Tensor that requires grad "
+                                f"(its array {n}): the NumPy functions would drop its "
+                                "gradient; call attnnb.torch's function of the same name, or "
+                                "build the mod from a detached tensor")
     if on_device:
         raise NotImplementedError("mask_mod and score_mod on the cuda backend: not yet (the "
                                   "reference and cpu backends have them)")

@@ -49,11 +49,12 @@ Nothing here imports Numba: functions compile on first use
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -122,23 +123,57 @@ def _check_function(role: str, fn: Any, n_fixed: int, n_arrays: int) -> None:
                         f"{inspect.signature(py)}") from None
 
 
+def _is_tensor(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "detach")
+
+
+def _as_numpy(role: str, x: Any) -> np.ndarray:
+    """The NumPy array a function reads for ``x``: a view of a CPU ``torch.Tensor``'s
+    memory (detached: :mod:`attnnb.torch` carries the gradient), else ``np.asarray``."""
+    if _is_tensor(x):
+        if x.device.type != "cpu":
+            raise TypeError(f"{role} is a torch tensor on {x.device}: mods read CPU arrays "
+                            "(the cuda backend takes no mods yet)")
+        return x.detach().numpy()
+    if type(x).__module__.split(".")[0] in ("jax", "jaxlib", "dask", "cupy"):
+        raise TypeError(f"{role} is a {type(x).__module__}.{type(x).__name__}: pass NumPy "
+                        "arrays (or CPU torch tensors with attnnb.torch)")
+    return np.asarray(x)
+
+
 def _check_arrays(role: str, arrays: tuple) -> tuple:
-    """The arrays a function reads: NumPy arrays of real numbers or booleans (or
-    :data:`OFFSET`), never written, kept as given."""
+    """The arrays a function reads: real numbers or booleans (or :data:`OFFSET`), never
+    written, kept as given (CPU torch tensors as NumPy views)."""
     out = []
     for n, a in enumerate(arrays):
         if a is OFFSET:
             out.append(a)
             continue
-        if type(a).__module__.split(".")[0] in ("torch", "jax", "jaxlib", "dask", "cupy"):
-            raise TypeError(f"{role}'s array {n} is a {type(a).__module__}.{type(a).__name__}:"
-                            " pass NumPy arrays (attnnb.torch and attnnb.jax take their own)")
-        arr = np.asarray(a)
+        arr = _as_numpy(f"{role}'s array {n}", a)
         if arr.dtype.kind not in "biuf" or arr.dtype.itemsize > 8:
             raise TypeError(f"{role}'s array {n} must hold real numbers or booleans; got dtype "
                             f"{arr.dtype}")
         out.append(arr)
     return tuple(out)
+
+
+def detached(mod: MaskMod | ScoreMod | None):
+    """``mod`` with its parameters as the NumPy arrays its functions read (torch tensors
+    as views): what :mod:`attnnb.torch` hands the NumPy functions."""
+    if not isinstance(mod, ScoreMod):
+        return mod
+    if mod.kind != "fn":
+        return dataclasses.replace(mod, parts=tuple(detached(p) for p in mod.parts))
+    return dataclasses.replace(mod, params=tuple(_as_numpy("a parameter", p)
+                                                 for p in mod.params))
+
+
+def parameters(mod: MaskMod | ScoreMod) -> list:
+    """A mod's parameter arrays as given (NumPy arrays or torch tensors), in leaf order:
+    what :func:`attnnb.vjp`'s ``"score_mod"`` gradients line up with."""
+    if mod.kind == "fn":
+        return list(getattr(mod, "params", ()))
+    return [p for part in mod.parts for p in parameters(part)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -216,13 +251,11 @@ class ScoreMod:
     constant: bool = False
     parts: tuple = ()
     name: str = ""
-    leaves: tuple = field(default=(), repr=False)
 
     def __add__(self, other: ScoreMod) -> ScoreMod:
         if not isinstance(other, ScoreMod):
             raise TypeError(f"score_mod + needs another score mod; got {type(other).__name__}")
-        return ScoreMod("chain", parts=(self, other), name=f"({self.name} + {other.name})",
-                        leaves=self.leaves + other.leaves)
+        return ScoreMod("chain", parts=(self, other), name=f"({self.name} + {other.name})")
 
     def fingerprint(self) -> str:
         if self.kind == "fn":
@@ -298,11 +331,9 @@ def score_mod(fn: Callable, *arrays: Any, grad_s: Callable | None = None,
     if not isinstance(constant, bool):
         raise TypeError(f"constant must be True or False; got {constant!r}")
     arrs = _check_arrays("score_mod", arrays)
-    mod = ScoreMod("fn", fn=fn, arrays=arrs, grad_s=grad_s, grad_arrays=grad_arrays,
-                   params=tuple(a for a in arrs if a is not OFFSET), constant=constant,
-                   name=_name_of(fn))
-    object.__setattr__(mod, "leaves", (mod,))
-    return mod
+    return ScoreMod("fn", fn=fn, arrays=arrs, grad_s=grad_s, grad_arrays=grad_arrays,
+                    params=tuple(a for a in arrays if a is not OFFSET), constant=constant,
+                    name=_name_of(fn))
 
 
 def as_mask_mod(value: Any) -> MaskMod | None:
@@ -442,11 +473,11 @@ def alibi(slopes: Any) -> ScoreMod:
     """ALiBi (Press et al. 2022): ``s + slopes[h] * (j - i')`` with ``i' = i + Lk - Lq``
     the query's position; ``slopes`` ``(Hq,)`` float, learnable (gradient by
     :func:`attnnb.vjp`)."""
-    arr = np.asarray(slopes)
+    arr = _as_numpy("slopes", slopes)
     if arr.ndim != 1 or arr.dtype.kind != "f":
         raise TypeError(f"slopes must be a 1-D float array (one per query head); got dtype "
                         f"{arr.dtype}, shape {arr.shape}")
-    return _builtin(_alibi, (OFFSET, arr), _alibi_ds, _alibi_da, "alibi")
+    return _builtin(_alibi, (OFFSET, arr), _alibi_ds, _alibi_da, "alibi", (slopes,))
 
 
 def _softcap(s, b, h, i, j, cap):
@@ -467,11 +498,16 @@ def _softcap_da(g, s, b, h, i, j, grads, cap):
 def softcap(cap: Any) -> ScoreMod:
     """Logit soft-capping (Gemma 2, Grok): ``cap * tanh(s / cap)``; ``cap`` a positive
     number (or a ``(1,)`` float array, which then gets a gradient)."""
-    arr = np.asarray(cap, np.float64 if np.ndim(cap) == 0 else None)
-    arr = arr.reshape(1) if arr.ndim == 0 else arr
-    if arr.shape != (1,) or arr.dtype.kind != "f" or not (arr[0] > 0 and np.isfinite(arr[0])):
+    given = cap if _is_tensor(cap) or isinstance(cap, np.ndarray) else np.float64(cap)
+    arr = _as_numpy("cap", given)
+    if arr.dtype.kind != "f" or arr.size != 1 or arr.ndim > 1:
         raise ValueError(f"cap must be one positive finite number; got {cap!r}")
-    return _builtin(_softcap, (arr,), _softcap_ds, _softcap_da, f"softcap({float(arr[0])})")
+    if arr.ndim == 0:  # a number, or a 0-d array or tensor: a (1,) view of it
+        arr = arr.reshape(1)
+    if not (arr[0] > 0 and np.isfinite(arr[0])):
+        raise ValueError(f"cap must be one positive finite number; got {cap!r}")
+    return _builtin(_softcap, (arr,), _softcap_ds, _softcap_da, f"softcap({float(arr[0])})",
+                    (given,))
 
 
 def _t5_bucket(relative, bidirectional, num_buckets, max_distance):
@@ -517,7 +553,7 @@ def relative_bias(table: Any, num_buckets: int = 32, max_distance: int = 128,
     the buckets as transformers' ``T5Attention._relative_position_bucket``
     (``bidirectional=True`` for encoders, False for decoders).  ``table`` gets a gradient.
     """
-    arr = np.asarray(table)
+    arr = _as_numpy("table", table)
     nb = int(_int_scalar("num_buckets", num_buckets, 2)[0])
     md = int(_int_scalar("max_distance", max_distance, 1)[0])
     if arr.ndim != 2 or arr.dtype.kind != "f" or arr.shape[0] != nb:
@@ -525,7 +561,7 @@ def relative_bias(table: Any, num_buckets: int = 32, max_distance: int = 128,
                         f"{arr.dtype}, shape {arr.shape}")
     config = np.array([int(bool(bidirectional)), nb, md], np.int64)
     return _builtin(_relative, (OFFSET, arr, config), _relative_ds, _relative_da,
-                    "relative_bias")
+                    "relative_bias", (table, config))
 
 
 def _forgetting(s, b, h, i, j, offset, cum):
@@ -547,7 +583,7 @@ def forgetting(log_f: Any) -> ScoreMod:
     """The Forgetting Transformer's decay (Lin et al. 2025): ``s + c_i' - c_j`` with
     ``c = cumsum(log_f)`` along the keys, ``log_f`` ``(Hq, Lk)`` or ``(B, Hq, Lk)``
     the log forget gates (``<= 0``); ``log_f`` gets a gradient.  Use with ``causal``."""
-    arr = np.asarray(log_f)
+    arr = _as_numpy("log_f", log_f)
     if arr.ndim not in (2, 3) or arr.dtype.kind != "f":
         raise TypeError(f"log_f must be a float array (heads, L) or (batch, heads, L); got "
                         f"dtype {arr.dtype}, shape {arr.shape}")
@@ -561,17 +597,16 @@ def forgetting(log_f: Any) -> ScoreMod:
         dlog = np.flip(np.cumsum(np.flip(dcum, -1), -1), -1)
         return (dlog.reshape(arr.shape),)
 
-    mod = _builtin(_forgetting, (OFFSET, cum), _forgetting_ds, _forgetting_da, "forgetting")
-    object.__setattr__(mod, "params", (arr,))
+    mod = _builtin(_forgetting, (OFFSET, cum), _forgetting_ds, _forgetting_da, "forgetting",
+                   (log_f,))
     object.__setattr__(mod, "to_params", to_log_f)
     return mod
 
 
-def _builtin(fn, arrays, grad_s, grad_arrays, name) -> ScoreMod:
-    mod = ScoreMod("fn", fn=fn, arrays=arrays, grad_s=grad_s, grad_arrays=grad_arrays,
-                   params=tuple(a for a in arrays if a is not OFFSET), name=name)
-    object.__setattr__(mod, "leaves", (mod,))
-    return mod
+def _builtin(fn, arrays, grad_s, grad_arrays, name, params) -> ScoreMod:
+    """A built-in score mod: ``params`` are its arrays as the caller gave them."""
+    return ScoreMod("fn", fn=fn, arrays=arrays, grad_s=grad_s, grad_arrays=grad_arrays,
+                    params=params, name=name)
 
 
 def check(mod: ScoreMod, *, points: int = 64, seed: int = 0, shape=(2, 2, 8, 8),

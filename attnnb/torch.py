@@ -411,7 +411,7 @@ def _finish(out, lse, result_dtype, return_lse):
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
               normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None, sinks=None,
-              sigmoid_bias=None, backend=None):
+              sigmoid_bias=None, mask_mod=None, score_mod=None, backend=None):
     """:func:`attnnb.attention` on tensors, differentiable in q, k, v, bias, key_size, sinks.
 
     Parameters and results as :func:`attnnb.attention`, with ``torch.Tensor``
@@ -421,6 +421,12 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     inputs.  With ``dropout_p > 0`` and no ``seed``, the seed is drawn from
     PyTorch's default generator (so ``torch.manual_seed`` reproduces a run);
     the backward regenerates the same decisions from it.
+
+    ``mask_mod`` and ``score_mod`` (:mod:`attnnb.mods`, built from CPU tensors
+    or NumPy arrays) run through an autograd function around
+    :func:`attnnb.vjp` instead of the ``attnnb::`` operator
+    (:mod:`attnnb._torch_mods`): the score function's floating tensor
+    parameters get ``.grad``; ``torch.compile`` breaks the graph there.
 
     Examples
     --------
@@ -433,14 +439,33 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     """
     (q, k, v), result = _qkv(q, k, v)
     dropout_p, seed = _dropout_seed(dropout_p, seed)
+    mask = _optional("mask", mask, q.device, floating=False)
+    bias = _optional("bias", bias, q.device, floating=True)
+    key_size = _optional("key_size", key_size, q.device, floating=True)
+    sinks = _optional("sinks", sinks, q.device, floating=True)
+    if mask_mod is not None or score_mod is not None:
+        out, lse = _with_mods(_np_attention, lambda a: (a["q"], a["k"], a["v"]),
+                              dict(q=q, k=k, v=v, mask=mask, bias=bias, key_size=key_size,
+                                   sinks=sinks),
+                              dict(causal=check_bool("causal", causal), scale=_scale(scale),
+                                   normalizer=normalizer, dropout_p=dropout_p, seed=seed,
+                                   sigmoid_bias=_sigmoid_bias(sigmoid_bias),
+                                   backend=_chosen(backend)), mask_mod, score_mod)
+        return _finish(out, lse, result, check_bool("return_lse", return_lse))
     out, lse = _OPS["attention"](
-        q, k, v, _optional("mask", mask, q.device, floating=False),
-        _optional("bias", bias, q.device, floating=True),
-        _optional("key_size", key_size, q.device, floating=True),
-        check_bool("causal", causal), _scale(scale), normalizer, dropout_p, seed,
-        _optional("sinks", sinks, q.device, floating=True), _sigmoid_bias(sigmoid_bias),
-        _chosen(backend))
+        q, k, v, mask, bias, key_size, check_bool("causal", causal), _scale(scale), normalizer,
+        dropout_p, seed, sinks, _sigmoid_bias(sigmoid_bias), _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
+
+
+def _with_mods(function, positional, named, static, mask_mod, score_mod):
+    """A call with mask or score functions (:mod:`attnnb._torch_mods`)."""
+    from . import _torch_mods
+    from .mods import as_mask_mod, as_score_mod
+
+    mask_mod, score_mod = as_mask_mod(mask_mod), as_score_mod(score_mod)
+    return _torch_mods.call(function, positional, named,
+                            dict(static, mask_mod=mask_mod, score_mod=score_mod), score_mod)
 
 
 def _pattern_tensors(pattern) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -457,14 +482,25 @@ def _pattern_tensors(pattern) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
                      return_lse=False, dropout_p=0.0, seed=None, sinks=None, sigmoid_bias=None,
-                     backend=None):
+                     mask_mod=None, score_mod=None, backend=None):
     """:func:`attnnb.sparse_attention` on tensors, differentiable in q, k, v, key_size, sinks.
 
     ``pattern`` is an :class:`attnnb.patterns.Pattern` (a constant).
-    Parameters and results otherwise as :func:`attention` here (dropout too).
+    Parameters and results otherwise as :func:`attention` here (dropout and mods too).
     """
     (q, k, v), result = _qkv(q, k, v)
     dropout_p, seed = _dropout_seed(dropout_p, seed)
+    if mask_mod is not None or score_mod is not None:
+        _pattern_tensors(pattern)  # its check
+        out, lse = _with_mods(_np_sparse_attention, lambda a: (a["q"], a["k"], a["v"], pattern),
+                              dict(q=q, k=k, v=v, key_size=_optional(
+                                  "key_size", key_size, q.device, floating=True),
+                                  sinks=_optional("sinks", sinks, q.device, floating=True)),
+                              dict(scale=_scale(scale), normalizer=normalizer,
+                                   dropout_p=dropout_p, seed=seed,
+                                   sigmoid_bias=_sigmoid_bias(sigmoid_bias),
+                                   backend=_chosen(backend)), mask_mod, score_mod)
+        return _finish(out, lse, result, check_bool("return_lse", return_lse))
     indptr, indices, heads = _pattern_tensors(pattern)  # host tensors on every device: the
     # pattern is rebuilt on the host inside the operator
     out, lse = _OPS["sparse_attention"](
@@ -516,7 +552,8 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False, *, sinks=None):
+                                 is_causal=False, scale=None, enable_gqa=False, *, sinks=None,
+                                 score_mod=None):
     """A drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
     Same arguments, meaning and refusals as PyTorch's function (torch 2.13):
@@ -531,7 +568,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     that a model switches to attnnb by replacing this one function.  How
     each argument is read: :mod:`attnnb._torch_sdpa`.  One keyword of
     attnnb's own, ``sinks`` (a tensor broadcastable to the query heads,
-    differentiable), adds learned attention sinks (:func:`attention`).
+    differentiable), adds learned attention sinks (:func:`attention`), and
+    ``score_mod`` (:mod:`attnnb.mods`) rewrites the scaled logits before the
+    mask (``mods.softcap`` for Gemma 2's soft-capping).
 
     Raises
     ------
@@ -553,7 +592,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     query, key, value = _sdpa.broadcast_qkv(query, key, value, check_bool("enable_gqa",
                                                                           enable_gqa))
     plan = _sdpa.mask_plan(attn_mask, check_bool("is_causal", is_causal), query, key)
-    if dropout_p and len(plan.segments) > 1:  # the decisions are keyed by whole-call rows
+    if (dropout_p or score_mod is not None) and len(plan.segments) > 1:
+        # dropout's decisions and the score function's positions are whole-call rows
         plan = _sdpa.as_one_mask(plan, query, key)
     dropout_p, seed = _dropout_seed(dropout_p, None)
     outs = []
@@ -561,5 +601,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         rows, keys = slice(seg.row_start, seg.row_stop), slice(0, seg.key_stop)
         outs.append(attention(query[..., rows, :], key[..., keys, :], value[..., keys, :],
                               mask=plan.mask, bias=plan.bias, causal=seg.causal, scale=scale,
-                              dropout_p=dropout_p, seed=seed, sinks=sinks))
+                              dropout_p=dropout_p, seed=seed, sinks=sinks,
+                              score_mod=score_mod))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)

@@ -48,10 +48,13 @@ Choices made
 * **Attention sinks** (``s_aux``, gpt-oss: a learned logit per head in the
   softmax's denominator only): the drop-in's ``sinks``, with a gradient
   (docs/contract.md §1.15).
-* **Refused** with ``NotImplementedError``, naming the argument: ``softcap``
-  (logit soft-capping, Gemma 2), ``indices`` and ``block_indices`` (sparse
-  attention chosen by an indexer, DeepSeek-V3.2 and MiniMax): they change
-  the result and attnnb does not compute them yet.
+* **Logit soft-capping** (``softcap``, Gemma 2): ``cap * tanh(s / cap)`` of
+  the scaled logits before the mask, as :func:`attnnb.mods.softcap` (a score
+  function compiled into the kernels; no mask or bias is built for it).
+* **Refused** with ``NotImplementedError``, naming the argument: ``indices``
+  and ``block_indices`` (sparse attention chosen by an indexer, DeepSeek-V3.2
+  and MiniMax): they change the result and attnnb does not compute them
+  yet.
 * **Ignored**, as they do not change the result here: ``position_ids``,
   ``cu_seq_lens_q``, ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``
   and ``seq_idx`` (packed sequences reach this function through the mask,
@@ -80,6 +83,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import mods
 from . import torch as _attnnb_torch
 
 __all__ = ["NAME", "attention_forward", "attention_mask", "register"]
@@ -88,7 +92,6 @@ NAME = "attnnb"
 
 # Keywords that models pass and whose result attnnb cannot produce yet: name -> what it is.
 _REFUSED = {
-    "softcap": "logit soft-capping",
     "indices": "sparse attention over indexer-selected keys",
     "block_indices": "sparse attention over indexer-selected key blocks",
 }
@@ -187,8 +190,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         ``(heads,)`` learned attention sinks (gpt-oss; ``sinks`` is read as the
         same), with a gradient.
     **kwargs
-        ``softcap``, ``indices`` and ``block_indices`` raise
-        ``NotImplementedError`` when not None; ``sliding_window`` is already in
+        ``softcap`` soft-caps the logits; ``indices`` and ``block_indices``
+        raise ``NotImplementedError`` when not None; ``sliding_window`` is already in
         the mask; the others are listed in the module docstring.
 
     Returns
@@ -208,6 +211,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """
     if s_aux is None:  # the same sinks under the name some models use
         s_aux = kwargs.pop("sinks", None)
+    softcap = kwargs.pop("softcap", None)
     _check_kwargs(module, kwargs)
     q_len = query.shape[-2]
     if is_causal is None:
@@ -220,7 +224,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         causal = False
     out = _attnnb_torch.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling,
-        enable_gqa=key.shape[-3] != query.shape[-3], sinks=s_aux)
+        enable_gqa=key.shape[-3] != query.shape[-3], sinks=s_aux,
+        score_mod=None if softcap is None else mods.softcap(float(softcap)))
     return out.transpose(1, 2).contiguous(), None
 
 

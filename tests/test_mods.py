@@ -448,3 +448,51 @@ def test_sparse_attention_with_mods_is_dense_with_the_pattern_as_a_mask():
         assert_close(results["cpu"][1][n], results["reference"][1][n], rtol=1e-12, what=n)
     assert_close(results["cpu"][1]["score_mod"][0], results["reference"][1]["score_mod"][0],
                  rtol=1e-12, what="slopes")
+
+
+# ---------------------------------------------------------------------------
+# attnnb.torch: the mods' tensors get .grad
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_torch_mod_tensors_get_gradients(backend):
+    torch = pytest.importorskip("torch")
+    import attnnb.torch as at
+
+    rng = np.random.default_rng(17)
+    q, k, v = (torch.tensor(x, requires_grad=True) for x in qkv(rng, batch=(1,), hq=2,
+                                                                  lq=70, lk=70, d=8))
+    slopes = torch.tensor([0.3, -0.2], dtype=torch.float64, requires_grad=True)
+    table = torch.tensor(rng.standard_normal((16, 2)), requires_grad=True)
+    score = mods.alibi(slopes) + mods.relative_bias(table, 16, 40, False)
+    out = at.attention(q, k, v, causal=True, score_mod=score, mask_mod=mods.sliding_window(30),
+                       backend=backend)
+    cot = torch.tensor(rng.standard_normal(out.shape))
+    (out * cot).sum().backward()
+    arrays = [x.detach().numpy() for x in (q, k, v)]
+    plain_mods = dict(score_mod=mods.alibi(slopes.detach().numpy())
+                      + mods.relative_bias(table.detach().numpy(), 16, 40, False),
+                      mask_mod=mods.sliding_window(30))
+    expected, pullback = attnnb.vjp(attnnb.attention, *arrays, causal=True, backend=backend,
+                                    **plain_mods)
+    grads = pullback(cot.numpy())
+    assert_close(out.detach().numpy(), expected, rtol=1e-12)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert_close(t.grad.numpy(), grads[name], rtol=1e-12, what=name)
+    assert_close(slopes.grad.numpy(), grads["score_mod"][0], rtol=1e-12, what="slopes")
+    assert_close(table.grad.numpy(), grads["score_mod"][1], rtol=1e-12, what="table")
+
+
+def test_torch_gradcheck_and_the_numpy_api_refuses_a_grad_tensor():
+    torch = pytest.importorskip("torch")
+    import attnnb.torch as at
+
+    rng = np.random.default_rng(18)
+    q, k, v = (torch.tensor(x) for x in qkv(rng, hq=2, lq=5, lk=6, d=4))
+    log_f = torch.tensor(-np.abs(rng.standard_normal((2, 6))), requires_grad=True)
+    qg = q.clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda q_, f: at.attention(q_, k, v, causal=True, score_mod=mods.forgetting(f),
+                                   backend="reference"), (qg, log_f))
+    with pytest.raises(TypeError, match="forgetting.*requires grad"):
+        attnnb.attention(q.numpy(), k.numpy(), v.numpy(), score_mod=mods.forgetting(log_f))

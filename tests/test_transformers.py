@@ -234,12 +234,18 @@ def test_train_mode_without_attention_dropout():
     _check(ref, ours, dict(input_ids=ids, attention_mask=mask), 1e-10, rows=mask.bool())
 
 
-def test_softcap_raises():
-    config = transformers.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=8,
-                                       sliding_window=4, attn_logit_softcapping=50.0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnnb")
-    with pytest.raises(NotImplementedError, match=r"softcap=50\.0"):
-        model(input_ids=_tokens(1, 5))
+def test_gemma2_softcap_runs_as_a_score_function():
+    """Gemma 2's logit soft-capping (a small cap, so that it binds) and its sliding window,
+    logits and every gradient against eager (a float64 model, but eager's softmax runs in
+    float32 here: float32's tolerance)."""
+    def build(impl):
+        config = transformers.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=8,
+                                           sliding_window=4, attn_logit_softcapping=0.5,
+                                           max_position_embeddings=64)
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+
+    ref, ours = _pair(build, "eager", torch.float64)
+    _check(ref, ours, dict(input_ids=_tokens(2, 9)), 1e-5)
 
 
 # ---------------------------------------------------------------------------
@@ -343,7 +349,6 @@ def test_position_bias_matches_sdpa_integration(mask_kind, is_causal):
 
 
 @pytest.mark.parametrize("name, value, words", [
-    ("softcap", 30.0, "soft-capping"),
     ("indices", torch.zeros(2, 5, 2, dtype=torch.int32), "indexer"),
 ])
 def test_refused_keywords(name, value, words):
