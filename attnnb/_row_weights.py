@@ -130,8 +130,9 @@ def bind_call(caller: str, fn, args, kwargs) -> Call:
     masks = dict(mask=a["mask"], causal=a["causal"])
     if name == "topk_attention":
         top_k = check_top_k(a["top_k"])
-        return Call(name, attention_problem(a["q"], a["k"], a["v"], **masks, **common),
-                    a["backend"], top_k=top_k)
+        return Call(name, attention_problem(a["q"], a["k"], a["v"], **masks,
+                                            mask_mod=a["mask_mod"], score_mod=a["score_mod"],
+                                            **common), a["backend"], top_k=top_k)
     return Call(name, attention_problem(a["q"], a["k"], a["v"], bias=a["bias"], **masks,
                                         mask_mod=a["mask_mod"], score_mod=a["score_mod"],
                                         **common), a["backend"])

@@ -83,7 +83,8 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, dropout_p=0.0, seed=None, sinks=None, backend=None):
+                   return_lse=False, dropout_p=0.0, seed=None, sinks=None, mask_mod=None,
+                   score_mod=None, backend=None):
     """Softmax attention over each query's ``top_k`` largest allowed weights.
 
     Query ``i`` ranks its allowed keys (``mask``, ``causal``) by
@@ -110,6 +111,9 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     sinks : real array broadcastable to ``(*batch, Hq)``, optional
         Learned attention sinks over the kept keys, as in :func:`attnnb.attention`
         (they take no part in the selection).
+    mask_mod, score_mod : optional
+        As in :func:`attnnb.attention` (:mod:`attnnb.mods`): keys are ranked by
+        their modified logits, among those the mask function allows.
     backend : {None, "auto", "reference", "cpu", "cuda"}
 
     Returns
@@ -128,8 +132,10 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
         from ._dask.ops import topk_attention as lazy
 
         refuse_lazy_dropout(dropout_p)
+        refuse_lazy_mods(mask_mod, score_mod)
         return lazy(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size, scale=scale,
                     return_lse=return_lse, sinks=sinks, backend=backend)
     return _eager.topk_attention(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size,
                                  scale=scale, return_lse=return_lse, dropout_p=dropout_p,
-                                 seed=seed, sinks=sinks, backend=backend)
+                                 seed=seed, sinks=sinks, mask_mod=mask_mod, score_mod=score_mod,
+                                 backend=backend)

@@ -600,7 +600,9 @@ def _topk_attention(a, forward):
     top_k = check_top_k(a["top_k"])
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
-                                dropout_p=a["dropout_p"], seed=a["seed"], sinks=a["sinks"])
+                                dropout_p=a["dropout_p"], seed=a["seed"], sinks=a["sinks"],
+                                mask_mod=a["mask_mod"], score_mod=a["score_mod"])
+    _check_mod_gradients(problem)
     return _lse_function("topk_attention", a, forward, problem, (top_k,), return_lse,
                          sinks=a["sinks"])
 

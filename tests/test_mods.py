@@ -500,3 +500,30 @@ def test_torch_gradcheck_and_the_numpy_api_refuses_a_grad_tensor():
                                    backend="reference"), (qg, log_f))
     with pytest.raises(TypeError, match="forgetting.*requires grad"):
         attnnb.attention(q.numpy(), k.numpy(), v.numpy(), score_mod=mods.forgetting(log_f))
+
+
+def test_topk_attention_ranks_the_modified_logits():
+    """Top-k with mods: the reference against dense attention over the keys it keeps, and
+    the cpu kernels (forward, selection held fixed in the backward) against the reference."""
+    rng = np.random.default_rng(19)
+    H = 2
+    q, k, v = qkv(rng, batch=(1,), hq=H, lq=90, lk=110, d=8)
+    slopes = rng.standard_normal(H)
+    kw = dict(score_mod=mods.alibi(slopes), mask_mod=mods.sliding_window(50), causal=True)
+    results = {}
+    for backend in ("reference", "cpu"):
+        out, pullback = attnnb.vjp(attnnb.topk_attention, q, k, v, 7, backend=backend, **kw)
+        results[backend] = out, pullback(np.sin(out))
+    assert_close(results["cpu"][0], results["reference"][0], rtol=1e-12)
+    for n in ("q", "k", "v"):
+        assert_close(results["cpu"][1][n], results["reference"][1][n], rtol=1e-12, what=n)
+    assert_close(results["cpu"][1]["score_mod"][0], results["reference"][1]["score_mod"][0],
+                 rtol=1e-12, what="slopes")
+    # the reference's selection: the 7 largest modified logits among the allowed keys
+    i, j = positions(90, 110)
+    s = np.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(8) + slopes[:, None, None] * (j - i)
+    allowed = (j <= i) & (i - j < 50)
+    s = np.where(allowed, s, -np.inf)
+    keep = s >= np.sort(s, axis=-1)[..., -7:-6]
+    assert_close(results["reference"][0], plain(q, k, v, mask=keep & allowed,
+                                                score_mod=mods.alibi(slopes)))

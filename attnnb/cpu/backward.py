@@ -704,4 +704,5 @@ def topk_attention_vjp(problem, top_k, out, lse, dout, dlse):
     """
     _, _, thr, cut = topk_selection(problem, top_k)
     g = tiled_vjp(problem, out, lse, dout, dlse, False, selection=(thr, cut))
-    return g["q"], g["k"], g["v"], None, g["log_key_size"]
+    grads = (g["q"], g["k"], g["v"], None, g["log_key_size"])
+    return grads + (g["score_mod"],) if "score_mod" in g else grads

@@ -1,8 +1,9 @@
 """Top-k attention on the CPU: two passes per query tile over the tiled core.
 
-Pass 1 computes the tile's rows of modified logits (``s + log key_size``,
-``-inf`` outside the mask / causal limit) into an ``(TILE_Q, Lk)`` scratch
-(O(Lk) per task, never ``Lq x Lk``); then each row's selection
+Pass 1 computes the tile's rows of modified logits (a score function's
+value, ``+ log key_size``, ``-inf`` outside the mask / causal limit / mask
+function) into an ``(TILE_Q, Lk)`` scratch (O(Lk) per task, never ``Lq x
+Lk``); then each row's selection
 (:func:`~attnnb.cpu._topk_rows.select_row`) gives its threshold, tie cut
 and the list of kept keys.  When a row keeps few of the keys it sees (at
 most 1 / ``GATHER_BELOW``), pass 2 is that row's softmax over its list,
@@ -22,6 +23,8 @@ from .._codes import NORMALIZER_CODES, SOFTMAX
 from ._dropout import kernel_dropout, row_keys, scale_kept
 from ._host import kernel_sinks, run_sweep
 from ._jit import kernel, wide_vectors
+from ._mod_hooks import mask_tile, score_tile
+from ._mods import mod_kernel, mods_argument
 from ._task import query_task, sweep_geometry
 from ._tiles import (
     TILE_K,
@@ -42,14 +45,15 @@ GATHER_BELOW = 2
 
 @kernel
 def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                causal, top_k, dropout, normalizer, sinks, thr_rows, cut_rows, out, lse):
+                causal, top_k, dropout, normalizer, sinks, mods, thr_rows, cut_rows, out, lse):
     """One task per (batch, query head, query tile); leading arguments as every tiled
     kernel's (:mod:`attnnb.cpu._host`), ``bias`` a placeholder (never read).
 
     ``thr_rows``, ``cut_rows`` ``(B, Hq, Lq)`` receive each row's selection
     (:func:`~attnnb.cpu._topk_rows.select_row`), which the backward pass
     holds fixed.  ``dropout`` as the dense kernel's: the kept keys' weights are
-    dropped after the selection and the row's sum.  ``normalizer``: ``SOFTMAX``, or
+    dropped after the selection and the row's sum.  ``mods`` as the dense kernel's:
+    rows rank the keys by their modified logits.  ``normalizer``: ``SOFTMAX``, or
     ``SOFTMAX1`` with the ``sinks (B, Hq)`` in the denominator.
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
@@ -74,8 +78,10 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
             j0 = t * TILE_K
             nk = min(TILE_K, Lk - j0)
             S = tile_logits_t(qs, kth, j0, nk, S_flat)
+            score_tile(S, b, h, i0, j0, mods)
             modify_logits(S, S, i0, j0, diag, bias[0, 0], False, mask[b, h], has_mask,
                           logks[b], has_ks, SOFTMAX)
+            mask_tile(S, b, h, i0, j0, True, mods)
             R[:, j0 : j0 + nk] = S
         # each row's selection; few keys kept per row: its softmax over its list at once
         gather = GATHER_BELOW * top_k <= n_seen
@@ -110,8 +116,9 @@ def topk_selection(problem, top_k):
     B, Hq, _, Lq, _, _, _ = problem.shape
     thr = np.zeros((B, Hq, Lq), problem.q.dtype)
     cut = np.zeros((B, Hq, Lq), np.int64)
-    out, lse = run_sweep(topk_kernel, problem, int(top_k), kernel_dropout(problem),
-                         NORMALIZER_CODES[problem.normalizer], kernel_sinks(problem), thr, cut)
+    out, lse = run_sweep(mod_kernel(topk_kernel, problem), problem, int(top_k),
+                         kernel_dropout(problem), NORMALIZER_CODES[problem.normalizer],
+                         kernel_sinks(problem), mods_argument(problem), thr, cut)
     return scale_kept(out, problem), lse, thr, cut
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import allowed_set, apply_weights, expand_kv_heads, logits, normalize
+from ._common import apply_weights, expand_kv_heads, normalize, problem_allowed, problem_logits
 from .attention import dropout_factors, sink_of
 
 
@@ -32,8 +32,8 @@ def topk_attention(problem, top_k):
     B, Hq, _, Lq, Lk, _, _ = problem.shape
     k = expand_kv_heads(problem.k, Hq)
     v = expand_kv_heads(problem.v, Hq)
-    s = logits(problem.q, k, problem.scale)
-    allowed = allowed_set((B, Hq, Lq, Lk), problem.mask, problem.causal)
+    s = problem_logits(problem, k)[0]  # (a score function's; top-k takes no bias)
+    allowed = problem_allowed(problem, (B, Hq, Lq, Lk))
     lks = None if problem.log_key_size is None else problem.log_key_size.astype(np.float64)
     keep = topk_selection(s, allowed, lks, top_k)
     w, lse = normalize(s, keep, problem.log_key_size, problem.normalizer, sink_of(problem))
