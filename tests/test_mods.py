@@ -430,6 +430,21 @@ def test_cpu_kernel_copies_carry_the_package_stamp():
     assert copy._cache._cache_file._source_stamp == _cache.package_stamp()
 
 
+def cpu_matches_reference(fn, args, kw):
+    """``fn(*args, **kw)`` and its gradients (q, k, v, the score function's first array)
+    on cpu against the reference, float64 to 1e-12; returns the reference's output."""
+    results = {}
+    for backend in ("reference", "cpu"):
+        out, pullback = attnnb.vjp(fn, *args, backend=backend, **kw)
+        results[backend] = out, pullback(np.cos(out))
+    assert_close(results["cpu"][0], results["reference"][0], rtol=1e-12)
+    for n in ("q", "k", "v"):
+        assert_close(results["cpu"][1][n], results["reference"][1][n], rtol=1e-12, what=n)
+    assert_close(results["cpu"][1]["score_mod"][0], results["reference"][1]["score_mod"][0],
+                 rtol=1e-12, what="score_mod's first array")
+    return results["reference"][0]
+
+
 def test_sparse_attention_with_mods_is_dense_with_the_pattern_as_a_mask():
     """Reference: the mask function intersected with the pattern; cpu: the same, both ways."""
     from attnnb import patterns
@@ -442,16 +457,7 @@ def test_sparse_attention_with_mods_is_dense_with_the_pattern_as_a_mask():
     kw = dict(score_mod=mods.alibi(slopes), mask_mod=mods.document(np.arange(150) // 60))
     dense = plain(q, k, v, mask=pattern.to_mask(), **kw)
     assert_close(attnnb.sparse_attention(q, k, v, pattern, backend="reference", **kw), dense)
-    results = {}
-    for backend in ("reference", "cpu"):
-        out, pullback = attnnb.vjp(attnnb.sparse_attention, q, k, v, pattern, backend=backend,
-                                   **kw)
-        results[backend] = out, pullback(np.cos(out))
-    assert_close(results["cpu"][0], results["reference"][0], rtol=1e-12)
-    for n in ("q", "k", "v"):
-        assert_close(results["cpu"][1][n], results["reference"][1][n], rtol=1e-12, what=n)
-    assert_close(results["cpu"][1]["score_mod"][0], results["reference"][1]["score_mod"][0],
-                 rtol=1e-12, what="slopes")
+    cpu_matches_reference(attnnb.sparse_attention, (q, k, v, pattern), kw)
 
 
 # ---------------------------------------------------------------------------
@@ -510,20 +516,11 @@ def test_topk_attention_ranks_the_modified_logits():
     q, k, v = qkv(rng, batch=(1,), hq=H, lq=90, lk=110, d=8)
     slopes = rng.standard_normal(H)
     kw = dict(score_mod=mods.alibi(slopes), mask_mod=mods.sliding_window(50), causal=True)
-    results = {}
-    for backend in ("reference", "cpu"):
-        out, pullback = attnnb.vjp(attnnb.topk_attention, q, k, v, 7, backend=backend, **kw)
-        results[backend] = out, pullback(np.sin(out))
-    assert_close(results["cpu"][0], results["reference"][0], rtol=1e-12)
-    for n in ("q", "k", "v"):
-        assert_close(results["cpu"][1][n], results["reference"][1][n], rtol=1e-12, what=n)
-    assert_close(results["cpu"][1]["score_mod"][0], results["reference"][1]["score_mod"][0],
-                 rtol=1e-12, what="slopes")
+    reference = cpu_matches_reference(attnnb.topk_attention, (q, k, v, 7), kw)
     # the reference's selection: the 7 largest modified logits among the allowed keys
     i, j = positions(90, 110)
     s = np.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(8) + slopes[:, None, None] * (j - i)
     allowed = (j <= i) & (i - j < 50)
     s = np.where(allowed, s, -np.inf)
     keep = s >= np.sort(s, axis=-1)[..., -7:-6]
-    assert_close(results["reference"][0], plain(q, k, v, mask=keep & allowed,
-                                                score_mod=mods.alibi(slopes)))
+    assert_close(reference, plain(q, k, v, mask=keep & allowed, score_mod=mods.alibi(slopes)))
