@@ -524,3 +524,31 @@ def test_topk_attention_ranks_the_modified_logits():
     s = np.where(allowed, s, -np.inf)
     keep = s >= np.sort(s, axis=-1)[..., -7:-6]
     assert_close(reference, plain(q, k, v, mask=keep & allowed, score_mod=mods.alibi(slopes)))
+
+
+def test_chunked_cpu_backward_gives_the_functions_the_calls_batch_indices(monkeypatch):
+    """A broadcast bias's backward in chunks of batch elements (attnnb._bias_chunks): the
+    functions see each chunk's batch elements by their index in the call."""
+    from attnnb import _bias_chunks
+
+    rng = np.random.default_rng(20)
+    B, H, L = 10, 1, 70
+    q, k, v = qkv(rng, batch=(B,), hq=H, lq=L, lk=L, d=4)
+    log_f = -0.1 * np.abs(rng.standard_normal((B, H, L)))
+    ids = np.sort(rng.integers(0, 3, (B, L)), axis=-1)
+    kw = dict(score_mod=mods.forgetting(log_f), mask_mod=mods.document(ids) & mods.causal,
+              bias=rng.standard_normal((L, L)), backend="cpu")
+    out, pullback = attnnb.vjp(attnnb.attention, q, k, v, **kw)
+    whole = pullback(np.cos(out))
+    monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", 1)  # 8 key heads (batch elements) a chunk
+    assert len(_bias_chunks.bias_chunks((B, H, H, L, L, 4, 4), 8, (1, 1, L, L), 8)) == 2
+    out_c, pullback_c = attnnb.vjp(attnnb.attention, q, k, v, **kw)
+    parts = pullback_c(np.cos(out_c))
+    np.testing.assert_array_equal(out_c, out)
+    for name in ("q", "k", "v", "bias"):
+        np.testing.assert_allclose(parts[name], whole[name], rtol=1e-12, atol=1e-14,
+                                   err_msg=name)
+    np.testing.assert_allclose(parts["score_mod"][0], whole["score_mod"][0], rtol=1e-12,
+                               atol=1e-14)
+    ref = attnnb.vjp(attnnb.attention, q, k, v, **dict(kw, backend="reference"))[1](np.cos(out))
+    assert_close(parts["score_mod"][0], ref["score_mod"][0], rtol=1e-12, what="log_f")
