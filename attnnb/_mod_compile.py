@@ -301,6 +301,15 @@ def param_grads(mod: ScoreMod, grads: tuple) -> tuple:
                  for g, dt in zip(own, dtypes))
 
 
+def sum_param_grads(parts: list) -> tuple | None:
+    """Parameter gradients (:func:`param_grads`) of parts of one call added, entry by
+    entry (``None`` stays ``None``); None for no parts."""
+    if not parts:
+        return None
+    return tuple(None if column[0] is None else sum(column[1:], column[0].copy())
+                 for column in zip(*parts))
+
+
 def missing_array_gradients(mod: ScoreMod) -> list[str]:
     """Names of the leaves with float arrays, not constant, and no ``grad_arrays``."""
     if mod.kind != "fn":

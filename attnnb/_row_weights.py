@@ -14,6 +14,7 @@ function and option (docs/contract.md §2.9).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,6 @@ from .diff import diff_attention
 from .patterns import Pattern
 from .reference._common import (
     expand_kv_heads,
-    logits,
     mask_mod_values,
     normalize,
     problem_logits,
@@ -111,7 +111,8 @@ def bind_call(caller: str, fn, args, kwargs) -> Call:
     if name == "diff_attention":
         check_mode(a["mode"])
         problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"], bias=a["bias"],
-                                    causal=a["causal"], head_pairs=True, **common)
+                                    causal=a["causal"], head_pairs=True,
+                                    mask_mod=a["mask_mod"], score_mod=a["score_mod"], **common)
         check_head_axis(problem.squeeze_head, np.shape(problem.q)[2:])
         B, H2, _, Lq = problem.shape[:4]
         # lam as the call computes with it: in the compute dtype
@@ -206,15 +207,14 @@ def row_weights(call: Call, rows: np.ndarray):
     dropout (None otherwise).
     """
     p = call.problem
-    bias = None if p.bias is None else p.bias[:, :, rows]
     lks = None if p.log_key_size is None else p.log_key_size.astype(np.float64)
     allowed = _allowed_rows(call, rows)
     maps = None
     if call.name == "diff_attention":
         heads = pair_key_heads(call.heads, p.shape[2] // 2)
         maps = tuple(
-            normalize(logits(p.q[:, c::2][:, :, rows], p.k[:, heads[:, c]], p.scale, bias),
-                      allowed, lks, "softmax")[0]
+            normalize(problem_logits(dataclasses.replace(p, q=p.q[:, c::2]), p.k[:, heads[:, c]],
+                                     rows=rows)[0], allowed, lks, "softmax")[0]
             for c in range(2))
         lam = call.lam[:, :, rows, None]
         if call.mode == "heaviside":

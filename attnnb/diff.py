@@ -25,14 +25,15 @@ from . import _eager
 from ._checks import as_named_array
 from ._dask import any_dask
 from ._dropout import refuse_lazy_dropout
-from ._function_args import MODES
+from ._function_args import MODES, refuse_lazy_mods
 from ._validate import compute_dtypes, float_dtype_of
 
 __all__ = ["diff_attention", "lambda_init", "reparam_lambda", "subln", "MODES"]
 
 
 def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
-                   scale=None, mode="difference", dropout_p=0.0, seed=None, backend=None):
+                   scale=None, mode="difference", dropout_p=0.0, seed=None, mask_mod=None,
+                   score_mod=None, backend=None):
     """Differential attention: ``(A1 - lam * A2) @ v`` for every head pair.
 
     Parameters
@@ -86,6 +87,10 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         and the same seed (not on the cuda backend yet).
     seed : int in ``[0, 2**64)``, optional
         Required when ``dropout_p > 0``.
+    mask_mod, score_mod : optional
+        As in :func:`attnnb.attention` (:mod:`attnnb.mods`), for both maps of
+        a pair; ``h`` is the pair's index.  The cpu backend's gradients take
+        them in the difference mode only (the reference's in every mode).
     backend : {None, "auto", "reference", "cpu", "cuda"}
 
     Returns
@@ -109,6 +114,7 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         from ._dask.ops import diff_attention as lazy
 
         refuse_lazy_dropout(dropout_p)
+        refuse_lazy_mods(mask_mod, score_mod)
         if mode == "heaviside":  # its gate needs both maps' global normalisers at once
             raise NotImplementedError("diff_attention(mode='heaviside') with Dask arrays: not "
                                       "yet; compute the arrays first")
@@ -116,7 +122,8 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
                     scale=scale, mode=mode, backend=backend)
     return _eager.diff_attention(q, k, v, lam, mask=mask, bias=bias, key_size=key_size,
                                  causal=causal, scale=scale, mode=mode, dropout_p=dropout_p,
-                                 seed=seed, backend=backend)
+                                 seed=seed, mask_mod=mask_mod, score_mod=score_mod,
+                                 backend=backend)
 
 
 def _real(name, x):

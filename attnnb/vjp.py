@@ -63,7 +63,8 @@ at once for the same saved forward.
     forward's own deterministic rule (ranking by ``s + log key_size``,
     ties to the lower key index), so it is the forward's selection exactly.
     Returns as ``attention_vjp`` (``dbias`` is None).
-``diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape)``
+``diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape)`` (a seventh
+    result with a score mod, as ``attention_vjp``'s sixth)
     ``problem`` built with ``head_pairs=True``: ``q (B, 2H, Lq, d)``, ``k
     (B, 2Hk, Lk, d)``, ``v (B, Hk, Lk, Dv)``, mask and bias broadcast to
     ``(B, H, Lq, Lk)``.  ``lam (B, H, Lq)`` and ``mode`` as the forward got
@@ -464,8 +465,8 @@ class _Saved:
         dout = _cotangent("dout", dout, self.out_shape, self.out.shape, dtype, "out", dev)
         dmod = ()
         if self.lse is None:
-            dq, dk, dv, dbias, dlks, dlam = self.backward(p, *self.extras, self.out, dout,
-                                                          *self.tail)
+            dq, dk, dv, dbias, dlks, dlam, *dmod = self.backward(p, *self.extras, self.out,
+                                                                 dout, *self.tail)
         else:
             if dlse is not None:
                 dlse = _cotangent("dlse", dlse, self.out_shape[:-1], self.lse.shape, dtype,
@@ -612,7 +613,9 @@ def _diff_attention(a, forward):
     check_mode(mode)
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"], bias=a["bias"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
-                                head_pairs=True, dropout_p=a["dropout_p"], seed=a["seed"])
+                                head_pairs=True, dropout_p=a["dropout_p"], seed=a["seed"],
+                                mask_mod=a["mask_mod"], score_mod=a["score_mod"])
+    _check_mod_gradients(problem)
     if problem.squeeze_head:  # the refusal of diff_attention, word for word
         raise ValueError(
             "q, k and v must have a head axis: (*batch, 2H, L, d), (*batch, 2Hk, L, d) and "

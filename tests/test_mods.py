@@ -552,3 +552,42 @@ def test_chunked_cpu_backward_gives_the_functions_the_calls_batch_indices(monkey
                                atol=1e-14)
     ref = attnnb.vjp(attnnb.attention, q, k, v, **dict(kw, backend="reference"))[1](np.cos(out))
     assert_close(parts["score_mod"][0], ref["score_mod"][0], rtol=1e-12, what="log_f")
+
+
+@pytest.mark.parametrize("mode", ["difference", "rectified", "heaviside"])
+def test_diff_attention_takes_mods_on_both_maps(mode):
+    """The reference against its own two maps with the mods materialised; cpu forward in
+    every mode, its gradients in the difference mode (the others refuse, by name)."""
+    rng = np.random.default_rng(21)
+    H = 2
+    q, k, v = qkv(rng, batch=(1,), hq=2 * H, hk=2, lq=80, lk=80, d=8)
+    v = v[:, :1]
+    slopes = rng.standard_normal(H)
+    lam = 0.4
+    kw = dict(score_mod=mods.alibi(slopes), mask_mod=mods.sliding_window(30), mode=mode)
+    i, j = positions(80, 80)
+    expected = attnnb.diff_attention(q, k, v, lam, bias=slopes[:, None, None] * (j - i),
+                                     mask=(i - j >= 0) & (i - j < 30), mode=mode,
+                                     backend="reference")
+    got = attnnb.diff_attention(q, k, v, lam, backend="reference", **kw)
+    assert_close(got, expected)
+    assert_close(attnnb.diff_attention(q, k, v, lam, backend="cpu", **kw), expected,
+                 rtol=1e-12)
+    out, pullback = attnnb.vjp(attnnb.diff_attention, q, k, v, lam, backend="reference", **kw)
+    ref = pullback(np.cos(out))
+    bias = np.broadcast_to(slopes[:, None, None] * (j - i), (1, H, 80, 80))
+    plain_grads = attnnb.vjp(attnnb.diff_attention, q, k, v, lam, bias=bias,
+                             mask=(i - j >= 0) & (i - j < 30), mode=mode,
+                             backend="reference")[1](np.cos(out))
+    assert_close(ref["q"], plain_grads["q"], what="q")
+    assert_close(ref["score_mod"][0], (plain_grads["bias"] * (j - i)).sum(axis=(0, 2, 3)),
+                 what="slopes")
+    out_c, pullback_c = attnnb.vjp(attnnb.diff_attention, q, k, v, lam, backend="cpu", **kw)
+    if mode != "difference":
+        with pytest.raises(NotImplementedError, match=f"mode='{mode}'.*mask_mod or score_mod"):
+            pullback_c(np.cos(out_c))
+        return
+    cpu = pullback_c(np.cos(out_c))
+    for n in ("q", "k", "v", "lam"):
+        assert_close(cpu[n], ref[n], rtol=1e-12, what=n)
+    assert_close(cpu["score_mod"][0], ref["score_mod"][0], rtol=1e-12, what="slopes")

@@ -51,6 +51,7 @@ from numba import prange
 from .._bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
 from .._codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID, SOFTPICK
 from .._dropout import keep_scale
+from .._mod_compile import sum_param_grads
 from ._blocks import ROWS
 from ._dropout import keep_factors, kernel_dropout
 from ._exp import exp_shifted
@@ -74,7 +75,14 @@ from ._mod_hooks import (
     score_tile_kept,
     task_groups,
 )
-from ._mods import group_gradients, mod_kernel, mods_argument, parameter_gradients, tile_map
+from ._mods import (
+    group_gradients,
+    has_mods,
+    mod_kernel,
+    mods_argument,
+    parameter_gradients,
+    tile_map,
+)
 from ._prologue import filled_kv_tiles
 from ._sparse_tiles import csr_tile_mask
 from ._splits import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS
@@ -642,11 +650,7 @@ def attention_vjp(problem, out, lse, dout, dlse, dbias_shape=None):
             return g["q"], g["k"], g["v"], g["bias"], g["log_key_size"]
 
         whole = chunked_vjp(run, problem, (out, lse, dout, dlse), chunks, dbias_shape)
-        if not mod_parts:
-            return whole
-        summed = tuple(None if parts[0] is None else sum(parts[1:], parts[0].copy())
-                       for parts in zip(*mod_parts))
-        return whole + (summed,)
+        return whole + (sum_param_grads(mod_parts),) if mod_parts else whole
     g = tiled_vjp(problem, out, lse, dout, dlse, dbias_shape is not None)
     dbias = None if dbias_shape is None else sum_to_shape(g["bias"], dbias_shape)
     grads = (g["q"], g["k"], g["v"], dbias, g["log_key_size"])
@@ -672,6 +676,10 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     (:mod:`attnnb.cpu.rectified_backward`).
     """
     if mode != "difference":
+        if has_mods(problem):
+            raise NotImplementedError(f"the gradients of diff_attention(mode={mode!r}) with "
+                                      "mask_mod or score_mod on the cpu backend: not yet (the "
+                                      "difference mode has them, and backend='reference')")
         return rectified_vjp(problem, lam, dout, dbias_shape, mode)
     dt = problem.q.dtype
     lam = np.asarray(lam, dt)
@@ -685,7 +693,7 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
             o2 = o_c
         d_c = dout if c == 0 else np.ascontiguousarray(-lam[..., None] * dout)
         grads.append(attention_vjp(stream, o_c, lse_c, d_c, None, dbias_shape))
-    (dq1, dk1, dv1, db1, dl1), (dq2, dk2, dv2, db2, dl2) = grads
+    (dq1, dk1, dv1, db1, dl1, *dm1), (dq2, dk2, dv2, db2, dl2, *dm2) = grads
     dq = np.empty(problem.q.shape, dt)
     dq[:, 0::2], dq[:, 1::2] = dq1, dq2
     dk = np.empty(problem.k.shape, dt)
@@ -693,7 +701,8 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     dlam = -np.einsum("bhid,bhid->bhi", dout, o2, dtype=np.float64).astype(dt)
     dbias = None if db1 is None else db1 + db2
     dlogks = None if dl1 is None else dl1 + dl2
-    return dq, dk, dv1 + dv2, dbias, dlogks, dlam
+    result = (dq, dk, dv1 + dv2, dbias, dlogks, dlam)
+    return result + (sum_param_grads(dm1 + dm2),) if dm1 else result
 
 
 def topk_attention_vjp(problem, top_k, out, lse, dout, dlse):

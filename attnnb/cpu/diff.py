@@ -27,6 +27,8 @@ from .._codes import DIFF_MODE_CODES, DIFFERENCE, HEAVISIDE, SOFTMAX
 from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
 from ._host import run_sweep
 from ._jit import inner, kernel, wide_vectors
+from ._mod_hooks import mask_tile, score_tile
+from ._mods import mod_kernel, mods_argument
 from ._streams import finish_weighted_rows, rectified_weights
 from ._task import sweep_geometry
 from ._tiles import (
@@ -47,21 +49,25 @@ from ._tiles import (
 
 
 @inner
-def masked_logits(qs, kh, i0, j0, nk, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b,
-                  has_ks, S_flat):
+def masked_logits(qs, kh, b, h, i0, j0, nk, diag, bias_bh, has_bias, mask_bh, has_mask,
+                  logks_b, has_ks, mods, S_flat):
     """One component's modified logits for one key tile (``-inf`` outside the allowed set).
 
-    ``kh`` is the component's keys transposed per key tile (:func:`prepare_key_tile`).
+    ``kh`` is the component's keys transposed per key tile (:func:`prepare_key_tile`);
+    ``mods`` the mask and score functions' arguments (:mod:`attnnb.cpu._mod_hooks`),
+    which see pair ``h``.
     """
     S = tile_logits_t(qs, kh, j0, nk, S_flat)
+    score_tile(S, b, h, i0, j0, mods)
     modify_logits(S, S, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b, has_ks,
                   SOFTMAX)
+    mask_tile(S, b, h, i0, j0, True, mods)
     return S
 
 
 @inner
-def sweep_pair(qs, kh, vh, v_ok, i0, last, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b,
-               has_ks, m, l, acc, S_flat, P_flat, T_flat, dropout, keys, words):
+def sweep_pair(qs, kh, vh, v_ok, b, h, i0, last, diag, bias_bh, has_bias, mask_bh, has_mask,
+               logks_b, has_ks, mods, m, l, acc, S_flat, P_flat, T_flat, dropout, keys, words):
     """Online softmax of both streams over key tiles ``0..last-1``, sharing each value tile.
 
     ``qs``, ``kh``, ``m``, ``l``, ``acc`` are pairs (stream 1, stream 2).  The
@@ -77,20 +83,21 @@ def sweep_pair(qs, kh, vh, v_ok, i0, last, diag, bias_bh, has_bias, mask_bh, has
         j0 = t * TILE_K
         nk = min(TILE_K, Lk - j0)
         for c in range(2):
-            S = masked_logits(qs[c], kh[c], i0, j0, nk, diag, bias_bh, has_bias, mask_bh,
-                              has_mask, logks_b, has_ks, S_flat)
+            S = masked_logits(qs[c], kh[c], b, h, i0, j0, nk, diag, bias_bh, has_bias, mask_bh,
+                              has_mask, logks_b, has_ks, mods, S_flat)
             online_update(S, S, m[c], l[c], acc[c], P_flat, T_flat, vh, j0, v_ok[t], SOFTMAX,
                           dropout, keys, words)
 
 
 @kernel
 def diff_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                causal, lam, mode, dropout, out, lse):
+                causal, lam, mode, dropout, mods, out, lse):
     """One task per (batch, head pair, query tile); see the module docstring.
 
     Leading arguments as every tiled kernel's (:mod:`attnnb.cpu._host`);
     ``lse`` is not written (differential attention has no single LSE);
-    ``dropout`` as :func:`~attnnb.cpu._dropout.kernel_dropout`'s.
+    ``dropout`` as :func:`~attnnb.cpu._dropout.kernel_dropout`'s; ``mods`` as the dense
+    kernel's, for both maps of pair ``h``.
     """
     # pairs of query heads share pairs of key heads: the group size is the same
     B, H2, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, SWEEP_TILE_Q, causal)
@@ -123,8 +130,8 @@ def diff_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
         difference = mode == DIFFERENCE
         # one call of each shared loop for both modes (see sweep_pair)
         sweep_pair((qs1, qs2), (k1h, k2h), vh if difference else no_values,
-                   v_ok[b, g] if difference else no_values_ok, i0, last, diag, bias_bh,
-                   has_bias, mask_bh, has_mask, logks_b, has_ks, (m1, m2), (l1, l2),
+                   v_ok[b, g] if difference else no_values_ok, b, h, i0, last, diag, bias_bh,
+                   has_bias, mask_bh, has_mask, logks_b, has_ks, mods, (m1, m2), (l1, l2),
                    (acc1, acc2), S1_flat, P_flat, T_flat,
                    dropout if difference else no_dropout, keys, words)
         # difference: o1 into the output rows, o2 aside; rectified: the LSEs only
@@ -148,8 +155,8 @@ def diff_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
                 j0 = t * TILE_K
                 nk = min(TILE_K, Lk - j0)
                 for c in range(2):
-                    masked_logits(qs[c], kh[c], i0, j0, nk, diag, bias_bh, has_bias, mask_bh,
-                                  has_mask, logks_b, has_ks, S_flats[c])
+                    masked_logits(qs[c], kh[c], b, h, i0, j0, nk, diag, bias_bh, has_bias,
+                                  mask_bh, has_mask, logks_b, has_ks, mods, S_flats[c])
                 S1 = view2d(S1_flat, nq, nk)
                 S2 = view2d(S2_flat, nq, nk)
                 P = rectified_weights(S1, S2, lse1, lse2, lam_rows, mode == HEAVISIDE,
@@ -174,6 +181,7 @@ def diff_attention(problem, lam, mode="difference"):
     -------
     out : ``(B, H, Lq, Dv)`` in the compute dtype.
     """
-    out, _ = run_sweep(diff_kernel, problem, lam, DIFF_MODE_CODES[mode],
-                       kernel_dropout(problem), out_heads=problem.shape[1] // 2)
+    out, _ = run_sweep(mod_kernel(diff_kernel, problem), problem, lam, DIFF_MODE_CODES[mode],
+                       kernel_dropout(problem), mods_argument(problem),
+                       out_heads=problem.shape[1] // 2)
     return scale_kept(out, problem)

@@ -59,7 +59,7 @@ from ._common import (
     softpick_terms,
 )
 from .attention import dropout_factors, sink_of
-from .diff import heaviside_gate, pair_dropout, pair_key_heads
+from .diff import heaviside_gate, pair_dropout, pair_key_heads, stream_logits
 from .sparse import pattern_mask
 from .topk import topk_selection
 
@@ -286,11 +286,15 @@ def _modded_vjp(problem, dout, dlse, dbias_shape):
     finished = _finish(problem, *grads, dbias_shape)
     if mod is None:
         return finished
+    return finished + (_mod_array_gradients(mod, grads[3], raw, problem.dropout_origin),)
+
+
+def _mod_array_gradients(mod, ds, raw, origin):
+    """A score mod's parameter gradients from ``ds`` (of its values) and its logits ``raw``
+    (``(B, H, Lq, Lk)``); None when it has none to give (vjp refused that before)."""
     from .._mod_compile import array_gradients, missing_array_gradients
 
-    if missing_array_gradients(mod):
-        return finished + (None,)
-    return finished + (array_gradients(mod, grads[3], raw, problem.dropout_origin),)
+    return None if missing_array_gradients(mod) else array_gradients(mod, ds, raw, origin)
 
 
 def sparse_attention_vjp(problem, pattern, out, lse, dout, dlse=None):
@@ -366,13 +370,13 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     B, H2, Hk2, Lq, Lk, _, _ = problem.shape
     H, Hk = H2 // 2, Hk2 // 2
     heads = pair_key_heads(H, Hk)
-    allowed = allowed_set((B, H, Lq, Lk), problem.mask, problem.causal)
+    allowed = problem_allowed(problem, (B, H, Lq, Lk))
     lam = np.asarray(lam, np.float64)
     dout = np.asarray(dout, np.float64)
     v = expand_kv_heads(problem.v, H).astype(np.float64)  # pair h reads value head g
     lks = problem.log_key_size
-    s = [logits(problem.q[:, c::2], problem.k[:, heads[:, c]], problem.scale, problem.bias)
-         for c in range(2)]
+    mod = problem.score_mod
+    s, raw, slope = zip(*(stream_logits(problem, heads, c, mod is not None) for c in range(2)))
     # a NaN row's maps are NaN only on its allowed set, so its NaN reaches only what it read
     maps = [np.where(allowed, normalize(s[c], allowed, lks, "softmax")[0], 0.0)
             for c in range(2)]
@@ -403,10 +407,14 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     dlog_sum = np.zeros((B, H, Lq, Lk))
     q = problem.q.astype(np.float64)
     k = problem.k.astype(np.float64)
+    mod_grads = []
     for c, stream_dw in enumerate((dw, dw2)):
         _, ds, dlog_size = _softmax_backward(s[c], allowed, lks, "softmax", stream_dw, None)
         ds_sum += ds
         dlog_sum += dlog_size
+        if mod is not None:
+            mod_grads.append(_mod_array_gradients(mod, ds, raw[c], problem.dropout_origin))
+            ds = np.where(ds == 0.0, 0.0, ds * slope[c])  # on to q and k: through the slope
         kc = k[:, heads[:, c]]
         dq[:, c::2] = problem.scale * apply_weights(ds, kc, allowed)
         dk_pairs = problem.scale * apply_weights(_t(ds), q[:, c::2], _t(allowed))
@@ -417,4 +425,8 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
         dv[:, heads[h, 0] // 2] += dv_pairs[:, h]
     dbias = _sum_to(ds_sum, dbias_shape) if problem.bias is not None else None
     dlks = dlog_sum.sum(axis=(1, 2)) if lks is not None else None
-    return dq, dk, dv, dbias, dlks, dlam
+    if mod is None:
+        return dq, dk, dv, dbias, dlks, dlam
+    from .._mod_compile import sum_param_grads
+
+    return dq, dk, dv, dbias, dlks, dlam, sum_param_grads(mod_grads)

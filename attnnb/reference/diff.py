@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from ._common import allowed_set, apply_weights, expand_kv_heads, logits, normalize
+from ._common import apply_weights, expand_kv_heads, normalize, problem_allowed, problem_logits
 from .attention import dropout_factors
 
 
@@ -28,13 +30,20 @@ def diff_maps(problem):
     B, H2, Hk2, Lq, Lk, _, _ = problem.shape
     H = H2 // 2
     heads = pair_key_heads(H, Hk2 // 2)
-    allowed = allowed_set((B, H, Lq, Lk), problem.mask, problem.causal)
+    allowed = problem_allowed(problem, (B, H, Lq, Lk))
     maps = []
     for c in range(2):
-        s = logits(problem.q[:, c::2], problem.k[:, heads[:, c]], problem.scale, problem.bias)
+        s = stream_logits(problem, heads, c)[0]
         a, _ = normalize(s, allowed, problem.log_key_size, "softmax")
         maps.append(a)
     return maps[0], maps[1], allowed
+
+
+def stream_logits(problem, heads, c, with_slope=False):
+    """``(s, raw, slope)`` of component ``c`` of every pair (:func:`problem_logits`: the
+    mods see the pair's index as the head)."""
+    stream = dataclasses.replace(problem, q=problem.q[:, c::2])
+    return problem_logits(stream, problem.k[:, heads[:, c]], with_slope)
 
 
 def pair_dropout(problem):
