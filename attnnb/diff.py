@@ -89,8 +89,7 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         Required when ``dropout_p > 0``.
     mask_mod, score_mod : optional
         As in :func:`attnnb.attention` (:mod:`attnnb.mods`), for both maps of
-        a pair; ``h`` is the pair's index.  The cpu backend's gradients take
-        them in the difference mode only (the reference's in every mode).
+        a pair; ``h`` is the pair's index.
     backend : {None, "auto", "reference", "cpu", "cuda"}
 
     Returns

@@ -77,7 +77,6 @@ from ._mod_hooks import (
 )
 from ._mods import (
     group_gradients,
-    has_mods,
     mod_kernel,
     mods_argument,
     parameter_gradients,
@@ -676,10 +675,6 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     (:mod:`attnnb.cpu.rectified_backward`).
     """
     if mode != "difference":
-        if has_mods(problem):
-            raise NotImplementedError(f"the gradients of diff_attention(mode={mode!r}) with "
-                                      "mask_mod or score_mod on the cpu backend: not yet (the "
-                                      "difference mode has them, and backend='reference')")
         return rectified_vjp(problem, lam, dout, dbias_shape, mode)
     dt = problem.q.dtype
     lam = np.asarray(lam, dt)

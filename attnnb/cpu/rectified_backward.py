@@ -35,6 +35,7 @@ from numba import prange
 from .._bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
 from .._codes import DIFF_MODE_CODES, HEAVISIDE, SOFTMAX
 from .._dropout import keep_scale
+from .._mod_compile import sum_param_grads
 from ._dropout import kernel_dropout, scale_by_kept
 from ._exp import exp_shifted
 from ._grad_tiles import (
@@ -45,6 +46,16 @@ from ._grad_tiles import (
 )
 from ._host import score_arguments
 from ._jit import inner, kernel, launch, wide_vectors
+from ._mod_hooks import (
+    add_array_gradients,
+    mask_tile,
+    mod_grad_views,
+    mod_scratch,
+    raw_gradients,
+    score_tile_kept,
+    task_groups,
+)
+from ._mods import group_gradients, mod_kernel, mods_argument, parameter_gradients
 from ._prologue import filled_kv_tiles
 from ._task import sweep_geometry
 from ._tiles import (
@@ -63,14 +74,17 @@ from .attention import attention as attention_forward
 
 
 @inner
-def stream_map(q_bh, kth, i0, nq, j0, nk, scale, diag, bias_bh, has_bias, mask_bh, has_mask,
-               logks_b, has_ks, lse_bh, q_flat, S_flat):
+def stream_map(q_bh, kth, b, h, i0, nq, j0, nk, scale, diag, bias_bh, has_bias, mask_bh,
+               has_mask, logks_b, has_ks, mods, R_flat, M_flat, lse_bh, q_flat, S_flat):
     """``A = exp(s' - lse)`` of one stream's tile (``s'`` the modified logit), ``(nq, nk)``;
-    rows without an allowed key (``lse = -inf``) are zero."""
+    rows without an allowed key (``lse = -inf``) are zero.  A score function's logits
+    before it and slopes go to ``R_flat`` and ``M_flat`` (:mod:`attnnb.cpu._mod_hooks`)."""
     qs = scaled_rows(q_bh, i0, nq, scale, q_flat)
     S = tile_logits_t(qs, kth, j0, nk, S_flat)
+    score_tile_kept(S, R_flat, M_flat, b, h, i0, j0, mods)
     modify_logits(S, S, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logks_b, has_ks,
                   SOFTMAX)
+    mask_tile(S, b, h, i0, j0, True, mods)
     for r in range(nq):
         lse = lse_bh[i0 + r]
         if lse == -np.inf:
@@ -83,17 +97,19 @@ def stream_map(q_bh, kth, i0, nq, j0, nk, scale, diag, bias_bh, has_bias, mask_b
 @inner
 def rectified_pair(q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias, mask,
                    has_mask, logks, has_ks, lse1, lse2, lam, mode, dropout, keep_scale, q_flat,
-                   do_flat, A1_flat, A2_flat, G_flat, W_flat, words):
+                   do_flat, A1_flat, A2_flat, G_flat, W_flat, words, mods, modded):
     """``(A1, A2, G, W)`` of one (query tile, key tile) pair: both maps, the clipped
     cotangent of ``P`` and the weights ``W = max(0, A1 - lam A2)``, ``(nq, nk)`` each,
     the last two times the dropout factors (``words``: the generator's scratch).  In the
-    Heaviside ``mode``: ``A2`` is the gate, ``G`` unclipped, ``W = A1 - lam A2``."""
-    A1 = stream_map(q[b, 2 * h], kt[b, 2 * g], i0, nq, j0, nk, scale, diag, bias[b, h],
-                    has_bias, mask[b, h], has_mask, logks[b], has_ks, lse1[b, h], q_flat,
-                    A1_flat)
-    A2 = stream_map(q[b, 2 * h + 1], kt[b, 2 * g + 1], i0, nq, j0, nk, scale, diag, bias[b, h],
-                    has_bias, mask[b, h], has_mask, logks[b], has_ks, lse2[b, h], q_flat,
-                    A2_flat)
+    Heaviside ``mode``: ``A2`` is the gate, ``G`` unclipped, ``W = A1 - lam A2``.
+    ``modded``: each stream's ``(R_flat, M_flat)`` for a score function."""
+    (R1, M1), (R2, M2) = modded
+    A1 = stream_map(q[b, 2 * h], kt[b, 2 * g], b, h, i0, nq, j0, nk, scale, diag, bias[b, h],
+                    has_bias, mask[b, h], has_mask, logks[b], has_ks, mods, R1, M1,
+                    lse1[b, h], q_flat, A1_flat)
+    A2 = stream_map(q[b, 2 * h + 1], kt[b, 2 * g + 1], b, h, i0, nq, j0, nk, scale, diag,
+                    bias[b, h], has_bias, mask[b, h], has_mask, logks[b], has_ks, mods, R2, M2,
+                    lse2[b, h], q_flat, A2_flat)
     do = scaled_rows(dout[b, h], i0, nq, 1.0, do_flat)
     G = tile_logits_t(do, vt[b, g], j0, nk, G_flat)
     W = view2d(W_flat, nq, nk)
@@ -134,55 +150,79 @@ def logit_gradients(A1, A2, G, lam_bh, d1_bh, e_bh, i0, second, dS1_flat, dS2_fl
 @kernel
 def rect_dkdv_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
                      has_ks, causal, dout, lse1, lse2, lam, mode, dropout, keep_scale, d1, e,
-                     col_ptr, col_qt, need_dbias,
+                     mods, mod_grads, col_ptr, col_qt, need_dbias,
                      dk, dv, dbias, dlogks):
     """One task per (batch, value head, key tile): ``dv``, both streams' ``dk``, and that
-    tile's ``dbias`` columns and ``dlogks`` (per value head; summed on the host)."""
+    tile's ``dbias`` columns and ``dlogks`` (per value head; summed on the host); a score
+    function's array gradients by groups of tasks (:mod:`attnnb.cpu._mod_hooks`)."""
     B, H2, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
-    D, Hv = q.shape[3], v.shape[1]
-    for task in prange(B * Hv * n_kt):
+    Hv = v.shape[1]
+    n_tasks = B * Hv * n_kt
+    n_groups = task_groups(n_tasks)
+    for grp in prange(n_groups):
         wide_vectors()
-        b, g, t = task // (Hv * n_kt), (task // n_kt) % Hv, task % n_kt
-        j0 = t * TILE_K
-        nk = min(TILE_K, Lk - j0)
-        (q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, dS1_flat, dS2_flat,
-         T_flat, words) = pair_scratch(q.dtype, D, Dv)
-        dk1 = np.zeros((nk, D), q.dtype)
-        dk2 = np.zeros((nk, D), q.dtype)
-        dv_acc = np.zeros((nk, Dv), q.dtype)
-        for h in range(g * group, (g + 1) * group):
-            for p in range(col_ptr[t], col_ptr[t + 1]):
-                i0 = col_qt[p] * TILE_Q
-                nq = min(TILE_Q, Lq - i0)
-                A1, A2, G, W = rectified_pair(
-                    q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias,
-                    mask, has_mask, logks, has_ks, lse1, lse2, lam, mode, dropout, keep_scale,
-                    q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, words)
-                dS1, dS2 = logit_gradients(A1, A2, G, lam[b, h], d1[b, h], e[b, h], i0,
-                                           mode != HEAVISIDE, dS1_flat, dS2_flat)
-                transposed_values_product(W, dout[b, h], i0, dv_acc, T_flat)
-                transposed_values_product(dS1, q[b, 2 * h], i0, dk1, T_flat)
-                transposed_values_product(dS2, q[b, 2 * h + 1], i0, dk2, T_flat)
-                if need_dbias:
-                    for r in range(nq):
-                        for c in range(nk):
-                            dbias[b, h, i0 + r, j0 + c] = dS1[r, c] + dS2[r, c]
-                if has_ks:
-                    for r in range(nq):
-                        for c in range(nk):
-                            dlogks[b, g, j0 + c] += dS1[r, c] + dS2[r, c]
-        for c in range(nk):
-            for x in range(D):
-                dk[b, 2 * g, j0 + c, x] = scale * dk1[c, x]
-                dk[b, 2 * g + 1, j0 + c, x] = scale * dk2[c, x]
-            for x in range(Dv):
-                dv[b, g, j0 + c, x] = dv_acc[c, x]
+        group_grads = mod_grad_views(mod_grads, grp)
+        for task in range(grp, n_tasks, n_groups):
+            b, g, t = task // (Hv * n_kt), (task // n_kt) % Hv, task % n_kt
+            key_tile_pairs(q, kt, vt, dout, b, g, t, group, Lq, Lk, Dv, diag, scale, bias,
+                           has_bias, mask, has_mask, logks, has_ks, lse1, lse2, lam, mode,
+                           dropout, keep_scale, d1, e, mods, group_grads, col_ptr, col_qt,
+                           need_dbias, dk, dv, dbias, dlogks)
+
+
+@inner
+def key_tile_pairs(q, kt, vt, dout, b, g, t, group, Lq, Lk, Dv, diag, scale, bias, has_bias,
+                   mask, has_mask, logks, has_ks, lse1, lse2, lam, mode, dropout, keep_scale,
+                   d1, e, mods, mod_grads, col_ptr, col_qt, need_dbias, dk, dv, dbias, dlogks):
+    """The gradients of key tile ``t`` of value head ``g``: one task of
+    :func:`rect_dkdv_kernel`."""
+    D = q.shape[3]
+    j0 = t * TILE_K
+    nk = min(TILE_K, Lk - j0)
+    (q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, dS1_flat, dS2_flat,
+     T_flat, words) = pair_scratch(q.dtype, D, Dv)
+    modded = (mod_scratch(q.dtype), mod_scratch(q.dtype))
+    dk1 = np.zeros((nk, D), q.dtype)
+    dk2 = np.zeros((nk, D), q.dtype)
+    dv_acc = np.zeros((nk, Dv), q.dtype)
+    for h in range(g * group, (g + 1) * group):
+        for p in range(col_ptr[t], col_ptr[t + 1]):
+            i0 = col_qt[p] * TILE_Q
+            nq = min(TILE_Q, Lq - i0)
+            A1, A2, G, W = rectified_pair(
+                q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias,
+                mask, has_mask, logks, has_ks, lse1, lse2, lam, mode, dropout, keep_scale,
+                q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, words, mods, modded)
+            dS1, dS2 = logit_gradients(A1, A2, G, lam[b, h], d1[b, h], e[b, h], i0,
+                                       mode != HEAVISIDE, dS1_flat, dS2_flat)
+            if need_dbias:
+                for r in range(nq):
+                    for c in range(nk):
+                        dbias[b, h, i0 + r, j0 + c] = dS1[r, c] + dS2[r, c]
+            if has_ks:
+                for r in range(nq):
+                    for c in range(nk):
+                        dlogks[b, g, j0 + c] += dS1[r, c] + dS2[r, c]
+            # the score function's values' gradients: into its arrays, then through it
+            add_array_gradients(dS1, modded[0][0], b, h, i0, j0, mods, mod_grads)
+            add_array_gradients(dS2, modded[1][0], b, h, i0, j0, mods, mod_grads)
+            raw_gradients(dS1, modded[0][1])
+            raw_gradients(dS2, modded[1][1])
+            transposed_values_product(W, dout[b, h], i0, dv_acc, T_flat)
+            transposed_values_product(dS1, q[b, 2 * h], i0, dk1, T_flat)
+            transposed_values_product(dS2, q[b, 2 * h + 1], i0, dk2, T_flat)
+    for c in range(nk):
+        for x in range(D):
+            dk[b, 2 * g, j0 + c, x] = scale * dk1[c, x]
+            dk[b, 2 * g + 1, j0 + c, x] = scale * dk2[c, x]
+        for x in range(Dv):
+            dv[b, g, j0 + c, x] = dv_acc[c, x]
 
 
 @kernel
 def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has_mask, logks,
                    has_ks, causal, dout, lse1, lse2, lam, mode, dropout, keep_scale, d1, e,
-                   dq):
+                   mods, dq):
     """One task per (batch, head pair, query tile): its rows' sums ``d1 = rowsum(G A1)``
     and ``e = rowsum(G A2)`` (pass 0, ``(B, H, Lq)``, which the dK/dV sweep reads
     too), then both streams' ``dq`` (pass 1).  One call site of the pair's
@@ -195,6 +235,7 @@ def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has
         g = h // group
         (q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, dS1_flat, dS2_flat,
          T_flat, words) = pair_scratch(q.dtype, D, Dv)
+        modded = (mod_scratch(q.dtype), mod_scratch(q.dtype))
         dq1 = np.zeros((nq, D), q.dtype)
         dq2 = np.zeros((nq, D), q.dtype)
         d1[b, h, i0 : i0 + nq] = 0.0
@@ -206,7 +247,7 @@ def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has
                 A1, A2, G, _ = rectified_pair(
                     q, kt, vt, dout, b, h, g, i0, nq, j0, nk, scale, diag, bias, has_bias,
                     mask, has_mask, logks, has_ks, lse1, lse2, lam, mode, dropout, keep_scale,
-                    q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, words)
+                    q_flat, do_flat, A1_flat, A2_flat, G_flat, W_flat, words, mods, modded)
                 if phase == 0:
                     for r in range(nq):
                         s1 = 0.0
@@ -219,6 +260,8 @@ def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has
                     continue
                 dS1, dS2 = logit_gradients(A1, A2, G, lam[b, h], d1[b, h], e[b, h], i0,
                                            mode != HEAVISIDE, dS1_flat, dS2_flat)
+                raw_gradients(dS1, modded[0][1])
+                raw_gradients(dS2, modded[1][1])
                 # key tiles holding Inf or NaN: skip the zero weights, as the forward does
                 add_weighted_values(dS1, k[b, 2 * g], j0, k_ok[b, 2 * g, t], dq1, T_flat)
                 add_weighted_values(dS2, k[b, 2 * g + 1], j0, k_ok[b, 2 * g + 1, t], dq2,
@@ -263,15 +306,21 @@ def rectified_vjp(problem, lam, dout, dbias_shape=None, mode="rectified"):
     Hv = problem.v.shape[1]
     chunks = bias_chunks((B, H2 // 2, Hv, Lq, Lk), problem.q.dtype.itemsize, dbias_shape)
     if chunks is None:
-        dq, dk, dv, dbias, dlks, dlam = tiled_rectified_vjp(problem, lam, dout,
-                                                            dbias_shape is not None, mode)
+        dq, dk, dv, dbias, dlks, dlam, *dmod = tiled_rectified_vjp(
+            problem, lam, dout, dbias_shape is not None, mode)
         if dbias_shape is not None:
             dbias = sum_to_shape(dbias, dbias_shape)
-        return dq, dk, dv, dbias, dlks, dlam
+        return (dq, dk, dv, dbias, dlks, dlam, *dmod)
     lam = np.broadcast_to(lam, (B, H2 // 2, Lq))
-    return chunked_vjp(
-        lambda part, lam_c, dout_c: tiled_rectified_vjp(part, lam_c, dout_c, True, mode),
-        problem, (lam, dout), chunks, dbias_shape, streams=2)
+    mod_parts = []
+
+    def run(part, lam_c, dout_c):
+        grads = tiled_rectified_vjp(part, lam_c, dout_c, True, mode)
+        mod_parts.extend(grads[6:])  # a score function's parameter gradients
+        return grads[:6]
+
+    whole = chunked_vjp(run, problem, (lam, dout), chunks, dbias_shape, streams=2)
+    return whole + (sum_param_grads(mod_parts),) if problem.score_mod is not None else whole
 
 
 def tiled_rectified_vjp(problem, lam, dout, need_bias, mode="rectified"):
@@ -299,10 +348,16 @@ def tiled_rectified_vjp(problem, lam, dout, need_bias, mode="rectified"):
                   dt.type(keep_scale(problem.dropout_p)))
         col_ptr, col_qt, _ = by_key_tile(*dense_tiles(Lq, Lk, problem.causal),
                                          -(-Lq // TILE_Q), -(-Lk // TILE_K))
+        mods = mods_argument(problem)
+        mod_grads = group_gradients(problem, mods, B * v.shape[1] * -(-Lk // TILE_K))
         with filled_kv_tiles(k, v) as (kt, vt, k_ok, v_ok):
             bufs = (q, k, v, kt, vt, k_ok, v_ok)
-            launch(rect_dq_kernel, *bufs, *common, d1, e, dq)  # first: it forms d1 and e
-            launch(rect_dkdv_kernel, *bufs, *common, d1, e, col_ptr, col_qt, need_bias, dk,
-                   dv, dbias, dlogks)
-    return (dq, dk, dv, dbias if need_bias else None,
-            dlogks.sum(axis=1) if has_ks else None, -e)
+            # first: it forms d1 and e
+            launch(mod_kernel(rect_dq_kernel, problem), *bufs, *common, d1, e, mods, dq)
+            launch(mod_kernel(rect_dkdv_kernel, problem), *bufs, *common, d1, e, mods,
+                   mod_grads, col_ptr, col_qt, need_bias, dk, dv, dbias, dlogks)
+    grads = (dq, dk, dv, dbias if need_bias else None, dlogks.sum(axis=1) if has_ks else None,
+             -e)
+    if problem.score_mod is None:
+        return grads
+    return grads + (parameter_gradients(problem, mod_grads) if run else None,)
