@@ -151,10 +151,12 @@ def _compile_in_child(dispatcher, sig) -> bool:
         env=dict(os.environ, **{COMPILE_HERE: "1"}), check=False)
     if done.returncode != 0:
         _failed.add(key)
+        report = done.stderr.decode(errors="replace")
+        if len(report) > 3000:  # Numba's innermost error comes first, the call chain last
+            report = report[:1500] + "\n...\n" + report[-1500:]
         warnings.warn(f"attnnb: compiling {key[0]}{key[1]} in a child process failed, so it "
                       "compiles in this one (its float64 results may differ by an ulp from a "
-                      f"cached copy): {done.stderr.decode(errors='replace')[-1500:]}",
-                      RuntimeWarning, stacklevel=2)
+                      f"cached copy): {report}", RuntimeWarning, stacklevel=2)
         return False
     _compiled.add(key)
     return True
