@@ -45,7 +45,7 @@ def _skip(fn) -> bool:
     """Whether ``fn`` is left as it is: a library's, or one with a compiled overload."""
     module = getattr(fn, "__module__", "") or ""
     return module.split(".")[0] in ("numpy", "numba", "math", "builtins", "llvmlite") or (
-        fn is mods.capped_tanh)
+        fn in (mods.capped_tanh, mods.like))
 
 
 # Eigen's rational approximation of tanh on [-7.9, 7.9] (float32: within 3.3e-7
@@ -82,36 +82,52 @@ def capped_tanh_compiled(s, cap):
     return lambda s, cap: math.tanh(s / cap)
 
 
-def jit(fn: Callable) -> Any:
-    """``fn`` compiled to be inlined (``forceinline``, no cache); plain Python functions
-    it calls by a global name are compiled alike (a helper need not be decorated)."""
+@dataclass(frozen=True)
+class Target:
+    """How a backend compiles a mod's functions: ``decorate(fn)`` gives the function the
+    kernels of ``name`` call (every function of a mod, the user's and the composing ones)."""
+
+    name: str
+    decorate: Callable
+
+
+# error_model="numpy": a division by zero gives inf or NaN, as in NumPy, instead of a
+# Python exception, whose check per division also kept loops from vectorising
+_OPTIONS = dict(forceinline=True, nogil=True, error_model="numpy")
+CPU = Target("cpu", lambda fn: numba.njit(**_OPTIONS)(fn))
+
+
+@overload(mods.like, jit_options={"forceinline": True})
+def like_compiled(s, x):
+    """:func:`attnnb.mods.like` compiled: ``x`` converted to ``s``'s float type."""
+    if isinstance(s, numba.types.Float):
+        convert = numba.np.numpy_support.as_dtype(s).type
+        return lambda s, x: convert(x)
+    return lambda s, x: float(x)
+
+
+def jit(fn: Callable, target: Target = CPU) -> Any:
+    """``fn`` compiled for ``target`` (on the cpu: inlined, no cache); plain Python
+    functions it calls by a global name are compiled alike (a helper need not be
+    decorated)."""
     if isinstance(fn, numba.core.registry.CPUDispatcher):
         fn = fn.py_func
-    key = (fn, id(fn.__globals__))
+    key = (fn, id(fn.__globals__), target.name)
     found = _jitted.get(key)
     if found is not None:
         return found
     names = set(fn.__code__.co_names)
     helpers = {n: fn.__globals__[n] for n in names
                if inspect.isfunction(fn.__globals__.get(n)) and not _skip(fn.__globals__[n])}
-    target = fn
+    source = fn
     if helpers:
         scope = dict(fn.__globals__)
-        scope.update({n: jit(h) for n, h in helpers.items()})
-        target = type(fn)(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-        target.__qualname__ = fn.__qualname__
-    found = numba.njit(**_OPTIONS)(target)
+        scope.update({n: jit(h, target) for n, h in helpers.items()})
+        source = type(fn)(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+        source.__qualname__ = fn.__qualname__
+    found = target.decorate(source)
     _jitted[key] = found
     return found
-
-
-# error_model="numpy": a division by zero gives inf or NaN, as in NumPy, instead of a
-# Python exception, whose check per division also kept loops from vectorising
-_OPTIONS = dict(forceinline=True, nogil=True, error_model="numpy")
-
-
-def _inline(fn: Callable) -> Any:
-    return numba.njit(**_OPTIONS)(fn)
 
 
 @dataclass(frozen=True)
@@ -183,22 +199,23 @@ def arity(mod: MaskMod | ScoreMod) -> int:
     return sum(arity(p) for p in mod.parts)
 
 
-def compile_mask(mod: MaskMod, offset: int = 0) -> CompiledMask:
-    """``allowed(b, h, i, j, args)`` of a mask mod whose arrays start at ``args[offset]``."""
-    key = ("mask", fingerprint(mod), offset)
+def compile_mask(mod: MaskMod, offset: int = 0, target: Target = CPU) -> CompiledMask:
+    """``allowed(b, h, i, j, args)`` of a mask mod whose arrays start at ``args[offset]``,
+    compiled for ``target``."""
+    key = ("mask", fingerprint(mod), offset, target.name)
     found = _compiled.get(key)
     if found is not None:
         return found
     if mod.kind == "fn":
-        allowed = _leaf_call(jit(mod.fn), "b, h, i, j", offset, len(mod.arrays))
+        allowed = _leaf_call(jit(mod.fn, target), "b, h, i, j", offset, len(mod.arrays))
     elif mod.kind == "not":
-        inner = compile_mask(mod.parts[0], offset).allowed
+        inner = compile_mask(mod.parts[0], offset, target).allowed
 
         def allowed(b, h, i, j, args):
             return not inner(b, h, i, j, args)
     else:
-        left = compile_mask(mod.parts[0], offset).allowed
-        right = compile_mask(mod.parts[1], offset + arity(mod.parts[0])).allowed
+        left = compile_mask(mod.parts[0], offset, target).allowed
+        right = compile_mask(mod.parts[1], offset + arity(mod.parts[0]), target).allowed
         # both sides always (no short circuit): branch-free loops vectorise, 170x faster
         # for a document mask & causal; each side must be defined at every position
         if mod.kind == "and":
@@ -207,38 +224,39 @@ def compile_mask(mod: MaskMod, offset: int = 0) -> CompiledMask:
         else:
             def allowed(b, h, i, j, args):
                 return bool(left(b, h, i, j, args)) | bool(right(b, h, i, j, args))
-    found = CompiledMask(_inline(allowed), fingerprint(mod))
+    found = CompiledMask(target.decorate(allowed), fingerprint(mod))
     _compiled[key] = found
     return found
 
 
-def compile_score(mod: ScoreMod, offset: int = 0) -> CompiledScore:
+def compile_score(mod: ScoreMod, offset: int = 0, target: Target = CPU) -> CompiledScore:
     """``value``, ``slope`` and ``agrad`` of a score mod whose arrays start at
-    ``args[offset]`` (module docstring)."""
-    key = ("score", fingerprint(mod), offset)
+    ``args[offset]`` (module docstring), compiled for ``target``."""
+    key = ("score", fingerprint(mod), offset, target.name)
     found = _compiled.get(key)
     if found is not None:
         return found
     if mod.kind == "fn":
         n = len(mod.arrays)
-        f = jit(mod.fn)
+        f = jit(mod.fn, target)
         value = _leaf_call(f, "s, b, h, i, j", offset, n)
         if mod.grad_s is not None:
-            slope = _leaf_call(jit(mod.grad_s), "s, b, h, i, j", offset, n)
+            slope = _leaf_call(jit(mod.grad_s, target), "s, b, h, i, j", offset, n)
         else:
-            at = _inline(_leaf_call(f, "s, b, h, i, j", offset, n))
+            at = target.decorate(_leaf_call(f, "s, b, h, i, j", offset, n))
 
             def slope(s, b, h, i, j, args):
                 return at(complex(s, COMPLEX_STEP), b, h, i, j, args).imag / COMPLEX_STEP
 
         if mod.grad_arrays is not None:
-            agrad = _leaf_call(jit(mod.grad_arrays), "g, s, b, h, i, j", offset, n, grads=True)
+            agrad = _leaf_call(jit(mod.grad_arrays, target), "g, s, b, h, i, j", offset, n,
+                               grads=True)
         else:
             def agrad(g, s, b, h, i, j, grads, args):
                 pass
     else:
-        first = compile_score(mod.parts[0], offset)
-        then = compile_score(mod.parts[1], offset + arity(mod.parts[0]))
+        first = compile_score(mod.parts[0], offset, target)
+        then = compile_score(mod.parts[1], offset + arity(mod.parts[0]), target)
         v1, s1, a1 = first.value, first.slope, first.agrad
         v2, s2, a2 = then.value, then.slope, then.agrad
 
@@ -253,7 +271,8 @@ def compile_score(mod: ScoreMod, offset: int = 0) -> CompiledScore:
             t = v1(s, b, h, i, j, args)
             a2(g, t, b, h, i, j, grads, args)
             a1(g * s2(t, b, h, i, j, args), s, b, h, i, j, grads, args)
-    found = CompiledScore(_inline(value), _inline(slope), _inline(agrad), fingerprint(mod))
+    found = CompiledScore(target.decorate(value), target.decorate(slope),
+                          target.decorate(agrad), fingerprint(mod))
     _compiled[key] = found
     return found
 
@@ -316,6 +335,14 @@ def missing_array_gradients(mod: ScoreMod) -> list[str]:
         return sum((missing_array_gradients(p) for p in mod.parts), [])
     floats = any(a is not OFFSET and a.dtype.kind == "f" for a in mod.arrays)
     return [mod.name] if floats and not mod.constant and mod.grad_arrays is None else []
+
+
+def needs_array_gradients(mod: ScoreMod) -> list[str]:
+    """Names of the leaves whose float arrays take gradients (not constant)."""
+    if mod.kind != "fn":
+        return sum((needs_array_gradients(p) for p in mod.parts), [])
+    floats = any(a is not OFFSET and a.dtype.kind == "f" for a in mod.arrays)
+    return [mod.name] if floats and not mod.constant else []
 
 
 # ---------------------------------------------------------------------------

@@ -376,7 +376,8 @@ def sigmoid_offset(sigmoid_bias, normalizer: str, Lk: int) -> float:
 
 def check_mods(mask_mod, score_mod, on_device: bool, Lq: int, Lk: int, dtype):
     """``mask_mod=`` and ``score_mod=`` as :mod:`attnnb.mods` objects, compiled for this
-    call's types (a ``TypeError`` names a function that does not compile)."""
+    call's types on the cpu (a ``TypeError`` names a function that does not compile;
+    device inputs, ``on_device``, are checked in their compute dtype alike)."""
     from .mods import as_mask_mod, as_score_mod, parameters
 
     mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
@@ -387,9 +388,6 @@ def check_mods(mask_mod, score_mod, on_device: bool, Lq: int, Lk: int, dtype):
                                 f"(its array {n}): the NumPy functions would drop its "
                                 "gradient; call attnnb.torch's function of the same name, or "
                                 "build the mod from a detached tensor")
-    if on_device:
-        raise NotImplementedError("mask_mod and score_mod on the cuda backend: not yet (the "
-                                  "reference and cpu backends have them)")
     from ._mod_compile import check_types
 
     check_types(mask, score, Lq, Lk, dtype)

@@ -65,9 +65,11 @@ __all__ = [
     "alibi",
     "causal",
     "check",
+    "constant",
     "document",
     "forgetting",
     "from_cu_seqlens",
+    "like",
     "mask_mod",
     "prefix_lm",
     "relative_bias",
@@ -166,6 +168,16 @@ def detached(mod: MaskMod | ScoreMod | None):
         return dataclasses.replace(mod, parts=tuple(detached(p) for p in mod.parts))
     return dataclasses.replace(mod, params=tuple(_as_numpy("a parameter", p)
                                                  for p in mod.params))
+
+
+def constant(mod: ScoreMod) -> ScoreMod:
+    """``mod`` with every array a constant: no gradient into them (fixed ALiBi slopes,
+    a frozen bias table), and none computed."""
+    if not isinstance(mod, ScoreMod):
+        raise TypeError(f"mods.constant takes a score mod; got {type(mod).__name__}")
+    if mod.kind != "fn":
+        return dataclasses.replace(mod, parts=tuple(constant(p) for p in mod.parts))
+    return dataclasses.replace(mod, constant=True)
 
 
 def parameters(mod: MaskMod | ScoreMod) -> list:
@@ -457,12 +469,19 @@ def from_cu_seqlens(cu_seqlens: Any) -> MaskMod:
 # built-in score functions, with their derivatives
 
 
+def like(s, x):
+    """``x`` as a number of the logit ``s``'s type.  Compiled, a float32 ``s`` makes it a
+    float32: an integer times a float32 is a float64 in Numba, a float64 operation the
+    cuda kernels' float32 arithmetic should not carry."""
+    return float(x)
+
+
 def _alibi(s, b, h, i, j, offset, slopes):
-    return s + slopes[h] * (j - i - offset[0])
+    return s + slopes[h] * like(s, j - i - offset[0])
 
 
 def _alibi_ds(s, b, h, i, j, offset, slopes):
-    return 1.0
+    return like(s, 1)
 
 
 def _alibi_da(g, s, b, h, i, j, grads, offset, slopes):

@@ -292,6 +292,31 @@ def test_vjp_refuses_missing_derivatives_before_the_forward():
     plain(q, k, v, score_mod=clipped)
 
 
+def test_constant_mods_take_no_gradient_and_like_converts():
+    """``mods.constant``: the same outputs, ``None`` for every parameter's gradient (and
+    no ``grad_arrays`` asked for); ``mods.like`` gives a float of the logit's type."""
+    import numba
+
+    q, k, v = qkv(np.random.default_rng(5), hq=2, lq=6, lk=6, d=4)
+    slopes = np.array([0.5, -0.25])
+    fixed = mods.constant(mods.alibi(slopes) + mods.softcap(np.array([4.0])))
+    out, pb = attnnb.vjp(attnnb.attention, q, k, v, score_mod=fixed, backend="cpu")
+    learned = attnnb.attention(q, k, v, score_mod=mods.alibi(slopes) + mods.softcap(4.0),
+                               backend="cpu")
+    np.testing.assert_array_equal(out, learned)
+    assert pb(np.ones_like(out))["score_mod"] == (None, None)
+    with pytest.raises(TypeError, match="score mod"):
+        mods.constant(mods.causal)
+
+    @numba.njit
+    def typed(s, x):
+        return mods.like(s, x)
+
+    assert typed(np.float32(1), 3) == typed(1.0, 3) == mods.like(1.0, 3) == 3.0
+    returns = {str(sig.args[0]): sig.return_type for sig in typed.nopython_signatures}
+    assert returns == {"float32": numba.float32, "float64": numba.float64}
+
+
 def test_dask_refuses_mods():
     da = pytest.importorskip("dask.array")
     q = da.ones((1, 4, 8), chunks=2)

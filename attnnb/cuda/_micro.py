@@ -176,9 +176,16 @@ def tiling_for(dtype, d: int, dv: int, streams: int = 1, elements=Tiling.shared_
 
 
 @cache
-def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
-    """The device functions of the register-tiled core for one dtype and tiling."""
+def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
+    """The device functions of the register-tiled core for one dtype and tiling, with a
+    problem's mask and score functions compiled in (``mods``:
+    :class:`attnnb.cuda._mods.DeviceMods`; None: none, and no code for them)."""
     dtype = np.dtype(dtype)
+    SCORE_FN = mods is not None and mods.value is not None
+    MASK_FN = mods is not None and mods.allowed is not None
+    mod_value = mods.value if SCORE_FN else None
+    mod_slope = mods.slope if SCORE_FN else None
+    mod_allowed = mods.allowed if MASK_FN else None
     nt = numba.from_dtype(dtype)
     base = device_functions(dtype)
     CAST, ZERO, ONE, NINF, NAN = base.CAST, base.ZERO, dtype.type(1), base.NINF, base.NAN
@@ -333,12 +340,18 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
 
     @cuda.jit(device=True)
     def modify_value(s, i, j, Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
-                     normalizer):
+                     normalizer, mods):
         """``(s, f)``: one modified logit and its ``relu_expm1`` factor, as the cpu core's
         ``modify_logits`` (a key outside the set: ``(-inf, 0)``; keys ``j >= Lk`` are
-        outside; row ``i`` must be a real row, ``< Lq``)."""
+        outside; row ``i`` must be a real row, ``< Lq``).  The mask function, then the
+        score function come first (``mods``: their arrays, ``mods[0]`` the origin)."""
         if j >= Lk or j > i + diag:  # past the keys, or beyond the causal limit
             return NINF, ZERO
+        if MASK_FN:  # (a constant: a build without the function has none of this)
+            if not mod_allowed(b + mods[0][0], h + mods[0][1], i, j, mods):
+                return NINF, ZERO
+        if SCORE_FN:
+            s = CAST(mod_value(s, b + mods[0][0], h + mods[0][1], i, j, mods))
         f = ONE
         if has_bias:
             s += CAST(bias[index(b, bias.shape[0]), index(h, bias.shape[1]),
@@ -384,16 +397,30 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
 
     @cuda.jit(device=True)
     def modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                    has_mask, logks, has_ks, normalizer):
+                    has_mask, logks, has_ks, normalizer, mods):
         """:func:`modify_value` over the thread's micro-tile of ``S`` (key tile at ``j0``);
         ``F``: the factors (1 but for ``relu_expm1``; not ``S`` itself)."""
         for r in range(TM):
             i = min(i0 + row0 + r, Lq - 1)  # rows past Lq: read a real row, not kept
             for c in range(TN):
                 s, fr = modify_value(S[r * TN + c], i, j0 + key0 + c, Lk, diag, b, h, bias,
-                                     has_bias, mask, has_mask, logks, has_ks, normalizer)
+                                     has_bias, mask, has_mask, logks, has_ks, normalizer, mods)
                 S[r * TN + c] = s
                 F[r * TN + c] = fr
+
+    @cuda.jit(device=True)
+    def slope_tile(dS, R, i0, row0, j0, key0, Lq, Lk, b, h, mods):
+        """``dS *= d score / d s`` at the raw logits ``R`` over the thread's micro-tile: the
+        logit gradients through the score function (a zero ``ds``, outside the set or
+        past the ends, stays zero whatever the slope there)."""
+        if SCORE_FN:
+            for r in range(TM):
+                i = min(i0 + row0 + r, Lq - 1)
+                for c in range(TN):
+                    x = r * TN + c
+                    if dS[x] != ZERO:
+                        dS[x] *= CAST(mod_slope(R[x], b + mods[0][0], h + mods[0][1], i,
+                                                min(j0 + key0 + c, Lk - 1), mods))
 
     @cuda.jit(device=True)
     def thread_max(S, part):
@@ -634,6 +661,7 @@ def micro_functions(dtype, tiling: Tiling) -> SimpleNamespace:
         transposed_stager=transposed_stager, row_stager=row_stager, zeros=zeros,
         scores_product=scores_product, micro_product=micro_product,
         tile_scores=tile_scores, modify_value=modify_value, modify_tile=modify_tile,
+        slope_tile=slope_tile, SCORE_FN=SCORE_FN,
         thread_max=thread_max, row_reduce=row_reduce, store_tile=store_tile,
         tile_weights=tile_weights, tile_sums=tile_sums, tile_product=tile_product,
         tile_values=tile_values, add_tile=add_tile, online_tile=online_tile, map_lse=map_lse,

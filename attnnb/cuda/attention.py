@@ -14,12 +14,15 @@ from .._codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
 from ._dropout import kernel_dropout
 from ._micro import micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._mods import device_mods
 from ._tiles import device_functions
 
 
-def build_dense(dtype, tiling, dropout=False):
+def build_dense(dtype, tiling, dropout=False, mods=None):
     """The register-tiled dense kernel for one compute dtype and :class:`Tiling`
-    (not compiled yet; launch with ``tiling.threads`` threads per block).
+    (not compiled yet; launch with ``tiling.threads`` threads per block), with a
+    problem's mask and score functions when ``mods``
+    (:class:`attnnb.cuda._mods.DeviceMods`) is given.
 
     Kernel arguments: ``q (B, Hq, Lq, D)``, ``k (B, Hk, Lk, D)``,
     ``v (B, Hk, Lk, Dv)`` of any floating dtype, ``scale`` (compute dtype),
@@ -28,12 +31,13 @@ def build_dense(dtype, tiling, dropout=False):
     code, the dropout's ``seed_lo, seed_hi, batch0, head0, threshold, keep``
     (:func:`attnnb.cuda._dropout.kernel_dropout`; read only by the ``dropout``
     build, a kernel of its own so that the others carry none of it),
-    ``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)``.
+    ``out (B, Hq, Lq, Dv)``, ``lse (B, Hq, Lq)`` and ``mods`` (the mods' arrays,
+    :func:`attnnb.cuda._mods.mods_argument`; ``()`` without).
 
     With ``causal`` the sweep stops at the last key tile the block's last
     query may see (causal tile skipping); the diagonal is applied per element.
     """
-    f = micro_functions(np.dtype(dtype), tiling)
+    f = micro_functions(np.dtype(dtype), tiling, mods)
     BQ, BK = f.BQ, f.BK
     t_ = device_functions(np.dtype(dtype))
     ONE, tiles_seen = t_.CAST(1), t_.tiles_seen
@@ -45,7 +49,7 @@ def build_dense(dtype, tiling, dropout=False):
 
     def dense_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks,
                                causal, normalizer, seed_lo, seed_hi, batch0, head0, threshold,
-                               keep, out, lse):
+                               keep, out, lse, mods):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
         (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
@@ -63,7 +67,7 @@ def build_dense(dtype, tiling, dropout=False):
             cuda.syncthreads()
             tile_scores(Qt, KV, row0, key0, S)
             modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                        has_mask, logks, has_ks, normalizer)
+                        has_mask, logks, has_ks, normalizer, mods)
             online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, tile, KV, Pt, red,
                         rows, flag, t, row0, key0, col0, O, T, keys,
                         threshold if DROPOUT else 0)
@@ -83,32 +87,52 @@ def attention(problem):
     arrays in the compute dtype.
     """
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
-    a = device_problem(problem)
+    a = device_problem(problem, runs_mods=True)
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)
     if Lq and B * Hq:
         tiling = tiling_for(a.dtype, D, Dv)
         dropping = bool(problem.dropout_p)
-        kernel = tiled_kernel("dense-dropout" if dropping else "dense",
-                              lambda dt, t: build_dense(dt, t, dropping), a.dtype, tiling)
+        mods = device_mods(problem)
+        name = "dense" + ("-dropout" if dropping else "") + ("" if mods is None else "-" + mods.tag)
+        kernel = tiled_kernel(name, lambda dt, t: build_dense(dt, t, dropping, mods), a.dtype,
+                              tiling)
         grid = (B * Hq, (Lq + tiling.bq - 1) // tiling.bq)
         kernel[grid, tiling.threads](a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.has_bias,
                          a.mask, a.has_mask, a.logks, a.has_ks, problem.causal,
                          NORMALIZER_CODES[problem.normalizer],
-                         *kernel_dropout(problem, a.dtype), out, lse)
+                         *kernel_dropout(problem, a.dtype), out, lse, a.mods)
     return finish(a, out, lse)
 
 
 def ptx_signatures():
-    """``[(name, python function, argument types, options)]`` for the PTX check."""
+    """``[(name, python function, argument types, options)]`` for the PTX check: dense
+    attention at D = 64 and 128, with dropout, with ALiBi and with a document mask."""
     from numba import types
 
-    def argtypes(ty):
+    from .. import mods as m
+    from ._mods import ptx_mods
+
+    no_mods = types.Tuple(())
+
+    def argtypes(ty, mods_type=no_mods):
         arr4 = ty[:, :, :, ::1]
         return (arr4, arr4, arr4, ty, arr4, types.boolean, types.boolean[:, :, :, ::1],
                 types.boolean, ty[:, ::1], types.boolean, types.boolean, types.int64,
                 types.int64, types.int64, types.int64, types.int64, types.int64, ty, arr4,
-                ty[:, :, ::1])
+                ty[:, :, ::1], mods_type)
 
-    return ([case for d in (64, 128) for case in ptx_cases("dense", build_dense, argtypes, d, d)]
-            + ptx_cases("dense dropout", lambda dt, t: build_dense(dt, t, True), argtypes,
-                        64, 64))
+    def with_mods(**given):
+        def build(dt, t):
+            return build_dense(dt, t, False, ptx_mods(dt, **given)[0])
+
+        def types_of(ty):
+            return argtypes(ty, ptx_mods(np.dtype(str(ty)), **given)[1])
+        return build, types_of
+
+    ids = np.repeat(np.arange(2), 4)
+    cases = [case for d in (64, 128) for case in ptx_cases("dense", build_dense, argtypes, d, d)]
+    cases += ptx_cases("dense dropout", lambda dt, t: build_dense(dt, t, True), argtypes,
+                       64, 64)
+    cases += ptx_cases("dense alibi", *with_mods(score_mod=m.alibi(np.ones(2))), 64, 64)
+    cases += ptx_cases("dense document", *with_mods(mask_mod=m.document(ids)), 64, 64)
+    return cases

@@ -94,6 +94,7 @@ from ..patterns import BlockLayout
 from ._arrays import device_problem
 from ._dropout import column_word, kept, kernel_dropout, row_key
 from ._micro import ALIGN, I64, U32, Tiling, micro_functions, tiled_kernel, tiling_for
+from ._mods import constant_gradients, device_mods, refuse_array_gradients
 from ._tiles import cached_kernel, device_functions, key_tiles_seen
 
 ROW_THREADS = 128  # threads per block of the one-thread-per-element helper kernels
@@ -213,11 +214,12 @@ def pair_stream(streams: int, variant: str) -> tuple[int, int, bool]:
     return streams, 0, False
 
 
-def pair_functions(dtype, tiling: Tiling, dropout=False):
+def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
     """Device functions shared by both backward kernels: the weights and logit
     gradients of one (query tile, key tile) pair in the thread's micro-tile
-    (with ``dropout``, under the forward's keep decisions)."""
-    f = micro_functions(np.dtype(dtype), tiling)
+    (with ``dropout``, under the forward's keep decisions; with ``mods``, a problem's
+    mask and score functions, :func:`attnnb.cuda._micro.micro_functions`)."""
+    f = micro_functions(np.dtype(dtype), tiling, mods)
     t_ = device_functions(np.dtype(dtype))
     ZERO, NINF, ONE = t_.ZERO, t_.NINF, t_.CAST(1)
     TM, TN, STREAMS, nt, N_S = tiling.tm, tiling.tn, tiling.streams, f.nt, f.N_S
@@ -227,6 +229,7 @@ def pair_functions(dtype, tiling: Tiling, dropout=False):
     modify_tile, tile_scores, apply_tile_mask = f.modify_tile, f.tile_scores, f.apply_tile_mask
     # key tiles start at multiples of BK: with BK dividing 32, a tile's keys share a clip word
     ONE_WORD = 32 % tiling.bk == 0
+    SCORE_FN = f.SCORE_FN
     dscores = f.scores_product(_up4(tiling.dv))
 
     @cuda.jit(device=True)
@@ -346,13 +349,14 @@ def pair_functions(dtype, tiling: Tiling, dropout=False):
     def tile_gradients(Q1, Q2, K1, K2, Ot, Vt, Mt, partial, S1, S2, F, dP, rv, thr, cutr,
                        selected, rectified, clip, clipped, clip_row, words, part1, part2, i0,
                        row0, j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask, has_mask,
-                       logks, has_ks, normalizer, keys, drop):
+                       logks, has_ks, normalizer, keys, drop, mods, R):
         """The logits (``Q K^T`` per stream), ``dP = dO V^T`` and the pair's weights and
         logit gradients (:func:`single` or :func:`pair`; the weights in ``F``) from the
         staged transposed tiles; ``Mt``: a partial tile's mask (``partial``); ``clip``,
         ``clipped``: as :func:`single`; ``drop``: the dropout's ``(seed_lo, seed_hi,
         batch0, head0, threshold, keep)``, read by a ``dropout`` build, which forms the
-        rows' keys in ``keys``."""
+        rows' keys in ``keys``; ``mods``: the mods' arrays, a score function's build
+        keeping the raw logits in ``R`` (for ``slope_tile``)."""
         if DROPOUT:
             for r in range(TM):
                 keys[r] = row_key(drop[0], drop[1], I64(drop[2] + b), I64(drop[3] + h),
@@ -363,20 +367,24 @@ def pair_functions(dtype, tiling: Tiling, dropout=False):
         dscores(Ot, Vt, row0, key0, dP)
         if partial:
             apply_tile_mask(S1, Mt, row0, key0)
+        if SCORE_FN:
+            for x in range(N_S):
+                R[x] = S1[x]
         modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                    has_mask, logks, has_ks, normalizer if STREAMS == 1 else SOFTMAX)
+                    has_mask, logks, has_ks, normalizer if STREAMS == 1 else SOFTMAX, mods)
         if STREAMS == 1:
             single(S1, F, dP, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
                    clipped, clip_row, words, keys, drop[4], drop[5])
         else:
             modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                        has_mask, logks, has_ks, SOFTMAX)
+                        has_mask, logks, has_ks, SOFTMAX, mods)
             pair(S1, S2, dP, F, rv, rectified, part1, part2, row0, nq)
 
     return pair_registers, load_rows, tile_gradients
 
 
-def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = False):
+def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = False,
+             mods=None):
     """The query-tile kernel (``dQ``; with two streams also ``d1``, ``e``).
 
     Arguments: ``q, k, v, dout`` (4-D, the forward's head layout), ``scale``,
@@ -385,7 +393,8 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
     :func:`pair_functions`), ``thr`` / ``cut`` and ``selected`` (top-k),
     ``rectified``, ``clip`` (the clip bits of the ``"clipped"`` variants), the
     pattern's ``p_heads``, CSR ``indptr`` / ``indices`` and ``csr`` flag, the
-    tile lists ``tile_ptr, tile_idx, tile_full`` and ``dq``.  Grid ``(B * H, query tiles)``.
+    tile lists ``tile_ptr, tile_idx, tile_full``, ``dq`` and ``mods`` (the mods' arrays;
+    ``()`` without, and ``mods=None``).  Grid ``(B * H, query tiles)``.
 
     ``variant`` (``"dense"``, ``"sparse"``, ``"topk"``; two streams: any)
     fixes the ``csr`` and ``selected`` flags at compile time, so that a
@@ -395,9 +404,10 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
     the rows' ``delta`` (written to ``rowv``), then for ``dQ``; ``"clipped0"`` /
     ``"clipped1"`` the same with the weights gated by ``clip``.
     """
-    f = micro_functions(np.dtype(dtype), tiling)
+    f = micro_functions(np.dtype(dtype), tiling, mods)
     g_ = geometry(tiling)
     nt, TM, TN, BQ, BK = f.nt, f.TM, f.TN, f.BQ, f.BK
+    slope_tile, N_S = f.slope_tile, f.N_S
     S_, D = tiling.streams, tiling.d
     TD, DQP, DV4 = g_["TD"], g_["DQP"], g_["DV4"]
     row_zeros, dq_zeros = f.zeros(TM), f.zeros(TM * TD)
@@ -413,7 +423,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
     dq_product = f.micro_product(TM, TD, BK, BQ, DQP)
     store_tile, row_reduce = f.store_tile, f.row_reduce
     stage_tile_mask = f.stage_tile_mask
-    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling, dropout)
+    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling, dropout, mods)
     CSR, SELECTED = variant == "sparse", variant == "topk"
     HS, HOFF, PAIR = pair_stream(S_, variant)
     CLIPPED = variant.startswith("clipped")
@@ -422,7 +432,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
     def dq_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
                   normalizer, rowv, thr_a, cut_a, selected, rectified, clip, p_heads, indptr,
                   indices, csr, seed_lo, seed_hi, batch0, head0, threshold, keep, tile_ptr,
-                  tile_idx, tile_full, dq):
+                  tile_idx, tile_full, dq, mods):
         Lq, Lk = q.shape[2], k.shape[2]
         diag = Lk - Lq if causal else Lk
         csr = CSR  # the variant's constants (the arguments only say the same)
@@ -438,6 +448,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
         colq = (key0 // TN) * TD
         S1, S2, F, dP, rv, thr, cutr = pair_registers()
         keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
+        R = cuda.local.array(N_S, nt)  # a score function's raw logits
         part1, part2 = row_zeros()  # with two streams: the rows' d1 and e
         Q1, Q2 = dq_zeros()  # each stream's dQ micro-tile
         if t == 0:
@@ -470,7 +481,9 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
                                dP, rv, thr, cutr, selected, rectified, clip, CLIPPED,
                                clip_row, words, part1, part2, i0, row0, j0, key0, nq, Lq,
                                Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
-                               normalizer, keys, (seed_lo, seed_hi, batch0, head0, threshold, keep))
+                               normalizer, keys, (seed_lo, seed_hi, batch0, head0, threshold, keep),
+                               mods, R)
+                slope_tile(S1, R, i0, row0, j0, key0, Lq, Lk, b, h, mods)
                 if PAIR and not last:  # delta 0 and ratio 1: S holds A dP
                     for r in range(TM):
                         for c in range(TN):
@@ -518,21 +531,23 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
     return dq_kernel
 
 
-def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = False):
+def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = False,
+               mods=None):
     """The key-tile kernel (``dK``, ``dV``, the full bias gradient, ``d log key_size``).
 
     Arguments as :func:`build_dq` up to the pattern (``col_ptr, col_qt,
     col_full``: the tile lists read by key tile), then ``need_dbias``,
     ``dk``, ``dv``, ``dbias (B, H, Lq, Lk)`` (or a placeholder) and
     ``dlogks (B, Hk, Lk)`` (per key head; added to: zeros on entry but for a
-    pair's second stream).  Grid ``(B * Hk, key tiles)``.  ``variant`` as
+    pair's second stream) and ``mods``.  Grid ``(B * Hk, key tiles)``.  ``variant`` as
     :func:`build_dq`; ``"stream1"`` adds its ``dV``, bias and key-size
     gradients to those ``"stream0"`` wrote.  Laid out as
     :func:`key_tile_layout` says.
     """
     D = tiling.d  # the columns of dK written
     tiling = key_tile_layout(tiling)
-    f = micro_functions(np.dtype(dtype), tiling)
+    f = micro_functions(np.dtype(dtype), tiling, mods)
+    slope_tile, N_S = f.slope_tile, f.N_S
     g_ = geometry(tiling)
     nt, TM, TN, BQ, BK, NT = f.nt, f.TM, f.TN, f.BQ, f.BK, f.NT
     S_, DV = tiling.streams, tiling.dv
@@ -551,7 +566,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
     dv_product = f.micro_product(TN, TVK, BQ, BK, DVKP)
     dk_product = f.micro_product(TN, TDK, BQ, BK, DKP)
     stage_tile_mask = f.stage_tile_mask
-    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling, dropout)
+    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling, dropout, mods)
     CSR, SELECTED = variant == "sparse", variant == "topk"
     HS, HOFF, _ = pair_stream(S_, variant)
     CLIPPED = variant.startswith("clipped")
@@ -567,7 +582,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
     def dkdv_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
                     normalizer, rowv, thr_a, cut_a, selected, rectified, clip, p_heads, indptr,
                     indices, csr, seed_lo, seed_hi, batch0, head0, threshold, keep, col_ptr,
-                    col_qt, col_full, need_dbias, dk, dv, dbias, dlogks):
+                    col_qt, col_full, need_dbias, dk, dv, dbias, dlogks, mods):
         Lq, Lk = q.shape[2], k.shape[2]
         diag = Lk - Lq if causal else Lk
         csr = CSR  # the variant's constants (the arguments only say the same)
@@ -590,6 +605,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
         colv = ty * TVK
         S1, S2, F, dP, rv, thr, cutr = pair_registers()
         keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
+        R = cuda.local.array(N_S, nt)  # a score function's raw logits
         part, _ = row_zeros()  # the first sweep's sums: not needed here
         K1, K2 = dk_zeros()  # dK of each stream
         V1, _ = dv_zeros()
@@ -618,7 +634,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
                                U32((b * H + h) * Lq + i0), words, part, part, i0, row0,
                                j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
                                has_mask, logks, has_ks, normalizer, keys,
-                               (seed_lo, seed_hi, batch0, head0, threshold, keep))
+                               (seed_lo, seed_hi, batch0, head0, threshold, keep), mods, R)
                 for r in range(TM):  # the contributions to d log key_size (and dbias)
                     for c in range(TN):
                         x = r * TN + c
@@ -631,6 +647,8 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
                             if ADD:
                                 y += dbias[b, h, i0 + row0 + r, j0 + key0 + c]
                             dbias[b, h, i0 + row0 + r, j0 + key0 + c] = y
+                # (the bias and key sizes come after the score function: theirs is ds)
+                slope_tile(S1, R, i0, row0, j0, key0, Lq, Lk, b, h, mods)
                 cuda.syncthreads()  # the transposed tiles and the tile mask are read
                 for c in range(S_):
                     stage_q(q[b, HS * h + HOFF + c], i0, nq, QQ[c * N_QQ:])
@@ -794,17 +812,19 @@ def sum_to(x, shape, dtype):
     return y
 
 
-def _variant_kernel(name, build, dtype, tiling, variant, dropout):
-    label = f"{name}-{variant}" + ("-dropout" if dropout else "")
-    return tiled_kernel(label, lambda dt, t: build(dt, t, variant, dropout), dtype, tiling)
+def _variant_kernel(name, build, dtype, tiling, variant, dropout, mods):
+    label = (f"{name}-{variant}" + ("-dropout" if dropout else "")
+             + ("" if mods is None else "-" + mods.tag))
+    return tiled_kernel(label, lambda dt, t: build(dt, t, variant, dropout, mods), dtype,
+                        tiling)
 
 
-def dq_kernel(dtype, tiling, variant, dropout=False):
-    return _variant_kernel("dq", build_dq, dtype, tiling, variant, dropout)
+def dq_kernel(dtype, tiling, variant, dropout=False, mods=None):
+    return _variant_kernel("dq", build_dq, dtype, tiling, variant, dropout, mods)
 
 
-def dkdv_kernel(dtype, tiling, variant, dropout=False):
-    return _variant_kernel("dkdv", build_dkdv, dtype, tiling, variant, dropout)
+def dkdv_kernel(dtype, tiling, variant, dropout=False, mods=None):
+    return _variant_kernel("dkdv", build_dkdv, dtype, tiling, variant, dropout, mods)
 
 
 def _tile_lists(problem, tiling, pattern):
@@ -890,9 +910,11 @@ def _sweep(problem, a, streams, rowv, dout, pattern=None, selection=None, rectif
                "dense" if stream is None else
                f"stream{stream}" if clip is None else f"clipped{stream}")
     dropping = bool(problem.dropout_p)
-    dq_kernel(dt, t_dq, variant, dropping)[(B * H, n_qt), t_dq.threads](*common, *rows, dq)
-    dkdv_kernel(dt, t_kv, variant, dropping)[(B * Hk, n_kt), t_kv.threads](
-        *common, *cols, need_dbias, dk, dv, dbias, dlogks)
+    mods = device_mods(problem)
+    dq_kernel(dt, t_dq, variant, dropping, mods)[(B * H, n_qt), t_dq.threads](
+        *common, *rows, dq, a.mods)
+    dkdv_kernel(dt, t_kv, variant, dropping, mods)[(B * Hk, n_kt), t_kv.threads](
+        *common, *cols, need_dbias, dk, dv, dbias, dlogks, a.mods)
     return dq, dk, dv, dbias, dlogks
 
 
@@ -956,7 +978,9 @@ def _single(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_k=None
 def _single_piece(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_k=None):
     """:func:`_single` with the bias gradient formed full size, in one piece."""
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
-    a = device_problem(problem)
+    a = device_problem(problem, runs_mods=pattern is None and top_k is None)
+    if problem.score_mod is not None:
+        refuse_array_gradients(problem)
     dt = a.dtype
     if not (B * Hq and Lq and Lk):
         return _zeros(problem, dt, dbias_shape)
@@ -992,9 +1016,14 @@ def attention_vjp(problem, out, lse, dout, dlse=None, dbias_shape=None):
     device in index order.  For a broadcast bias whose full-size buffer would
     pass :data:`~attnnb._bias_chunks.CHUNK_BYTES`, chunk by chunk of batch
     elements or key heads instead (:mod:`attnnb._bias_chunks`), the chunks'
-    gradients gathered on the host and, for a device problem, copied back.
+    gradients gathered on the host and, for a device problem, copied back.  A
+    score function's arrays take no gradient here: the sixth result is None for
+    each (refused unless the function is constant).
     """
-    return _single(problem, out, lse, dout, dlse, dbias_shape)
+    grads = _single(problem, out, lse, dout, dlse, dbias_shape)
+    if problem.score_mod is None:
+        return grads
+    return grads + (constant_gradients(problem.score_mod),)
 
 
 def sparse_attention_vjp(problem, pattern, out, lse, dout, dlse=None):
@@ -1104,11 +1133,11 @@ def ptx_signatures():
                 types.int64, types.int64, types.int64, ty, i64, i32, flags)
 
     def dq_types(ty):
-        return common(ty) + (ty[:, :, :, ::1],)
+        return common(ty) + (ty[:, :, :, ::1], types.Tuple(()))
 
     def dkdv_types(ty):
         arr4 = ty[:, :, :, ::1]
-        return common(ty) + (b_, arr4, arr4, arr4, ty[:, :, ::1])
+        return common(ty) + (b_, arr4, arr4, arr4, ty[:, :, ::1], types.Tuple(()))
 
     cases = []
     for label, build, argtypes in (("dq", build_dq, dq_types), ("dkdv", build_dkdv, dkdv_types)):

@@ -81,10 +81,10 @@ def build_diff(dtype, tiling, clip_bits=False):
         cuda.syncthreads()
         tile_scores(Qt, KV, row0, key0, S1)
         modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                    has_mask, logks, has_ks, SOFTMAX)
+                    has_mask, logks, has_ks, SOFTMAX, ())
         tile_scores(Qt[N_QS:], KV[N_KS:], row0, key0, S2)
         modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                    has_mask, logks, has_ks, SOFTMAX)
+                    has_mask, logks, has_ks, SOFTMAX, ())
 
     @cuda.jit(device=True)
     def sweep_max(S, part, m, l, alpha, Pt, red, rows, t, row0, key0):

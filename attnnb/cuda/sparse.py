@@ -73,7 +73,7 @@ def build_sparse(dtype, tiling, dropout=False):
             if partial:
                 apply_tile_mask(S, Pt, row0, key0)  # Pt is rewritten after online_tile's barrier
             modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, Lk, b, h, bias, False, mask, False,
-                        logks, has_ks, normalizer)
+                        logks, has_ks, normalizer, ())
             online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, s, KV, Pt, red,
                         rows, flag, t, row0, key0, col0, O, T, keys,
                         threshold if DROPOUT else 0)

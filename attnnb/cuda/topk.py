@@ -122,7 +122,7 @@ def build_topk(dtype, tiling, dropout=False):
             cuda.syncthreads()
             tile_scores(Qt, KV, row0, key0, S)
             modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, False, mask,
-                        has_mask, logks, has_ks, SOFTMAX)
+                        has_mask, logks, has_ks, SOFTMAX, ())
             for r in range(TM):
                 for c in range(TN):
                     if j0 + key0 + c < Lk:

@@ -1,0 +1,124 @@
+"""Mask and score functions on the cuda backend (docs/contract.md §2.10): the reference's
+outputs and gradients, the mods compiled into the register-tiled kernels as device
+functions.  Small sizes: the simulator runs a thread per GPU thread."""
+
+import numpy as np
+import pytest
+
+import attnnb
+from attnnb import mods
+
+from .common import host, n, to_device
+
+TOL = {np.float64: 1e-12, np.float32: 2e-5}
+
+
+def _scaled_square(s, b, h, i, j, weights):
+    """A user's function of s (complex step for its slope) and of b, h through an array."""
+    return s * weights[b, h] + 0.05 * s * s
+
+
+def _problem(rng, dtype, B=2, Hq=2, Hk=1, Lq=7, Lk=10, D=4, Dv=3):
+    q = rng.standard_normal((B, Hq, n(Lq), D)).astype(dtype)
+    k = rng.standard_normal((B, Hk, n(Lk), D)).astype(dtype)
+    v = rng.standard_normal((B, Hk, n(Lk), Dv)).astype(dtype)
+    return q, k, v
+
+
+def _cases(rng, lq, lk):
+    ids = np.repeat(np.arange(3), -(-lk // 3))[:lk]
+    return {
+        "alibi": dict(score_mod=mods.constant(mods.alibi(np.array([0.5, -0.25])))),
+        "document & causal": dict(mask_mod=mods.document(ids[lk - lq:], ids) & mods.causal),
+        "user score, softcap, window, bias": dict(
+            score_mod=mods.score_mod(_scaled_square, rng.uniform(0.5, 1.5, (2, 2)),
+                                     constant=True) + mods.softcap(3.0),
+            mask_mod=mods.sliding_window(4), bias=rng.standard_normal((lq, lk))),
+    }
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", ["alibi", "document & causal",
+                                  "user score, softcap, window, bias"])
+def test_cuda_mods_equal_the_reference(rng, dtype, case):
+    """Outputs, LSEs and every gradient (q, k, v, bias) against the float64 reference:
+    GQA, Lq != Lk, sizes crossing the tiles' borders."""
+    q, k, v = _problem(rng, dtype)
+    lq, lk = q.shape[2], k.shape[2]
+    kw = _cases(rng, lq, lk)[case]
+    kw = {name: (x.astype(dtype) if isinstance(x, np.ndarray) else x) for name, x in kw.items()}
+    (out, lse), pb = attnnb.vjp(attnnb.attention, q, k, v, return_lse=True, backend="cuda",
+                                **kw)
+    f64 = {name: (x.astype(np.float64) if isinstance(x, np.ndarray) else x)
+           for name, x in kw.items()}
+    (ref, ref_lse), pb_ref = attnnb.vjp(attnnb.attention, *(x.astype(np.float64)
+                                                            for x in (q, k, v)),
+                                        return_lse=True, backend="reference", **f64)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(out, ref, rtol=0, atol=tol * np.abs(ref).max())
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(finite, np.isfinite(lse))
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=tol)
+    dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+    g, r = pb(dout.astype(dtype), dlse.astype(dtype)), pb_ref(dout, dlse)
+    for name in r:
+        if name == "score_mod":  # constant mods: no gradient
+            assert g[name] == r[name] == (None,) * len(r[name])
+            continue
+        if r[name] is None:
+            continue
+        np.testing.assert_allclose(g[name], r[name], rtol=0,
+                                   atol=5 * tol * np.abs(r[name]).max(), err_msg=name)
+
+
+def test_cuda_mods_take_device_arrays(rng):
+    """Device inputs give device outputs, the same as host inputs (bit for bit)."""
+    q, k, v = _problem(rng, np.float32, B=1)
+    kw = dict(score_mod=mods.constant(mods.alibi(np.array([0.5, 0.25]))), causal=True)
+    on_host = attnnb.attention(q, k, v, backend="cuda", **kw)
+    on_device = attnnb.attention(*to_device(q, k, v), backend="cuda", **kw)
+    np.testing.assert_array_equal(host(on_device), on_host)
+
+
+def test_cuda_mods_see_the_calls_batch_indices(rng, monkeypatch):
+    """A chunked backward (a broadcast bias past the chunk size) hands its parts' functions
+    the whole call's batch indices: a per-batch mask still matches the reference."""
+    import attnnb._bias_chunks as chunks
+
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 64)
+    q, k, v = _problem(rng, np.float64, B=3, Hq=1, Hk=1, Lq=5, Lk=6)
+
+    def every_other(b, h, i, j):
+        return (i + j + b) % 2 == 0 or i == j
+
+    kw = dict(mask_mod=every_other, bias=rng.standard_normal((1, 1, 5, 6)))
+    (out, pb) = attnnb.vjp(attnnb.attention, q, k, v, backend="cuda", **kw)
+    (ref, pb_ref) = attnnb.vjp(attnnb.attention, q, k, v, backend="reference", **kw)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+    dout = rng.standard_normal(out.shape)
+    g, r = pb(dout), pb_ref(dout)
+    for name in ("q", "k", "v", "bias"):
+        np.testing.assert_allclose(g[name], r[name], rtol=1e-11, atol=1e-12, err_msg=name)
+
+
+def test_cuda_refuses_gradients_into_score_arrays(rng):
+    """A learnable ALiBi's slopes would get no gradient: refused by name, before any
+    kernel runs; the forward runs."""
+    q, k, v = _problem(rng, np.float64, B=1)
+    alibi = mods.alibi(np.array([0.5, 0.25]))
+    attnnb.attention(q, k, v, score_mod=alibi, backend="cuda")
+    out, pb = attnnb.vjp(attnnb.attention, q, k, v, score_mod=alibi, backend="cuda")
+    with pytest.raises(NotImplementedError, match="alibi.*mods.constant"):
+        pb(np.ones_like(out))
+
+
+def test_cuda_refuses_mods_beyond_attention(rng):
+    """Sparse, top-k and differential attention do not run mods on cuda yet: refused."""
+    from attnnb import patterns
+
+    q, k, v = _problem(rng, np.float64, B=1, Hk=2)
+    pattern = patterns.local((q.shape[2], k.shape[2]), 3)
+    with pytest.raises(NotImplementedError, match="attention only"):
+        attnnb.sparse_attention(q, k, v, pattern, mask_mod=mods.causal, backend="cuda")
+    with pytest.raises(NotImplementedError, match="attention only"):
+        attnnb.topk_attention(q, k, v, 3, mask_mod=mods.causal, backend="cuda")
