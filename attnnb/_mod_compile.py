@@ -20,6 +20,7 @@ the float64 loops that the reference backend materialises mods with, and
 
 from __future__ import annotations
 
+import dis
 import hashlib
 import inspect
 import math
@@ -196,7 +197,28 @@ def arity(mod: MaskMod | ScoreMod) -> int:
     """How many arrays ``mod`` reads: its slots in the flat ``args``."""
     if mod.kind == "fn":
         return len(mod.arrays)
-    return sum(arity(p) for p in mod.parts)
+    return (mod.kind == "at") + sum(arity(p) for p in mod.parts)
+
+
+def placed(mod: MaskMod | ScoreMod, origin, shape) -> MaskMod | ScoreMod:
+    """``mod`` as seen from a block of a larger call: the block's ``(b, h, i, j)`` are
+    shifted by ``origin = (b0, h0, i0, j0)`` (its first batch element, query head,
+    query and key in the call) and :data:`~attnnb.mods.OFFSET` binds to the call's
+    ``shape = (Lq, Lk)``.  One compiled copy serves every block (the shifts are an
+    array, read at ``args``' first slot of the composition)."""
+    arrays = (np.asarray(origin, np.int64), np.asarray(shape, np.int64))
+    return type(mod)("at", arrays=arrays, parts=(mod,), name=mod.name)
+
+
+def _shifted(inner: Callable, head: str, offset: int):
+    """``(head..., args)`` calling ``inner`` with ``b, h, i, j`` plus ``args[offset]``'s
+    four shifts (:func:`placed`)."""
+    shifted = (head.replace("b, h, i, j", "b + o[0], h + o[1], i + o[2], j + o[3]"))
+    source = (f"def at({head}, args):\n    o = args[{offset}]\n"
+              f"    return inner({shifted}, args)\n")
+    scope = {"inner": inner}
+    exec(source, scope)  # noqa: S102 - the text above, with an integer only
+    return scope["at"]
 
 
 def compile_mask(mod: MaskMod, offset: int = 0, target: Target = CPU) -> CompiledMask:
@@ -208,6 +230,9 @@ def compile_mask(mod: MaskMod, offset: int = 0, target: Target = CPU) -> Compile
         return found
     if mod.kind == "fn":
         allowed = _leaf_call(jit(mod.fn, target), "b, h, i, j", offset, len(mod.arrays))
+    elif mod.kind == "at":
+        allowed = _shifted(compile_mask(mod.parts[0], offset + 1, target).allowed,
+                           "b, h, i, j", offset)
     elif mod.kind == "not":
         inner = compile_mask(mod.parts[0], offset, target).allowed
 
@@ -254,6 +279,11 @@ def compile_score(mod: ScoreMod, offset: int = 0, target: Target = CPU) -> Compi
         else:
             def agrad(g, s, b, h, i, j, grads, args):
                 pass
+    elif mod.kind == "at":
+        inner = compile_score(mod.parts[0], offset + 1, target)
+        value = _shifted(inner.value, "s, b, h, i, j", offset)
+        slope = _shifted(inner.slope, "s, b, h, i, j", offset)
+        agrad = _shifted(inner.agrad, "g, s, b, h, i, j, grads", offset)
     else:
         first = compile_score(mod.parts[0], offset, target)
         then = compile_score(mod.parts[1], offset + arity(mod.parts[0]), target)
@@ -277,6 +307,24 @@ def compile_score(mod: ScoreMod, offset: int = 0, target: Target = CPU) -> Compi
     return found
 
 
+def reads_argument(mod, position: int) -> bool:
+    """Whether a mask mod's functions read their argument ``position`` (0: ``b``, 1:
+    ``h``), in their bytecode or their helpers' (conservative: any use counts)."""
+    if mod.kind != "fn":
+        return any(reads_argument(p, position) for p in mod.parts)
+    fn = getattr(mod.fn, "py_func", mod.fn)
+    code = fn.__code__
+    name = code.co_varnames[position]
+    if name in code.co_cellvars:
+        return True
+    for ins in dis.get_instructions(code):
+        if ins.opname.startswith(("LOAD_FAST", "STORE_FAST", "DELETE_FAST")):
+            value = ins.argval
+            if value == name or (isinstance(value, tuple) and name in value):
+                return True
+    return False
+
+
 # ---------------------------------------------------------------------------
 # the arrays at call time
 
@@ -288,6 +336,8 @@ def bind(mod: MaskMod | ScoreMod, Lq: int, Lk: int) -> tuple:
     if mod.kind == "fn":
         return tuple(np.array([Lk - Lq], np.int64) if a is OFFSET else _readable(a)
                      for a in mod.arrays)
+    if mod.kind == "at":  # (the call's shape, not the block's)
+        return (mod.arrays[0],) + bind(mod.parts[0], *(int(n) for n in mod.arrays[1]))
     return sum((bind(p, Lq, Lk) for p in mod.parts), ())
 
 
@@ -305,6 +355,8 @@ def zero_grads(args: tuple) -> tuple:
 def param_grads(mod: ScoreMod, grads: tuple) -> tuple:
     """The gradients of ``mod``'s parameters, flat in leaf order, from ``grads`` shaped
     like its flat ``args``: ``None`` for integer and boolean arrays and constant leaves."""
+    if mod.kind == "at":
+        return param_grads(mod.parts[0], grads[1:])
     if mod.kind != "fn":
         out, at = (), 0
         for p in mod.parts:
@@ -474,6 +526,39 @@ def array_gradients(mod: ScoreMod, g: np.ndarray, s: np.ndarray, origin=(0, 0)) 
     _agrad_loop(compile_score(mod).agrad, args, grads, np.ascontiguousarray(g, np.float64),
                 np.ascontiguousarray(s, np.float64), *origin)
     return param_grads(mod, grads)
+
+
+@numba.njit
+def _block_allows(allowed, args, q0, q1, k0, k1, n_b, n_h):
+    for b in range(n_b):
+        for h in range(n_h):
+            for i in range(q0, q1):
+                for j in range(k0, k1):
+                    if allowed(b, h, i, j, args):
+                        return True
+    return False
+
+
+@numba.njit
+def _blocks_loop(allowed, args, q_edges, k_edges, n_b, n_h, out):
+    for x in range(q_edges.size - 1):
+        for y in range(k_edges.size - 1):
+            out[x, y] = _block_allows(allowed, args, q_edges[x], q_edges[x + 1], k_edges[y],
+                                      k_edges[y + 1], n_b, n_h)
+
+
+def blocks_allowed(mod: MaskMod, shape: tuple, q_edges, k_edges) -> np.ndarray:
+    """bool ``(query blocks, key blocks)``: whether the mask mod allows any pair of each
+    block (for any batch element and head, of ``shape`` ``(B, H, Lq, Lk)``; only those
+    its functions read are walked), blocks cut at ``q_edges`` and ``k_edges``.  Exact:
+    a block is False only when every pair of it was tested (an allowed pair ends a
+    block's walk)."""
+    B, H, Lq, Lk = shape
+    q_edges, k_edges = (np.asarray(e, np.int64) for e in (q_edges, k_edges))
+    out = np.zeros((q_edges.size - 1, k_edges.size - 1), np.bool_)
+    _blocks_loop(compile_mask(mod).allowed, bind(mod, Lq, Lk), q_edges, k_edges,
+                 B if reads_argument(mod, 0) else 1, H if reads_argument(mod, 1) else 1, out)
+    return out
 
 
 # ---------------------------------------------------------------------------

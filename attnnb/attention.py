@@ -5,7 +5,6 @@ from __future__ import annotations
 from . import _eager
 from ._dask import any_dask
 from ._dropout import refuse_lazy_dropout
-from ._function_args import refuse_lazy_mods
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
@@ -92,10 +91,10 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         from ._dask.ops import attention as lazy
 
         refuse_lazy_dropout(dropout_p)
-        refuse_lazy_mods(mask_mod, score_mod)
         return lazy(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                     scale=scale, normalizer=normalizer, return_lse=return_lse, sinks=sinks,
-                    sigmoid_bias=sigmoid_bias, backend=backend)
+                    sigmoid_bias=sigmoid_bias, mask_mod=mask_mod, score_mod=score_mod,
+                    backend=backend)
     return _eager.attention(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                             scale=scale, normalizer=normalizer, return_lse=return_lse,
                             dropout_p=dropout_p, seed=seed, sinks=sinks,

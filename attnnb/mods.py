@@ -194,12 +194,13 @@ class MaskMod:
 
     Attributes
     ----------
-    kind : {"fn", "and", "or", "not"}
+    kind : {"fn", "and", "or", "not", "at"}
     fn : callable or None
         ``fn(b, h, i, j, *arrays) -> bool`` for ``kind="fn"``.
     arrays : tuple of ndarray
     parts : tuple of MaskMod
-        The operands of ``&``, ``|`` and ``~``.
+        The operands of ``&``, ``|`` and ``~``; ``"at"``: the mod placed in a block of
+        a larger call (internal, :func:`attnnb._mod_compile.placed`).
     name : str
     """
 
@@ -236,7 +237,7 @@ class ScoreMod:
 
     Attributes
     ----------
-    kind : {"fn", "chain"}
+    kind : {"fn", "chain", "at"}
     fn, grad_s, grad_arrays : callables (``kind="fn"``); see :func:`score_mod`.
     arrays : tuple of ndarray
         What the compiled function reads.
@@ -249,7 +250,7 @@ class ScoreMod:
     constant : bool
         The arrays get no gradient (``None``) and need no ``grad_arrays``.
     parts : tuple of ScoreMod
-        A chain's functions, applied in order.
+        A chain's functions, applied in order; ``"at"``: as :class:`MaskMod`'s.
     name : str
     """
 
@@ -273,7 +274,7 @@ class ScoreMod:
         if self.kind == "fn":
             return (f"score[{_fingerprint_of(self.fn)};{_fingerprint_of(self.grad_s)};"
                     f"{_fingerprint_of(self.grad_arrays)};{len(self.arrays)}]")
-        return "chain(" + ",".join(p.fingerprint() for p in self.parts) + ")"
+        return f"{self.kind}(" + ",".join(p.fingerprint() for p in self.parts) + ")"
 
     def __repr__(self) -> str:
         return f"<score_mod {self.name}>"

@@ -71,10 +71,9 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
         from ._dask.ops import sparse_attention as lazy
 
         refuse_lazy_dropout(dropout_p)
-        refuse_lazy_mods(mask_mod, score_mod)
         return lazy(q, k, v, pattern, key_size=key_size, scale=scale, normalizer=normalizer,
                     return_lse=return_lse, sinks=sinks, sigmoid_bias=sigmoid_bias,
-                    backend=backend)
+                    mask_mod=mask_mod, score_mod=score_mod, backend=backend)
     return _eager.sparse_attention(q, k, v, pattern, key_size=key_size, scale=scale,
                                    normalizer=normalizer, return_lse=return_lse,
                                    dropout_p=dropout_p, seed=seed, sinks=sinks,

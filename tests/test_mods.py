@@ -317,11 +317,59 @@ def test_constant_mods_take_no_gradient_and_like_converts():
     assert returns == {"float32": numba.float32, "float64": numba.float64}
 
 
-def test_dask_refuses_mods():
+def _every_third_by_batch(b, h, i, j):
+    return (i + j + b + h) % 3 != 0
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_dask_mods_see_the_calls_positions(backend):
+    """Dask attention and sparse attention with mods: every block's functions see the
+    call's (b, h, i, j) and its Lk - Lq (not the block's), so the result is one call's;
+    GQA, Lq != Lk, blocks split on every axis."""
     da = pytest.importorskip("dask.array")
-    q = da.ones((1, 4, 8), chunks=2)
-    with pytest.raises(NotImplementedError, match="mask_mod and score_mod on Dask"):
-        attnnb.attention(q, q, q, mask_mod=mods.causal)
+    from attnnb import patterns
+
+    rng = np.random.default_rng(21)
+    q, k, v = qkv(rng, batch=(2,), hq=2, hk=1, lq=37, lk=45, d=8, dv=5)
+    ids = np.repeat(np.arange(4), 12)[:45]
+    cases = [dict(mask_mod=mods.document(ids[8:], ids),
+                  score_mod=mods.alibi(np.array([0.5, 0.25]))),
+             dict(mask_mod=mods.mask_mod(_every_third_by_batch) & mods.causal,
+                  score_mod=mods.softcap(2.0), bias=rng.standard_normal((37, 45)))]
+    lazy = [da.from_array(x, chunks=(1, 1, 10, 8) if x is q else (1, 1, 13, x.shape[-1]))
+            for x in (q, k, v)]
+    for kw in cases:
+        ref, ref_lse = attnnb.attention(q, k, v, return_lse=True, backend="reference", **kw)
+        out, lse = attnnb.attention(*lazy, return_lse=True, backend=backend, **kw)
+        assert_close(out.compute(), ref, np.float64)
+        assert_close(lse.compute(), ref_lse, np.float64, what="lse")
+    pattern = patterns.local((37, 45), 6)
+    kw = {name: x for name, x in cases[1].items() if name != "bias"}
+    ref = attnnb.sparse_attention(q, k, v, pattern, backend="reference", **kw)
+    assert_close(attnnb.sparse_attention(*lazy, pattern, backend=backend, **kw).compute(),
+                 ref, np.float64)
+
+
+def test_dask_skips_blocks_the_mask_function_hides_and_refuses_the_rest():
+    """Four documents of 16 in blocks of 16: only the diagonal blocks get a part (a task
+    per block the function allows); a function that reads b refuses batch blocks that are
+    not consecutive; top-k and differential attention refuse mods."""
+    da = pytest.importorskip("dask.array")
+    rng = np.random.default_rng(22)
+    q, k, v = qkv(rng, batch=(1,), hq=1, lq=64, lk=64, d=4)
+    lazy = [da.from_array(x, chunks=(1, 1, 16, 4)) for x in (q, k, v)]
+    docs = mods.document(np.arange(64) // 16)
+    out = attnnb.attention(*lazy, mask_mod=docs, backend="cpu")
+    parts = [key for key in out.dask if isinstance(key, tuple) and "-part-" in key[0]]
+    assert len(parts) == 4
+    assert_close(out.compute(), attnnb.attention(q, k, v, mask_mod=docs, backend="reference"),
+                 np.float64)
+    x = da.from_array(rng.standard_normal((2, 2, 1, 5, 4)), chunks=(2, 1, 1, 5, 4))
+    with pytest.raises(NotImplementedError, match="reads b needs batch blocks"):
+        attnnb.attention(x, x, x, mask_mod=_every_third_by_batch)
+    attnnb.attention(x, x, x, mask_mod=mods.causal)  # (b not read: any blocks)
+    with pytest.raises(NotImplementedError, match="attention and sparse_attention only"):
+        attnnb.topk_attention(*lazy, 2, mask_mod=docs)
 
 
 # ---------------------------------------------------------------------------

@@ -13,7 +13,10 @@ Arguments common to the part functions (keywords, fixed when the graph is built)
 * ``heads``: None, or the key units ``(a, b)`` of the key chunk that the
   query chunk reads (a query-head chunk smaller than the key-head chunk);
 * ``scale``, ``backend``: as the user gave them (``backend`` resolved to a
-  name or ``"auto"`` when the graph was built).
+  name or ``"auto"`` when the graph was built);
+* ``mask_mod``, ``score_mod``: the call's functions placed at the block
+  (:func:`attnnb._mod_compile.placed`: the block's indices shifted to the
+  call's), or None.
 """
 
 from __future__ import annotations
@@ -66,28 +69,28 @@ def restrict(mask, limit, nq, nk):
 
 
 def attention_part(q, k, v, mask, bias, key_size, *, limit, heads, scale, normalizer, backend,
-                   sigmoid_bias=None):
+                   sigmoid_bias=None, mask_mod=None, score_mod=None):
     """``(out, lse)`` of dense attention over one block (``sigmoid_bias``: the whole call's)."""
     k, v = key_heads(k, v, heads)
     mask, causal = restrict(mask, limit, q.shape[-2], k.shape[-2])
     out, lse = attention(q, k, v, mask=mask, bias=bias, key_size=key_size, causal=causal,
                          scale=scale, normalizer=normalizer, return_lse=True, backend=backend,
-                         sigmoid_bias=sigmoid_bias)
+                         sigmoid_bias=sigmoid_bias, mask_mod=mask_mod, score_mod=score_mod)
     return native(out, q), native(lse, q)
 
 
 def sparse_part(q, k, v, key_size, pattern, *, where, heads, scale, normalizer, backend,
-                sigmoid_bias=None):
+                sigmoid_bias=None, mask_mod=None, score_mod=None):
     """``(out, lse)`` over one block of a pattern; ``where`` None: every pair allowed,
     else ``(query heads, query rows, key columns)`` of the block in the pattern."""
     k, v = key_heads(k, v, heads)
+    kw = dict(key_size=key_size, scale=scale, normalizer=normalizer, return_lse=True,
+              backend=backend, sigmoid_bias=sigmoid_bias, mask_mod=mask_mod,
+              score_mod=score_mod)
     if where is None:
-        out, lse = attention(q, k, v, key_size=key_size, scale=scale, normalizer=normalizer,
-                             return_lse=True, backend=backend, sigmoid_bias=sigmoid_bias)
+        out, lse = attention(q, k, v, **kw)
     else:
-        out, lse = sparse_attention(q, k, v, sub_pattern(pattern, *where), key_size=key_size,
-                                    scale=scale, normalizer=normalizer, return_lse=True,
-                                    backend=backend, sigmoid_bias=sigmoid_bias)
+        out, lse = sparse_attention(q, k, v, sub_pattern(pattern, *where), **kw)
     return native(out, q), native(lse, q)
 
 

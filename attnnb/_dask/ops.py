@@ -76,7 +76,7 @@ class Call:
 
     def __init__(self, op, q, k, v, *, mask=None, bias=None, key_size=None, lam=None,
                  sinks=None, normalizer="softmax", scale=None, backend=None, pairs=False,
-                 params=()):
+                 params=(), mods=(None, None)):
         for name, x in (("q", q), ("k", k), ("v", v), ("mask", mask), ("bias", bias),
                         ("key_size", key_size), ("lam", lam)):
             known_sizes(name, x)
@@ -89,8 +89,72 @@ class Call:
                   "sinks": self._sinks(sinks, normalizer)}
         self.extras = {n: g.extra(x, ROLES[n]) for n, x in extras.items()}
         arrays = [g.q, g.k, g.v] + [e.array for e in self.extras.values() if e is not None]
-        self.graph = Graph(op, arrays, self.scale, self.backend, *params)
+        self.mask_mod, self.score_mod = self._mods(*mods)
+        self.graph = Graph(op, arrays, self.scale, self.backend, *params,
+                           *(_mod_token(m) for m in (self.mask_mod, self.score_mod)))
         self.finals = {}
+
+    # -- mask and score functions -------------------------------------------------------------
+    def _mods(self, mask_mod, score_mod):
+        """The call's mask and score functions, checked as the eager functions check them
+        (a ``TypeError`` names one that does not compile), before any graph exists."""
+        if mask_mod is None and score_mod is None:
+            return None, None
+        from .._validate import check_mods
+
+        g = self.grid
+        _, _, Lq, Lk, _, _ = g.shape
+        return check_mods(mask_mod, score_mod, False, Lq, Lk, g.compute_dtype)
+
+    def without_hidden(self, touched):
+        """``touched`` (``{row key: [(key block, spec), ...]}`` by query block in the key's
+        last place) less the key blocks where the mask function allows no pair."""
+        if self.mask_mod is None:
+            return touched
+        from .._mod_compile import blocks_allowed
+
+        g = self.grid
+        B = int(np.prod(g.batch_shape, dtype=np.int64))
+        _, _, Lq, Lk, _, _ = g.shape
+        allowed = blocks_allowed(self.mask_mod, (B, g.row_heads, Lq, Lk), g.q_edges,
+                                 g.k_edges)
+        at = (lambda key: key[-1]) if touched and isinstance(next(iter(touched)), tuple) else (
+            lambda key: key)
+        return {key: [(kb, spec) for kb, spec in row if allowed[at(key), kb]]
+                for key, row in touched.items()}
+
+    def mods_at(self, index, kb) -> dict:
+        """The ``mask_mod`` / ``score_mod`` keywords of the part of query block ``index``
+        and key block ``kb``: the call's functions placed at the block."""
+        if self.mask_mod is None and self.score_mod is None:
+            return {}
+        from .._mod_compile import placed, reads_argument
+
+        g = self.grid
+        _, _, Lq, Lk, _, _ = g.shape
+        origin = (self._first_batch(index, self.mask_mod, self.score_mod, reads_argument),
+                  g.heads.rows[index["h"]], g.q_edges[index["q"]], g.k_edges[kb])
+        return {name: None if mod is None else placed(mod, origin, (Lq, Lk))
+                for name, mod in (("mask_mod", self.mask_mod), ("score_mod", self.score_mod))}
+
+    def _first_batch(self, index, mask_mod, score_mod, reads_argument) -> int:
+        """The flat batch index of the block's first element; a block whose elements are
+        not consecutive in the flat batch (an inner batch axis split while an outer one
+        spans several) is refused when a function reads ``b``."""
+        g = self.grid
+        starts = [sum(g.chunks[f"b{a}"][:index[f"b{a}"]]) for a in range(g.nb)]
+        sizes = [g.chunks[f"b{a}"][index[f"b{a}"]] for a in range(g.nb)]
+        reads_b = any(mod is not None and reads_argument(mod, 0)
+                      for mod in (mask_mod, score_mod))
+        spread = any(sizes[a] > 1 and any(sizes[c] != g.batch_shape[c]
+                                          for c in range(a + 1, g.nb)) for a in range(g.nb))
+        if reads_b and spread:
+            chunks = tuple(g.chunks[f"b{a}"] for a in range(g.nb))
+            raise NotImplementedError(
+                "a mask or score function that reads b needs batch blocks whose elements "
+                "are consecutive: rechunk so that a batch axis is split only where the axes "
+                f"after it are whole (batch chunks {chunks})")
+        return int(np.ravel_multi_index(starts, g.batch_shape)) if g.nb else 0
 
     # -- checks of the extras, as the eager functions make them ------------------------------
     def _facts(self):
@@ -235,10 +299,19 @@ class Call:
         return out, lse
 
 
+def _mod_token(mod):
+    """What names a mod in the graph's token: its functions' fingerprint and its arrays."""
+    if mod is None:
+        return None
+    from .._mod_compile import bind, fingerprint
+
+    return fingerprint(mod), bind(mod, 0, 0)
+
+
 def dense_parts(c, index, row, normalizer, sigmoid_bias=None):
     """Parts of dense (masked, causal) attention for one query block."""
     fn = partial(blocks.attention_part, normalizer=normalizer, sigmoid_bias=sigmoid_bias)
-    return [c.part("part", index, kb, partial(fn, **c.common(index, spec)),
+    return [c.part("part", index, kb, partial(fn, **c.common(index, spec), **c.mods_at(index, kb)),
                    ("q", "k", "v", "mask", "bias", "key_size")) for kb, spec in row]
 
 
@@ -262,16 +335,16 @@ def part_normalizer(normalizer, row):
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
               normalizer="softmax", return_lse=False, sinks=None, sigmoid_bias=None,
-              backend=None):
+              mask_mod=None, score_mod=None, backend=None):
     """:func:`attnnb.attention` on Dask arrays."""
     return_lse = check_bool("return_lse", return_lse)
     check_normalizer(normalizer)
     causal = check_bool("causal", causal)
     c = Call("attention", q, k, v, mask=mask, bias=bias, key_size=key_size, sinks=sinks,
              normalizer=normalizer, scale=scale, backend=backend,
-             params=(causal, normalizer, sigmoid_bias))
+             params=(causal, normalizer, sigmoid_bias), mods=(mask_mod, score_mod))
     offset, merge = part_rules(sigmoid_bias, normalizer, c.grid.shape[3])
-    visible = dense_blocks(c.grid.q_edges, c.grid.k_edges, causal)
+    visible = c.without_hidden(dense_blocks(c.grid.q_edges, c.grid.k_edges, causal))
     for index in c.grid.query_blocks():
         row = visible[index["q"]]
         norm = part_normalizer(normalizer, row)
@@ -281,18 +354,19 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
-                     return_lse=False, sinks=None, sigmoid_bias=None, backend=None):
+                     return_lse=False, sinks=None, sigmoid_bias=None, mask_mod=None,
+                     score_mod=None, backend=None):
     """:func:`attnnb.sparse_attention` on Dask arrays."""
     return_lse = check_bool("return_lse", return_lse)
     check_normalizer(normalizer)
     c = Call("sparse", q, k, v, key_size=key_size, sinks=sinks, normalizer=normalizer,
              scale=scale, backend=backend,
              params=(normalizer, sigmoid_bias, getattr(pattern, "indptr", None),
-                     getattr(pattern, "indices", None)))
+                     getattr(pattern, "indices", None)), mods=(mask_mod, score_mod))
     g = c.grid
     Hq, _, Lq, Lk, _, _ = g.shape
     check_pattern(pattern, Lq, Lk, Hq)
-    touched = pattern_blocks(pattern, g.heads.rows, g.q_edges, g.k_edges)
+    touched = c.without_hidden(pattern_blocks(pattern, g.heads.rows, g.q_edges, g.k_edges))
     offset, merge = part_rules(sigmoid_bias, normalizer, Lk)
     stored = c.graph.add("pattern", (), pattern)  # one copy, sent to the workers that need it
     head_spans, q_spans, k_spans = spans(g.heads.rows), spans(g.q_edges), spans(g.k_edges)
@@ -303,7 +377,7 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
         for kb, whole in row:
             where = None if whole else (head_spans[index["h"]], q_spans[index["q"]], k_spans[kb])
             fn = partial(blocks.sparse_part, where=where, normalizer=norm, sigmoid_bias=offset,
-                         **c.common(index, None, drop=("limit",)))
+                         **c.common(index, None, drop=("limit",)), **c.mods_at(index, kb))
             parts.append(c.part("part", index, kb, fn, ("q", "k", "v", "key_size"), stored))
         c.lse_finish(index, parts, norm != normalizer, merge)
     return c.outputs(return_lse)

@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import dis
 import hashlib
 import threading
 
 import numpy as np
 
-from .._mod_compile import arity, bind, compile_mask, compile_score, fingerprint, param_grads
+from .._mod_compile import (
+    arity,
+    bind,
+    compile_mask,
+    compile_score,
+    fingerprint,
+    param_grads,
+    reads_argument,
+)
 from ._jit import launch
 from ._mask_tiles import (
     classify_kernel,
@@ -113,24 +120,6 @@ def parameter_gradients(problem, mod_grads: tuple) -> tuple:
     group order: :func:`attnnb._mod_compile.param_grads`)."""
     n = arity(problem.score_mod)
     return param_grads(problem.score_mod, tuple(g.sum(axis=0) for g in mod_grads[1:1 + n]))
-
-
-def reads_argument(mod, position: int) -> bool:
-    """Whether a mask mod's functions read their argument ``position`` (0: ``b``, 1:
-    ``h``), in their bytecode or their helpers' (conservative: any use counts)."""
-    if mod.kind != "fn":
-        return any(reads_argument(p, position) for p in mod.parts)
-    fn = getattr(mod.fn, "py_func", mod.fn)
-    code = fn.__code__
-    name = code.co_varnames[position]
-    if name in code.co_cellvars:
-        return True
-    for ins in dis.get_instructions(code):
-        if ins.opname.startswith(("LOAD_FAST", "STORE_FAST", "DELETE_FAST")):
-            value = ins.argval
-            if value == name or (isinstance(value, tuple) and name in value):
-                return True
-    return False
 
 
 # The last few mask functions' tile maps, by everything they depend on: the layers of a
