@@ -38,6 +38,12 @@ the host and back.
   against each other as zero-copy NumPy views.  ``"broadcast_all"`` would
   tile every unbatched argument (a shared ``(Lq, Lk)`` bias, a mask) in
   memory first; ``"sequential"`` would call attnnb once per batch element.
+* **Mask and score functions** (``mask_mod``, ``score_mod``,
+  :mod:`attnnb.mods`) are static, their arrays NumPy constants of the
+  gradient: a score function gets no gradient into its arrays here (it runs
+  as :func:`attnnb.mods.constant` of itself), and a mod cannot be built from
+  a traced array (a ``TypeError`` at its construction).  Build mods outside
+  the traced function, as ``pattern``.
 * **Backend.** ``backend=None`` is resolved (:func:`attnnb.use_backend`, then
   ``ATTNNB_BACKEND``, then ``"cpu"``) when the function is traced: under
   ``jax.jit`` at the first call, and it then stays for that compiled
@@ -72,13 +78,14 @@ Examples
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _bridge
+from . import _bridge, mods
 from ._checks import check_key_size_values
 from ._function_args import check_lam_values
 
@@ -89,7 +96,8 @@ _VMAP_METHOD = "expand_dims"
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
-              normalizer="softmax", return_lse=False, sinks=None, backend=None):
+              normalizer="softmax", return_lse=False, sinks=None, mask_mod=None,
+              score_mod=None, backend=None):
     """:func:`attnnb.attention` on JAX arrays, differentiable in q, k, v, bias, key_size,
     sinks.
 
@@ -106,6 +114,8 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     causal, scale, normalizer, return_lse, backend
         Static, as in :func:`attnnb.attention` (every normalizer; ``sigmoid``
         with its default bias).
+    mask_mod, score_mod : :mod:`attnnb.mods` objects or Python functions, optional
+        Static; their arrays are constants of the gradient (module notes).
 
     Returns
     -------
@@ -116,11 +126,11 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     return _call("attention", dict(q=q, k=k, v=v, mask=mask, bias=bias, key_size=key_size,
                                    sinks=sinks),
                  dict(causal=causal, scale=scale, normalizer=normalizer,
-                      return_lse=return_lse, backend=backend))
+                      return_lse=return_lse, backend=backend, **_mods(mask_mod, score_mod)))
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
-                     return_lse=False, sinks=None, backend=None):
+                     return_lse=False, sinks=None, mask_mod=None, score_mod=None, backend=None):
     """:func:`attnnb.sparse_attention` on JAX arrays, differentiable in q, k, v, key_size,
     sinks.
 
@@ -133,6 +143,8 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     sinks : JAX array broadcastable to ``(*batch, Hq)``, optional
     scale, normalizer, return_lse, backend
         Static, as in :func:`attnnb.sparse_attention`.
+    mask_mod, score_mod : :mod:`attnnb.mods` objects or Python functions, optional
+        Static; their arrays are constants of the gradient (module notes).
 
     Returns
     -------
@@ -141,11 +153,11 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     """
     return _call("sparse_attention", dict(q=q, k=k, v=v, key_size=key_size, sinks=sinks),
                  dict(pattern=pattern, scale=scale, normalizer=normalizer,
-                      return_lse=return_lse, backend=backend))
+                      return_lse=return_lse, backend=backend, **_mods(mask_mod, score_mod)))
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, sinks=None, backend=None):
+                   return_lse=False, sinks=None, mask_mod=None, score_mod=None, backend=None):
     """:func:`attnnb.topk_attention` on JAX arrays, differentiable in q, k, v, key_size,
     sinks.
 
@@ -159,6 +171,8 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     sinks : JAX array broadcastable to ``(*batch, Hq)``, optional
     causal, scale, return_lse, backend
         Static, as in :func:`attnnb.topk_attention`.
+    mask_mod, score_mod : :mod:`attnnb.mods` objects or Python functions, optional
+        Static; their arrays are constants of the gradient (module notes).
 
     Returns
     -------
@@ -168,11 +182,11 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     return _call("topk_attention", dict(q=q, k=k, v=v, mask=mask, key_size=key_size,
                                         sinks=sinks),
                  dict(top_k=top_k, causal=causal, scale=scale, return_lse=return_lse,
-                      backend=backend))
+                      backend=backend, **_mods(mask_mod, score_mod)))
 
 
 def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
-                   scale=None, mode="difference", backend=None):
+                   scale=None, mode="difference", mask_mod=None, score_mod=None, backend=None):
     """:func:`attnnb.diff_attention` on JAX arrays, differentiable in q, k, v, lam, bias, key_size.
 
     Parameters
@@ -187,6 +201,8 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         Static, as in :func:`attnnb.diff_attention` (``mode="rectified"``:
         the clip at 0 has derivative 0; ``"heaviside"``: the gate is held
         fixed).
+    mask_mod, score_mod : :mod:`attnnb.mods` objects or Python functions, optional
+        Static; their arrays are constants of the gradient (module notes).
 
     Returns
     -------
@@ -194,10 +210,28 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
     """
     return _call("diff_attention", dict(q=q, k=k, v=v, lam=lam, mask=mask, bias=bias,
                                         key_size=key_size),
-                 dict(causal=causal, scale=scale, mode=mode, backend=backend))
+                 dict(causal=causal, scale=scale, mode=mode, backend=backend,
+                      **_mods(mask_mod, score_mod)))
 
 
 # ---------------------------------------------------------------------------
+
+
+# each score mod's constant twin, kept while the mod lives: one custom_vjp function a mod
+_CONSTANT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _mods(mask_mod, score_mod) -> dict:
+    """The static ``mask_mod`` / ``score_mod`` of a call (module notes); none: nothing."""
+    out = {}
+    if mask_mod is not None:
+        out["mask_mod"] = mods.as_mask_mod(mask_mod)
+    if score_mod is not None:
+        given = mods.as_score_mod(score_mod)
+        if given not in _CONSTANT:
+            _CONSTANT[given] = mods.constant(given)
+        out["score_mod"] = _CONSTANT[given]
+    return out
 
 
 @dataclass(frozen=True)

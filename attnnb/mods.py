@@ -135,11 +135,16 @@ def _as_numpy(role: str, x: Any) -> np.ndarray:
     if _is_tensor(x):
         if x.device.type != "cpu":
             raise TypeError(f"{role} is a torch tensor on {x.device}: mods read CPU arrays "
-                            "(the cuda backend takes no mods yet)")
+                            "(the cuda backend copies them to the device itself)")
         return x.detach().numpy()
-    if type(x).__module__.split(".")[0] in ("jax", "jaxlib", "dask", "cupy"):
+    package = type(x).__module__.split(".")[0]
+    if package in ("jax", "jaxlib") and not type(x).__name__.endswith("Tracer"):
+        return np.asarray(x)  # a concrete JAX array: its values, a constant to JAX
+    if package in ("jax", "jaxlib", "dask", "cupy"):
         raise TypeError(f"{role} is a {type(x).__module__}.{type(x).__name__}: pass NumPy "
-                        "arrays (or CPU torch tensors with attnnb.torch)")
+                        "arrays (or CPU torch tensors with attnnb.torch; attnnb.jax takes "
+                        "mods of concrete arrays, constants of its gradients: build them "
+                        "outside jax.jit and jax.grad)")
     return np.asarray(x)
 
 

@@ -313,3 +313,32 @@ def test_eager_calls_of_one_kind_share_one_function(rng):
     assert ajax._FUNCTIONS == before
     ajax.sparse_attention(q, k, v, pattern, backend=REF, return_lse=True)
     assert len(ajax._FUNCTIONS) == len(before) + 1
+
+
+def test_mods_are_static_constants_of_the_gradient(rng):
+    """Mask and score functions: attnnb's results and gradients (the score function as
+    ``mods.constant``, its slopes from a concrete JAX array), under ``jax.jit`` too; a
+    mod built from a traced array is refused where it is built."""
+    from attnnb import mods
+
+    q, k, v = randn(rng, 1, 2, Lq, D), randn(rng, 1, 1, Lk, D), randn(rng, 1, 1, Lk, 3)
+    slopes = jnp.asarray([0.5, -0.25])
+    kw = dict(mask_mod=mods.sliding_window(3), score_mod=mods.alibi(slopes) + mods.softcap(2.0))
+    (want, want_lse), pullback = attnnb.vjp(
+        attnnb.attention, q, k, v, return_lse=True, backend=REF, mask_mod=kw["mask_mod"],
+        score_mod=mods.constant(kw["score_mod"]))
+    dout = randn(rng, *want.shape)
+    grads = pullback(dout)
+
+    def loss(q, k, v):
+        out, lse = ajax.attention(q, k, v, return_lse=True, backend=REF, **kw)
+        return jnp.sum(out * dout), (out, lse)
+
+    for f in (loss, jax.jit(loss)):
+        (_, (out, lse)), got = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(lse, want_lse, rtol=1e-12)
+        for g, name in zip(got, "qkv"):
+            np.testing.assert_allclose(g, grads[name], rtol=1e-10, atol=1e-13, err_msg=name)
+    with pytest.raises(TypeError, match="outside jax.jit and jax.grad"):
+        jax.grad(lambda s: ajax.attention(q, k, v, score_mod=mods.alibi(s)).sum())(slopes)
