@@ -553,7 +553,7 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *, sinks=None,
-                                 score_mod=None):
+                                 mask_mod=None, score_mod=None):
     """A drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
     Same arguments, meaning and refusals as PyTorch's function (torch 2.13):
@@ -570,7 +570,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     attnnb's own, ``sinks`` (a tensor broadcastable to the query heads,
     differentiable), adds learned attention sinks (:func:`attention`), and
     ``score_mod`` (:mod:`attnnb.mods`) rewrites the scaled logits before the
-    mask (``mods.softcap`` for Gemma 2's soft-capping).
+    mask (``mods.softcap`` for Gemma 2's soft-capping) and ``mask_mod``
+    narrows the allowed keys further (``mods.sliding_window`` for a model's
+    window), both in the whole call's positions (bottom-right aligned
+    built-ins, whatever ``is_causal``'s alignment).
 
     Raises
     ------
@@ -592,7 +595,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     query, key, value = _sdpa.broadcast_qkv(query, key, value, check_bool("enable_gqa",
                                                                           enable_gqa))
     plan = _sdpa.mask_plan(attn_mask, check_bool("is_causal", is_causal), query, key)
-    if (dropout_p or score_mod is not None) and len(plan.segments) > 1:
+    if (dropout_p or score_mod is not None or mask_mod is not None) and len(plan.segments) > 1:
         # dropout's decisions and the score function's positions are whole-call rows
         plan = _sdpa.as_one_mask(plan, query, key)
     dropout_p, seed = _dropout_seed(dropout_p, None)
@@ -602,5 +605,5 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         outs.append(attention(query[..., rows, :], key[..., keys, :], value[..., keys, :],
                               mask=plan.mask, bias=plan.bias, causal=seg.causal, scale=scale,
                               dropout_p=dropout_p, seed=seed, sinks=sinks,
-                              score_mod=score_mod))
+                              mask_mod=mask_mod, score_mod=score_mod))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)

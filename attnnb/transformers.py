@@ -42,9 +42,15 @@ Choices made
   to the logits as a float mask; where the boolean (or causal) mask says no,
   the bias is replaced by the dtype's most negative number, as in
   ``sdpa_attention_forward``.  The bias gets a gradient.
-* **Sliding window** (``sliding_window``, Mistral, Gemma 2, ...): read from
-  the mask, which transformers builds with the window in it whenever the
-  window binds; the argument itself is not needed.
+* **Sliding window** (``sliding_window``, Mistral, Gemma 2, ...): run as
+  :func:`attnnb.mods.sliding_window`, no mask built, where the layer's mask
+  would be the window and the causal limit alone: :func:`attention_mask`
+  recognises transformers' own sliding-window causal mask function (its
+  structure, exactly; anything else is built as for ``"sdpa"``) with no
+  padding and the queries the last positions of the keys, and returns None;
+  :func:`attention_forward` then applies the layer's ``sliding_window``
+  (bottom-right aligned, also for one query decoding with a cache).  A
+  mask that is built carries the window itself.
 * **Attention sinks** (``s_aux``, gpt-oss: a learned logit per head in the
   softmax's denominator only): the drop-in's ``sinks``, with a gradient
   (docs/contract.md §1.15).
@@ -76,12 +82,13 @@ Choices made
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from . import mods
 from . import torch as _attnnb_torch
@@ -100,7 +107,7 @@ _REFUSED = {
 _IGNORED = frozenset({
     "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
     "deterministic", "kernel_options", "use_cache", "cache_position", "num_items_in_batch",
-    "output_hidden_states", "output_router_logits", "sliding_window",
+    "output_hidden_states", "output_router_logits",
 })
 
 _warned: set[str] = set()
@@ -190,9 +197,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         ``(heads,)`` learned attention sinks (gpt-oss; ``sinks`` is read as the
         same), with a gradient.
     **kwargs
-        ``softcap`` soft-caps the logits; ``indices`` and ``block_indices``
-        raise ``NotImplementedError`` when not None; ``sliding_window`` is already in
-        the mask; the others are listed in the module docstring.
+        ``softcap`` soft-caps the logits; ``sliding_window`` (a causal layer's
+        window) is applied as a mask function when there is no mask (module
+        notes); ``indices`` and ``block_indices`` raise ``NotImplementedError``
+        when not None; the others are listed in the module docstring.
 
     Returns
     -------
@@ -212,19 +220,24 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if s_aux is None:  # the same sinks under the name some models use
         s_aux = kwargs.pop("sinks", None)
     softcap = kwargs.pop("softcap", None)
+    window = kwargs.pop("sliding_window", None)
     _check_kwargs(module, kwargs)
     q_len = query.shape[-2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     # a mask carries causality itself; one query sees every key in the cache
     causal = bool(is_causal) and attention_mask is None and q_len > 1
+    mask_mod = None
+    if window is not None and bool(is_causal) and attention_mask is None:
+        # the window holds the causal limit, bottom-right as the cache's queries sit
+        mask_mod, causal = mods.sliding_window(int(window)), False
     mask = attention_mask
     if position_bias is not None:
         mask = _bias_mask(position_bias, attention_mask, causal, query, key)
         causal = False
     out = _attnnb_torch.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling,
-        enable_gqa=key.shape[-3] != query.shape[-3], sinks=s_aux,
+        enable_gqa=key.shape[-3] != query.shape[-3], sinks=s_aux, mask_mod=mask_mod,
         score_mod=None if softcap is None else mods.softcap(float(softcap)))
     return out.transpose(1, 2).contiguous(), None
 
@@ -236,15 +249,57 @@ def attention_mask(*args, **kwargs) -> torch.Tensor | None:
     (``transformers.masking_utils.sdpa_mask``, same arguments): None when
     the attention is purely causal with no padding and no binding window
     (:func:`attention_forward` then applies attnnb's causal limit, or none
-    for a single query) or purely bidirectional with no padding; else a
-    boolean ``(batch, 1, q_len, kv_len)`` tensor, True where a query attends
-    to a key, with padding, sliding window, chunks and packed sequences in it.
+    for a single query) or purely bidirectional with no padding, and None
+    for a sliding-window causal layer with no padding whose queries are the
+    last positions of its keys (:func:`attention_forward` applies the
+    window as a mask function); else a boolean ``(batch, 1, q_len, kv_len)``
+    tensor, True where a query attends to a key, with padding, sliding
+    window, chunks and packed sequences in it.
 
     Returns
     -------
     torch.Tensor or None
     """
+    if _window_only(args, kwargs):
+        return None
     return sdpa_mask(*args, **kwargs)
+
+
+def _window_only(args, kwargs) -> bool:
+    """Whether the mask asked for is transformers' sliding window and causal limit alone,
+    with no padding, and the queries the last ``q_length`` positions of the keys (so that
+    the bottom-right :func:`attnnb.mods.sliding_window` is that mask)."""
+    try:
+        given = inspect.signature(sdpa_mask).bind(*args, **kwargs).arguments
+    except TypeError:
+        return False
+    if _window_of(given.get("mask_function")) is None or not given.get(
+            "allow_is_causal_skip", True):
+        return False
+    q_offset, kv_offset = given.get("q_offset", 0), given.get("kv_offset", 0)
+    if not all(isinstance(x, int) for x in (q_offset, kv_offset)):
+        return False  # a static cache's offsets are tensors
+    q_length, kv_length = given["q_length"], given["kv_length"]
+    if q_offset + q_length != kv_offset + kv_length:
+        return False
+    padding = given.get("attention_mask")
+    return padding is None or bool(padding.all())
+
+
+def _window_of(mask_function) -> int | None:
+    """The window of transformers' ``sliding_window_causal_mask_function(w)`` (an
+    ``and_masks`` of ``sliding_window_overlay(w)`` and ``causal_mask_function``), else
+    None: recognised by structure, so any other function is built as it is."""
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = inspect.getclosurevars(mask_function).nonlocals.get("mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
+        return None
+    overlay = parts[0]
+    if getattr(overlay, "__qualname__", "") != "sliding_window_overlay.<locals>.inner_mask":
+        return None
+    window = inspect.getclosurevars(overlay).nonlocals.get("sliding_window")
+    return window if isinstance(window, int) and window >= 1 else None
 
 
 def register() -> None:

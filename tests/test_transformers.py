@@ -204,6 +204,48 @@ def test_purely_causal_mask_is_none_and_attnnb_runs_causal(monkeypatch):
     assert calls[0][0].dtype == torch.bool and not calls[0][1]
 
 
+def test_sliding_window_runs_as_a_mask_function_with_no_mask_built(monkeypatch):
+    """Mistral with no padding: its window layers get no mask (transformers' own window
+    function recognised) and the drop-in gets ``mods.sliding_window`` (prefill and one
+    query decoding from a dynamic cache), against sdpa; padding builds the mask again,
+    and any other mask function (chunks) is built as it is."""
+    from transformers.masking_utils import (
+        causal_mask_function,
+        chunked_causal_mask_function,
+        sliding_window_causal_mask_function,
+    )
+
+    calls = []
+    original = attnnb.torch.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        calls.append((attn_mask, kwargs.get("mask_mod"), kwargs["is_causal"], query.shape[-2]))
+        return original(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(attnnb.torch, "scaled_dot_product_attention", spy)
+    ref, ours = _pair(_mistral, "sdpa", torch.float64)
+    _check(ref, ours, dict(input_ids=_tokens(2, 9)), 1e-10)
+    assert calls and all(m is None and mod is not None and mod.name == "sliding_window(3)"
+                         and not causal for m, mod, causal, _ in calls)
+    calls.clear()
+    ids = _tokens(1, 6)
+    kw = dict(attention_mask=torch.ones(1, 6, dtype=torch.long), max_new_tokens=4,
+              do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(input_ids=ids, **kw), ref.generate(input_ids=ids, **kw))
+    assert calls[-1][0] is None and calls[-1][1] is not None and calls[-1][3] == 1
+    calls.clear()
+    ids, mask = _left_padded()
+    ours(input_ids=ids, attention_mask=mask)
+    assert all(m is not None and mod is None for m, mod, _, _ in calls)
+    window = dict(batch_size=1, q_length=9, kv_length=9)
+    assert atf.attention_mask(mask_function=sliding_window_causal_mask_function(3),
+                              **window) is None
+    for other in (chunked_causal_mask_function(3, torch.zeros(1, dtype=torch.long)),
+                  causal_mask_function):
+        built = atf.attention_mask(mask_function=other, local_size=3, **window)
+        assert built is not None and built.dtype == torch.bool
+
+
 def _dropout_llama():
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**SMALL, num_key_value_heads=2, attention_dropout=0.1)
