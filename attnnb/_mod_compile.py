@@ -325,6 +325,23 @@ def reads_argument(mod, position: int) -> bool:
     return False
 
 
+_views: dict = {}
+
+
+def grad_views(n: int, target: Target = CPU):
+    """``views(mod_grads, slot) -> (mod_grads[0][slot], ..., mod_grads[n - 1][slot])``:
+    one slot's gradient buffers of a mod's ``n`` arrays, shaped like ``args`` (the
+    backends keep a slot per group of backward tasks, summed in slot order)."""
+    key = (n, target.name)
+    found = _views.get(key)
+    if found is None:
+        body = "".join(f"mod_grads[{m}][slot], " for m in range(n))
+        scope: dict = {}
+        exec(f"def views(mod_grads, slot):\n    return ({body})\n", scope)  # noqa: S102
+        found = _views[key] = target.decorate(scope["views"])
+    return found
+
+
 # ---------------------------------------------------------------------------
 # the arrays at call time
 

@@ -27,6 +27,7 @@ from .._mod_compile import (
     compile_mask,
     compile_score,
     fingerprint,
+    grad_views,
     param_grads,
     reads_argument,
 )
@@ -64,26 +65,10 @@ def _bindings(problem) -> dict:
                      mod_agrad=score.agrad)
         offset += arity(problem.score_mod)
         n_arrays = offset + (0 if problem.mask_mod is None else arity(problem.mask_mod))
-        bound["mod_grad_views"] = _grad_views(n_arrays)
+        bound["mod_grad_views"] = grad_views(n_arrays)
     if problem.mask_mod is not None:
         bound.update(MASK_FN=True, mod_allowed=compile_mask(problem.mask_mod, offset).allowed)
     return bound
-
-
-_views: dict = {}
-
-
-def _grad_views(n: int):
-    """``views(mod_grads, slot) -> (mod_grads[0][slot], ..., mod_grads[n - 1][slot])``."""
-    found = _views.get(n)
-    if found is None:
-        import numba
-
-        body = "".join(f"mod_grads[{m}][slot], " for m in range(n))
-        scope: dict = {}
-        exec(f"def views(mod_grads, slot):\n    return ({body})\n", scope)  # noqa: S102
-        found = _views[n] = numba.njit(forceinline=True, nogil=True)(scope["views"])
-    return found
 
 
 def mod_kernel(kernel_fn, problem):

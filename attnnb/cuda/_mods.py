@@ -17,24 +17,27 @@ from typing import Any, NamedTuple
 import numpy as np
 from numba import cuda
 
-from .._mod_compile import Target, arity, bind, compile_mask, compile_score, fingerprint
-from ..mods import parameters
+from .. import _mod_compile as compiled
 
-CUDA = Target("cuda", lambda fn: cuda.jit(device=True)(fn))
+CUDA = compiled.Target("cuda", lambda fn: cuda.jit(device=True)(fn))
 
 
 class DeviceMods(NamedTuple):
     """The device functions of a problem's mods (``None`` where it has none).
 
     ``value(s, b, h, i, j, mods)`` and ``slope`` (``d value / d s``) of the score
-    function, ``allowed(b, h, i, j, mods)`` of the mask function; ``tag`` names the
-    kernels built with them.
+    function, ``allowed(b, h, i, j, mods)`` of the mask function; ``agrad(g, s, b, h,
+    i, j, grads, mods)`` and ``views(mod_grads, slot)``
+    (:func:`attnnb._mod_compile.grad_views`) when the score function's arrays take
+    gradients; ``tag`` names the kernels built with them.
     """
 
     tag: str
     value: Any = None
     slope: Any = None
     allowed: Any = None
+    agrad: Any = None
+    views: Any = None
 
 
 def has_mods(problem) -> bool:
@@ -48,13 +51,17 @@ def device_mods(problem) -> DeviceMods | None:
     parts, fns = [], {}
     offset = 1  # after the origin
     if problem.score_mod is not None:
-        score = compile_score(problem.score_mod, offset, CUDA)
+        score = compiled.compile_score(problem.score_mod, offset, CUDA)
         fns.update(value=score.value, slope=score.slope)
-        parts.append("s" + fingerprint(problem.score_mod))
-        offset += arity(problem.score_mod)
+        parts.append("s" + compiled.fingerprint(problem.score_mod))
+        offset += compiled.arity(problem.score_mod)
+        if compiled.needs_array_gradients(problem.score_mod):
+            masks = 0 if problem.mask_mod is None else compiled.arity(problem.mask_mod)
+            n_arrays = offset + masks
+            fns.update(agrad=score.agrad, views=compiled.grad_views(n_arrays, CUDA))
     if problem.mask_mod is not None:
-        fns["allowed"] = compile_mask(problem.mask_mod, offset, CUDA).allowed
-        parts.append("m" + fingerprint(problem.mask_mod))
+        fns["allowed"] = compiled.compile_mask(problem.mask_mod, offset, CUDA).allowed
+        parts.append("m" + compiled.fingerprint(problem.mask_mod))
     return DeviceMods("mod_" + "_".join(parts), **fns)
 
 
@@ -62,7 +69,7 @@ def _host_arrays(score_mod, mask_mod, origin, Lq: int, Lk: int, dtype) -> tuple:
     arrays = (np.asarray(origin, np.int64),)
     for mod in (score_mod, mask_mod):
         if mod is not None:
-            arrays += bind(mod, Lq, Lk)
+            arrays += compiled.bind(mod, Lq, Lk)
     return tuple(a.astype(dtype) if a.dtype.kind == "f" else a for a in arrays)
 
 
@@ -94,20 +101,38 @@ def refuse(problem) -> None:
                                   "every function)")
 
 
-def refuse_array_gradients(problem) -> None:
-    """The cuda backward gives no gradients into a score function's arrays yet: refused
-    unless the function is constant (:func:`attnnb.mods.constant`)."""
-    from .._mod_compile import needs_array_gradients
+# the largest gradient buffers of a score function's arrays (a copy per key-tile block)
+MAX_GRADIENT_BYTES = 1 << 30
 
-    names = [] if problem.score_mod is None else needs_array_gradients(problem.score_mod)
-    if names:
+
+def gradient_buffers(problem, n_blocks: int) -> tuple:
+    """Zeroed float64 device buffers ``(n_blocks, *shape)`` for every array of the
+    ``mods`` argument (the backward's key-tile blocks each add into their own slot,
+    one thread in a fixed order: no atomics, the same bits from run to run); ``()``
+    when the score function's arrays take no gradient."""
+    if problem.score_mod is None or not compiled.needs_array_gradients(problem.score_mod):
+        return ()
+    shapes = [a.shape for a in _host_arrays(problem.score_mod, problem.mask_mod, (0, 0),
+                                            problem.q.shape[2], problem.k.shape[2],
+                                            np.float64)]
+    total = n_blocks * sum(int(np.prod(s, dtype=np.int64)) for s in shapes) * 8
+    if total > MAX_GRADIENT_BYTES:
         raise NotImplementedError(
-            f"gradients into score_mod arrays on the cuda backend: not yet ({', '.join(names)} "
-            "reads float arrays that take gradients); mark the mod constant with "
-            "attnnb.mods.constant(mod), or run the backward on the cpu backend")
+            f"gradients into score_mod {problem.score_mod.name!r}'s arrays on the cuda "
+            f"backend would take {total} bytes of buffers (a copy for each of {n_blocks} "
+            "blocks); mark the mod constant with attnnb.mods.constant(mod), or run the "
+            "backward on the cpu backend")
+    return tuple(cuda.to_device(np.zeros((n_blocks,) + tuple(s), np.float64)) for s in shapes)
 
 
-def constant_gradients(score_mod) -> tuple:
-    """The sixth result of a backward with a constant score function: None for each of
-    its parameters."""
-    return (None,) * len(parameters(score_mod))
+def parameter_gradients(problem, buffers: tuple) -> tuple:
+    """The score function's parameters' gradients (the sixth result of a backward): its
+    blocks' buffers summed in block order, or None for each parameter of a constant
+    function (or one of no work: zeros)."""
+    n = compiled.arity(problem.score_mod)
+    if not buffers:
+        Lq, Lk = problem.q.shape[2], problem.k.shape[2]
+        grads = compiled.zero_grads(compiled.bind(problem.score_mod, Lq, Lk))
+    else:
+        grads = tuple(b.copy_to_host().sum(axis=0) for b in buffers[1:1 + n])
+    return compiled.param_grads(problem.score_mod, grads)

@@ -90,11 +90,12 @@ from .._bias_chunks import bias_chunks, chunked_vjp
 from .._checks import is_device_array
 from .._codes import NORMALIZER_CODES, RELU_EXPM1, SOFTMAX, SOFTMAX1
 from .._device import device_view
+from .._mod_compile import sum_param_grads
 from ..patterns import BlockLayout
 from ._arrays import device_problem
 from ._dropout import column_word, kept, kernel_dropout, row_key
 from ._micro import ALIGN, I64, U32, Tiling, micro_functions, tiled_kernel, tiling_for
-from ._mods import constant_gradients, device_mods, refuse_array_gradients
+from ._mods import device_mods, gradient_buffers, parameter_gradients
 from ._tiles import cached_kernel, device_functions, key_tiles_seen
 
 ROW_THREADS = 128  # threads per block of the one-thread-per-element helper kernels
@@ -539,7 +540,9 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
     col_full``: the tile lists read by key tile), then ``need_dbias``,
     ``dk``, ``dv``, ``dbias (B, H, Lq, Lk)`` (or a placeholder) and
     ``dlogks (B, Hk, Lk)`` (per key head; added to: zeros on entry but for a
-    pair's second stream) and ``mods``.  Grid ``(B * Hk, key tiles)``.  ``variant`` as
+    pair's second stream), ``mods`` and ``mod_grads`` (a score function's gradient
+    buffers, a slot per block: :func:`attnnb.cuda._mods.gradient_buffers`; ``()``
+    without).  Grid ``(B * Hk, key tiles)``.  ``variant`` as
     :func:`build_dq`; ``"stream1"`` adds its ``dV``, bias and key-size
     gradients to those ``"stream0"`` wrote.  Laid out as
     :func:`key_tile_layout` says.
@@ -571,6 +574,22 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
     HS, HOFF, _ = pair_stream(S_, variant)
     CLIPPED = variant.startswith("clipped")
     ADD = HOFF == 1  # the pair's second stream adds to dV and the bias gradient
+    MOD_GRADS = mods is not None and mods.agrad is not None
+    mod_agrad = mods.agrad if MOD_GRADS else None
+    mod_views = mods.views if MOD_GRADS else None
+
+    @cuda.jit(device=True)
+    def add_array_gradients(G, R, b, h, i0, j0, nq, nk, grads, mods):
+        """The score function's array gradients of a tile, ``G``: its logit gradients,
+        ``R``: its raw logits (row-major ``BQ x BK``), one thread in order into this
+        block's ``grads``."""
+        bb = b + mods[0][0]
+        hh = h + mods[0][1]
+        for r in range(nq):
+            for c in range(nk):
+                x = U32(r) * U32(BK) + U32(c)
+                if G[x] != ZERO:
+                    mod_agrad(G[x], R[x], bb, hh, i0 + r, j0 + c, grads, mods)
 
     @cuda.jit(device=True)
     def store_rows(X, A, row0, key0):
@@ -582,7 +601,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
     def dkdv_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
                     normalizer, rowv, thr_a, cut_a, selected, rectified, clip, p_heads, indptr,
                     indices, csr, seed_lo, seed_hi, batch0, head0, threshold, keep, col_ptr,
-                    col_qt, col_full, need_dbias, dk, dv, dbias, dlogks, mods):
+                    col_qt, col_full, need_dbias, dk, dv, dbias, dlogks, mods, mod_grads):
         Lq, Lk = q.shape[2], k.shape[2]
         diag = Lk - Lq if causal else Lk
         csr = CSR  # the variant's constants (the arguments only say the same)
@@ -606,6 +625,8 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
         S1, S2, F, dP, rv, thr, cutr = pair_registers()
         keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
         R = cuda.local.array(N_S, nt)  # a score function's raw logits
+        if MOD_GRADS:  # this block's slot of the gradient buffers
+            block_grads = mod_views(mod_grads, cuda.blockIdx.x * cuda.gridDim.y + kt)
         part, _ = row_zeros()  # the first sweep's sums: not needed here
         K1, K2 = dk_zeros()  # dK of each stream
         V1, _ = dv_zeros()
@@ -647,6 +668,13 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
                             if ADD:
                                 y += dbias[b, h, i0 + row0 + r, j0 + key0 + c]
                             dbias[b, h, i0 + row0 + r, j0 + key0 + c] = y
+                if MOD_GRADS:  # dSb and X are free until the products' staging
+                    store_rows(S1, dSb, row0, key0)
+                    store_rows(R, X, row0, key0)
+                    cuda.syncthreads()
+                    if t == 0:
+                        add_array_gradients(dSb, X, b, h, i0, j0, nq, nk, block_grads, mods)
+                    cuda.syncthreads()
                 # (the bias and key sizes come after the score function: theirs is ds)
                 slope_tile(S1, R, i0, row0, j0, key0, Lq, Lk, b, h, mods)
                 cuda.syncthreads()  # the transposed tiles and the tile mask are read
@@ -814,7 +842,8 @@ def sum_to(x, shape, dtype):
 
 def _variant_kernel(name, build, dtype, tiling, variant, dropout, mods):
     label = (f"{name}-{variant}" + ("-dropout" if dropout else "")
-             + ("" if mods is None else "-" + mods.tag))
+             + ("" if mods is None else "-" + mods.tag)
+             + ("-grads" if mods is not None and mods.agrad is not None else ""))
     return tiled_kernel(label, lambda dt, t: build(dt, t, variant, dropout, mods), dtype,
                         tiling)
 
@@ -869,8 +898,11 @@ def _finish(a, *results):
 
 
 def _sweep(problem, a, streams, rowv, dout, pattern=None, selection=None, rectified=False,
-           need_dbias=False, stream=None, grads=None, clip=None):
+           need_dbias=False, stream=None, grads=None, clip=None, mod_grads=()):
     """Launch both kernels; returns device ``(dq, dk, dv, dbias_full, dlogks_per_head)``.
+
+    ``mod_grads``: the score function's gradient buffers, a slot per key-tile block
+    (:func:`key_tile_blocks`), added to.
 
     ``stream`` (0 or 1): one stream of a differential pair, through the one-stream
     kernels (``streams = 1``), into ``grads`` (what stream 0's call returned) for
@@ -914,7 +946,7 @@ def _sweep(problem, a, streams, rowv, dout, pattern=None, selection=None, rectif
     dq_kernel(dt, t_dq, variant, dropping, mods)[(B * H, n_qt), t_dq.threads](
         *common, *rows, dq, a.mods)
     dkdv_kernel(dt, t_kv, variant, dropping, mods)[(B * Hk, n_kt), t_kv.threads](
-        *common, *cols, need_dbias, dk, dv, dbias, dlogks, a.mods)
+        *common, *cols, need_dbias, dk, dv, dbias, dlogks, a.mods, mod_grads)
     return dq, dk, dv, dbias, dlogks
 
 
@@ -967,23 +999,39 @@ def _in_chunks(problem, per_row, dbias_shape, run, streams=1):
 
 
 def _single(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_k=None):
-    """Gradients of one stream (dense, sparse or top-k); the interface's 5-tuple."""
+    """Gradients of one stream (dense, sparse or top-k); the interface's 5-tuple, and
+    the score function's parameters' gradients sixth when there is one."""
     if dbias_shape is not None:  # (sparse and top-k take no bias)
-        chunked = _in_chunks(problem, (out, lse, dout, dlse), dbias_shape, _single_piece)
+        mod_parts = []
+
+        def piece(*args):
+            grads = _single_piece(*args)
+            mod_parts.extend(grads[5:])
+            return grads[:5]
+
+        chunked = _in_chunks(problem, (out, lse, dout, dlse), dbias_shape, piece)
         if chunked is not None:
-            return chunked
+            return chunked + ((sum_param_grads(mod_parts),) if mod_parts else ())
     return _single_piece(problem, out, lse, dout, dlse, dbias_shape, pattern, top_k)
+
+
+def key_tile_blocks(problem, dtype) -> int:
+    """The blocks of the key-tile kernel of a one-stream problem (``B * Hk`` times its
+    key tiles)."""
+    B, _, Hk, _, Lk, D, Dv = problem.shape
+    return B * Hk * -(-Lk // backward_tiling(dtype, D, Dv, 1, "dkdv").bk)
 
 
 def _single_piece(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_k=None):
     """:func:`_single` with the bias gradient formed full size, in one piece."""
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
     a = device_problem(problem, runs_mods=pattern is None and top_k is None)
-    if problem.score_mod is not None:
-        refuse_array_gradients(problem)
     dt = a.dtype
+    mod_grads = () if problem.score_mod is None else gradient_buffers(
+        problem, key_tile_blocks(problem, dt))
+    tail = () if problem.score_mod is None else (parameter_gradients(problem, ()),)
     if not (B * Hq and Lq and Lk):
-        return _zeros(problem, dt, dbias_shape)
+        return _zeros(problem, dt, dbias_shape) + tail
     selection = None
     if top_k is not None:  # the forward's own kernel makes the selection again
         from .topk import topk_selection
@@ -997,13 +1045,16 @@ def _single_piece(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_
         _on_device(out), dout, _on_device(lse), dlse_d if dlse is not None else rowv,
         dlse is not None, NORMALIZER_CODES[problem.normalizer], rowv)
     dq, dk, dv, dbias, dlogks = _sweep(problem, a, 1, rowv, dout, pattern=pattern,
-                                       selection=selection, need_dbias=dbias_shape is not None)
+                                       selection=selection, need_dbias=dbias_shape is not None,
+                                       mod_grads=mod_grads)
+    if mod_grads:
+        tail = (parameter_gradients(problem, mod_grads),)
     dbias = None if dbias_shape is None else sum_to(dbias, dbias_shape, dt)
     dlks = None
     if a.has_ks:
         dlks = sum_to(dlogks.reshape((B, dlogks.shape[1], 1, Lk)), (B, 1, 1, Lk),
                       dt).reshape((B, Lk))
-    return _finish(a, dq, dk, dv, dbias, dlks)
+    return _finish(a, dq, dk, dv, dbias, dlks) + tail
 
 
 def attention_vjp(problem, out, lse, dout, dlse=None, dbias_shape=None):
@@ -1017,13 +1068,11 @@ def attention_vjp(problem, out, lse, dout, dlse=None, dbias_shape=None):
     pass :data:`~attnnb._bias_chunks.CHUNK_BYTES`, chunk by chunk of batch
     elements or key heads instead (:mod:`attnnb._bias_chunks`), the chunks'
     gradients gathered on the host and, for a device problem, copied back.  A
-    score function's arrays take no gradient here: the sixth result is None for
-    each (refused unless the function is constant).
+    score function's arrays' gradients come sixth (host arrays): each key-tile
+    block adds its pairs' into a slot of its own, one thread in order, and the
+    slots are summed in order (:func:`attnnb.cuda._mods.gradient_buffers`).
     """
-    grads = _single(problem, out, lse, dout, dlse, dbias_shape)
-    if problem.score_mod is None:
-        return grads
-    return grads + (constant_gradients(problem.score_mod),)
+    return _single(problem, out, lse, dout, dlse, dbias_shape)
 
 
 def sparse_attention_vjp(problem, pattern, out, lse, dout, dlse=None):
@@ -1137,7 +1186,8 @@ def ptx_signatures():
 
     def dkdv_types(ty):
         arr4 = ty[:, :, :, ::1]
-        return common(ty) + (b_, arr4, arr4, arr4, ty[:, :, ::1], types.Tuple(()))
+        return common(ty) + (b_, arr4, arr4, arr4, ty[:, :, ::1], types.Tuple(()),
+                             types.Tuple(()))
 
     cases = []
     for label, build, argtypes in (("dq", build_dq, dq_types), ("dkdv", build_dkdv, dkdv_types)):

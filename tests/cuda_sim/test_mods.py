@@ -101,15 +101,48 @@ def test_cuda_mods_see_the_calls_batch_indices(rng, monkeypatch):
         np.testing.assert_allclose(g[name], r[name], rtol=1e-11, atol=1e-12, err_msg=name)
 
 
-def test_cuda_refuses_gradients_into_score_arrays(rng):
-    """A learnable ALiBi's slopes would get no gradient: refused by name, before any
-    kernel runs; the forward runs."""
-    q, k, v = _problem(rng, np.float64, B=1)
-    alibi = mods.alibi(np.array([0.5, 0.25]))
-    attnnb.attention(q, k, v, score_mod=alibi, backend="cuda")
-    out, pb = attnnb.vjp(attnnb.attention, q, k, v, score_mod=alibi, backend="cuda")
-    with pytest.raises(NotImplementedError, match="alibi.*mods.constant"):
-        pb(np.ones_like(out))
+def _key_shift(s, b, h, i, j, shift):
+    return s + shift[h, j]
+
+
+def _key_shift_da(g, s, b, h, i, j, grads, shift):
+    grads[0][h, j] += g
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_cuda_score_array_gradients_equal_the_reference(rng, dtype):
+    """Gradients into learnable arrays (ALiBi's slopes, T5's table, a user's per-head
+    key shift with its grad_arrays, the forgetting gates) against the float64 reference,
+    the same bits on a second run; GQA, Lq != Lk, a bias among them."""
+    q, k, v = _problem(rng, dtype)
+    lq, lk = q.shape[2], k.shape[2]
+    score = (mods.alibi(rng.standard_normal(2)) + mods.relative_bias(
+        rng.standard_normal((6, 2)), 6, 8, True)
+        + mods.score_mod(_key_shift, rng.standard_normal((2, lk)),
+                         grad_arrays=_key_shift_da)
+        + mods.forgetting(-np.abs(rng.standard_normal((2, lk)))))
+    kw = dict(score_mod=score, mask_mod=mods.causal, bias=rng.standard_normal((lq, lk)))
+    dout = rng.standard_normal((2, 2, lq, 3))
+    runs = []
+    for _ in range(2):
+        out, pb = attnnb.vjp(attnnb.attention, q, k, v, backend="cuda", **kw)
+        runs.append(pb(dout.astype(dtype)))
+    _, pb_ref = attnnb.vjp(attnnb.attention, *(x.astype(np.float64) for x in (q, k, v)),
+                           backend="reference", **kw)
+    ref = pb_ref(dout)
+    tol = 20 * TOL[dtype]
+    for name in ("q", "k", "v", "bias"):
+        np.testing.assert_allclose(runs[0][name], ref[name], rtol=0,
+                                   atol=tol * np.abs(ref[name]).max(), err_msg=name)
+    assert len(runs[0]["score_mod"]) == len(ref["score_mod"]) == len(mods.parameters(score))
+    for p, (got, want, again) in enumerate(zip(runs[0]["score_mod"], ref["score_mod"],
+                                               runs[1]["score_mod"])):
+        if want is None:  # (a parameter of no gradient: an integer setting)
+            assert got is None and again is None
+            continue
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max(),
+                                   err_msg=f"parameter {p}")
+        np.testing.assert_array_equal(got, again)
 
 
 def test_cuda_refuses_mods_beyond_attention(rng):
