@@ -4,7 +4,7 @@ A mod is a Python object, which an operator schema cannot carry, so these
 calls do not go through the ``attnnb::`` operators: a
 ``torch.autograd.Function`` runs :func:`attnnb.vjp` on NumPy views of the
 CPU tensors and keeps its pullback for the backward.  Gradients reach
-``q``, ``k``, ``v``, ``bias``, ``key_size``, ``sinks`` and every floating
+``q``, ``k``, ``v``, ``bias``, ``key_size``, ``sinks``, ``lam`` and every floating
 torch tensor among the score function's parameters (the arrays given to
 :func:`attnnb.mods.score_mod` or a built-in: ALiBi's slopes, T5's table, the
 forgetting gates).  ``torch.compile`` breaks the graph at such a call.
@@ -18,7 +18,12 @@ import torch
 from .mods import detached, parameters
 from .vjp import vjp
 
-_GRADIENTS = ("q", "k", "v", "bias", "key_size", "sinks")
+_GRADIENTS = ("q", "k", "v", "bias", "key_size", "sinks", "lam")
+_POSITIONAL = ("q", "k", "v", "lam")  # (``positional`` hands them to the function)
+
+
+def _tensor(x):
+    return torch.from_numpy(np.ascontiguousarray(x))
 
 
 def _numpy(t):
@@ -32,19 +37,18 @@ class _ModCall(torch.autograd.Function):
     def forward(ctx, call, *tensors):
         named = dict(zip(call["names"], tensors[:len(call["names"])]))
         arrays = {n: _numpy(t) for n, t in named.items()}
-        (out, lse), pullback = vjp(call["function"], *call["positional"](arrays), **{
-            n: a for n, a in arrays.items() if n not in ("q", "k", "v")}, **call["static"],
-            return_lse=True)
+        result, pullback = vjp(call["function"], *call["positional"](arrays), **{
+            n: a for n, a in arrays.items() if n not in _POSITIONAL}, **call["static"])
         ctx.pullback = pullback
         ctx.call = call
-        return torch.from_numpy(np.ascontiguousarray(out)), torch.from_numpy(
-            np.ascontiguousarray(lse))
+        return tuple(_tensor(x) for x in result) if call["lse"] else _tensor(result)
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse=None):
         call = ctx.call
-        grads = ctx.pullback(np.zeros(dout.shape) if dout is None else dout.numpy(),
-                             None if dlse is None else dlse.numpy())
+        dout = np.zeros(dout.shape) if dout is None else dout.numpy()
+        grads = (ctx.pullback(dout, None if dlse is None else dlse.numpy()) if call["lse"]
+                 else ctx.pullback(dout))
         result = [None]  # for ``call``
         for name in call["names"]:
             g = grads.get(name) if name in _GRADIENTS else None
@@ -56,13 +60,14 @@ class _ModCall(torch.autograd.Function):
         return tuple(result)
 
 
-def call(function, positional, named: dict, static: dict, score_mod) -> tuple:
+def call(function, positional, named: dict, static: dict, score_mod, lse: bool = True):
     """``function`` (an attnnb NumPy function) on tensors with mods, differentiable.
 
     Parameters
     ----------
     function : callable
-        :func:`attnnb.attention` or :func:`attnnb.sparse_attention`.
+        :func:`attnnb.attention`, :func:`attnnb.sparse_attention`,
+        :func:`attnnb.topk_attention` or (``lse=False``) :func:`attnnb.diff_attention`.
     positional : callable
         ``positional(arrays) -> tuple``: its positional arguments from the NumPy
         arrays by name (``q, k, v`` and, for sparse attention, the pattern).
@@ -73,10 +78,12 @@ def call(function, positional, named: dict, static: dict, score_mod) -> tuple:
         The other keyword arguments, ``mask_mod`` and ``score_mod`` among them.
     score_mod : :class:`attnnb.mods.ScoreMod` or None
         Its floating torch-tensor parameters join the differentiable inputs.
+    lse : bool
+        Whether ``function`` has an LSE (every one but differential attention).
 
     Returns
     -------
-    ``(out, lse)``, tensors in the compute dtype.
+    ``(out, lse)``, tensors in the compute dtype; ``out`` alone without ``lse``.
     """
     given = {n: t for n, t in named.items() if t is not None}
     for name, t in given.items():
@@ -91,11 +98,9 @@ def call(function, positional, named: dict, static: dict, score_mod) -> tuple:
     if not (torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)):
         arrays = {n: _numpy(t) for n, t in given.items()}
-        out, lse = function(*positional(arrays), **{
-            n: a for n, a in arrays.items() if n not in ("q", "k", "v")}, **static,
-            return_lse=True)
-        return torch.from_numpy(np.ascontiguousarray(out)), torch.from_numpy(
-            np.ascontiguousarray(lse))
+        result = function(*positional(arrays), **{
+            n: a for n, a in arrays.items() if n not in _POSITIONAL}, **static)
+        return tuple(_tensor(x) for x in result) if lse else _tensor(result)
     spec = {"function": function, "positional": positional, "names": tuple(given),
-            "static": static, "param_index": index}
+            "static": static, "param_index": index, "lse": lse}
     return _ModCall.apply(spec, *inputs)

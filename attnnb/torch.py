@@ -458,14 +458,17 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 
-def _with_mods(function, positional, named, static, mask_mod, score_mod):
-    """A call with mask or score functions (:mod:`attnnb._torch_mods`)."""
+def _with_mods(function, positional, named, static, mask_mod, score_mod, lse=True):
+    """A call with mask or score functions (:mod:`attnnb._torch_mods`); ``lse``: the
+    function has one (it is returned, with the output)."""
     from . import _torch_mods
     from .mods import as_mask_mod, as_score_mod
 
     mask_mod, score_mod = as_mask_mod(mask_mod), as_score_mod(score_mod)
-    return _torch_mods.call(function, positional, named,
-                            dict(static, mask_mod=mask_mod, score_mod=score_mod), score_mod)
+    static = dict(static, mask_mod=mask_mod, score_mod=score_mod)
+    if lse:
+        static["return_lse"] = True
+    return _torch_mods.call(function, positional, named, static, score_mod, lse)
 
 
 def _pattern_tensors(pattern) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -512,42 +515,61 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, dropout_p=0.0, seed=None, sinks=None, backend=None):
+                   return_lse=False, dropout_p=0.0, seed=None, sinks=None, mask_mod=None,
+                   score_mod=None, backend=None):
     """:func:`attnnb.topk_attention` on tensors, differentiable in q, k, v, key_size, sinks.
 
     The selection (each row's ``top_k`` keys) is a constant of the
     gradient, as in :func:`attnnb.vjp`.  Parameters and results otherwise
-    as :func:`attention` here (dropout too).
+    as :func:`attention` here (dropout and mods too).
     """
     (q, k, v), result = _qkv(q, k, v)
     dropout_p, seed = _dropout_seed(dropout_p, seed)
     if isinstance(top_k, bool) or not hasattr(top_k, "__index__"):
         raise TypeError(f"top_k must be an integer; got {type(top_k).__name__} {top_k!r}")
+    top_k = int(top_k.__index__())
+    mask = _optional("mask", mask, q.device, floating=False)
+    key_size = _optional("key_size", key_size, q.device, floating=True)
+    sinks = _optional("sinks", sinks, q.device, floating=True)
+    if mask_mod is not None or score_mod is not None:
+        out, lse = _with_mods(_np_topk_attention, lambda a: (a["q"], a["k"], a["v"], top_k),
+                              dict(q=q, k=k, v=v, mask=mask, key_size=key_size, sinks=sinks),
+                              dict(causal=check_bool("causal", causal), scale=_scale(scale),
+                                   dropout_p=dropout_p, seed=seed, backend=_chosen(backend)),
+                              mask_mod, score_mod)
+        return _finish(out, lse, result, check_bool("return_lse", return_lse))
     out, lse = _OPS["topk_attention"](
-        q, k, v, int(top_k.__index__()), _optional("mask", mask, q.device, floating=False),
-        check_bool("causal", causal), _optional("key_size", key_size, q.device, floating=True),
-        _scale(scale), dropout_p, seed, _optional("sinks", sinks, q.device, floating=True),
-        _chosen(backend))
+        q, k, v, top_k, mask, check_bool("causal", causal), key_size, _scale(scale), dropout_p,
+        seed, sinks, _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 
 def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
-                   scale=None, mode="difference", dropout_p=0.0, seed=None, backend=None):
+                   scale=None, mode="difference", dropout_p=0.0, seed=None, mask_mod=None,
+                   score_mod=None, backend=None):
     """:func:`attnnb.diff_attention` on tensors, differentiable in q, k, v, lam, bias, key_size.
 
     ``lam`` may be a number (no gradient) or a tensor broadcastable to
     ``(*batch, H, Lq)``, e.g. the learned ``lambda_full`` of the Diff
     Transformer as a 0-d tensor.  Parameters and results otherwise as
-    :func:`attnnb.diff_attention` (dropout as in :func:`attention` here).
+    :func:`attnnb.diff_attention` (dropout and mods as in :func:`attention` here).
     """
     dropout_p, seed = _dropout_seed(dropout_p, seed)
     (q, k, v), result = _qkv(q, k, v)
     lam = _optional("lam", lam, q.device, floating=True)
+    mask = _optional("mask", mask, q.device, floating=False)
+    bias = _optional("bias", bias, q.device, floating=True)
+    key_size = _optional("key_size", key_size, q.device, floating=True)
+    if mask_mod is not None or score_mod is not None:
+        out = _with_mods(_np_diff_attention, lambda a: (a["q"], a["k"], a["v"], a["lam"]),
+                         dict(q=q, k=k, v=v, lam=lam, mask=mask, bias=bias, key_size=key_size),
+                         dict(causal=check_bool("causal", causal), scale=_scale(scale),
+                              mode=mode, dropout_p=dropout_p, seed=seed,
+                              backend=_chosen(backend)), mask_mod, score_mod, lse=False)
+        return out.to(result)
     out = _OPS["diff_attention"](
-        q, k, v, lam, _optional("mask", mask, q.device, floating=False),
-        _optional("bias", bias, q.device, floating=True),
-        _optional("key_size", key_size, q.device, floating=True),
-        check_bool("causal", causal), _scale(scale), mode, dropout_p, seed, _chosen(backend))
+        q, k, v, lam, mask, bias, key_size, check_bool("causal", causal), _scale(scale), mode,
+        dropout_p, seed, _chosen(backend))
     return out.to(result)
 
 

@@ -566,6 +566,47 @@ def test_torch_mod_tensors_get_gradients(backend):
     assert_close(table.grad.numpy(), grads["score_mod"][1], rtol=1e-12, what="table")
 
 
+def test_torch_topk_and_diff_attention_take_mods():
+    """attnnb.torch's top-k and differential attention with mods: attnnb's results and
+    every gradient (lam's and the slopes' too), through the autograd function."""
+    torch = pytest.importorskip("torch")
+    import attnnb.torch as at
+
+    rng = np.random.default_rng(18)
+    q, k, v = qkv(rng, batch=(1,), hq=4, hk=2, lq=9, lk=11, d=4, dv=3)
+    lam = rng.uniform(0.1, 0.5, (1, 2, 9))
+    slopes = rng.standard_normal(4)
+    window = mods.sliding_window(5)
+    calls = {
+        "topk": (lambda q, k, v, lam, s, f: f.topk_attention(
+            q, k, v, 4, mask_mod=window, score_mod=mods.alibi(s), backend="reference"),
+            (q, k, v), dict(q=0, k=1, v=2)),
+        "diff": (lambda q, k, v, lam, s, f: f.diff_attention(
+            q, k, v, lam, mask_mod=window, score_mod=mods.alibi(s[:2]), backend="reference"),
+            (q, k, v[:, :1]), dict(q=0, k=1, v=2, lam=3)),
+    }
+    for name, (run, (qq, kk, vv), wanted) in calls.items():
+        tensors = [torch.tensor(x, requires_grad=True) for x in (qq, kk, vv, lam, slopes)]
+        out = run(*tensors, at)
+        cot = rng.standard_normal(tuple(out.shape))
+        (out * torch.tensor(cot)).sum().backward()
+        fn = attnnb.topk_attention if name == "topk" else attnnb.diff_attention
+
+        def numpy_call(q, k, v, lam, s, fn=fn, name=name):
+            mod = mods.alibi(s if name == "topk" else s[:2])
+            args = (q, k, v, 4) if name == "topk" else (q, k, v, lam)
+            return attnnb.vjp(fn, *args, mask_mod=window, score_mod=mod, backend="reference")
+
+        expected, pullback = numpy_call(qq, kk, vv, lam, slopes)
+        grads = pullback(cot)
+        assert_close(out.detach().numpy(), expected, np.float64, what=name)
+        for arg, at_ in wanted.items():
+            assert_close(tensors[at_].grad.numpy(), grads[arg], np.float64, what=f"{name} {arg}")
+        slope_grad = tensors[4].grad.numpy()
+        want = grads["score_mod"][0]
+        assert_close(slope_grad[:want.size], want, np.float64, what=f"{name} slopes")
+
+
 def test_torch_gradcheck_and_the_numpy_api_refuses_a_grad_tensor():
     torch = pytest.importorskip("torch")
     import attnnb.torch as at
