@@ -19,26 +19,22 @@ from numba import cuda
 
 from .._device import compact
 from .._validate import lse_dtype
-from ._mods import mods_argument, refuse
+from ._mods import mods_argument
 
 
 def _placeholder(shape, dtype):
     return cuda.to_device(np.zeros(shape, dtype))
 
 
-def device_problem(problem, runs_mods: bool = False) -> SimpleNamespace:
+def device_problem(problem) -> SimpleNamespace:
     """Device arrays, flags and dtypes for a kernel launch.
 
     Returns a namespace with ``q, k, v`` (device), ``mask, bias`` (4-D,
     each axis of full length or 1), ``logks`` (``(B or 1, Lk or 1)``), the
     ``has_mask / has_bias / has_ks`` flags, ``dtype`` (compute), ``out_dtype``,
     ``lse_dtype``, ``on_device`` and ``mods`` (the mods' kernel argument,
-    :func:`attnnb.cuda._mods.mods_argument`).  ``runs_mods``: whether the
-    kernels run mask and score functions (where they do not, a problem with them is
-    refused).
+    :func:`attnnb.cuda._mods.mods_argument`).
     """
-    if not runs_mods:
-        refuse(problem)
     if problem.sinks is not None:  # the kernels would read softmax1, the sink 0: refuse
         raise NotImplementedError("sinks on the cuda backend: not yet (the reference and cpu "
                                   "backends have them)")

@@ -122,6 +122,12 @@ def set_micro_tiles(tiles: tuple[int, int, int, int] | None):
     return old
 
 
+def kernel_label(name: str, dropout: bool = False, mods=None) -> str:
+    """A kernel build's name: ``name``, ``-dropout``, and its mods' tag
+    (:class:`attnnb.cuda._mods.DeviceMods`), so that each build is cached apart."""
+    return name + ("-dropout" if dropout else "") + ("" if mods is None else "-" + mods.tag)
+
+
 def tiled_kernel(name: str, build, dtype, tiling: Tiling):
     """The compiled-on-first-launch kernel ``build(dtype, tiling)``, cached per
     ``(name, dtype, tiling)``."""

@@ -93,14 +93,6 @@ def ptx_mods(dtype, score_mod=None, mask_mod=None) -> tuple:
     return device_mods(problem), numba.typeof(arrays)
 
 
-def refuse(problem) -> None:
-    """Refuse mods where the cuda backend does not run them yet."""
-    if has_mods(problem):
-        raise NotImplementedError("mask_mod and score_mod on the cuda backend: attention only "
-                                  "for now (the reference and cpu backends run them with "
-                                  "every function)")
-
-
 # the largest gradient buffers of a score function's arrays (a copy per key-tile block)
 MAX_GRADIENT_BYTES = 1 << 30
 

@@ -13,7 +13,7 @@ from numba import cuda
 from .._codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
 from ._dropout import kernel_dropout
-from ._micro import micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._micro import kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
 from ._mods import device_mods
 from ._tiles import device_functions
 
@@ -87,15 +87,14 @@ def attention(problem):
     arrays in the compute dtype.
     """
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
-    a = device_problem(problem, runs_mods=True)
+    a = device_problem(problem)
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)
     if Lq and B * Hq:
         tiling = tiling_for(a.dtype, D, Dv)
         dropping = bool(problem.dropout_p)
         mods = device_mods(problem)
-        name = "dense" + ("-dropout" if dropping else "") + ("" if mods is None else "-" + mods.tag)
-        kernel = tiled_kernel(name, lambda dt, t: build_dense(dt, t, dropping, mods), a.dtype,
-                              tiling)
+        kernel = tiled_kernel(kernel_label("dense", dropping, mods),
+                              lambda dt, t: build_dense(dt, t, dropping, mods), a.dtype, tiling)
         grid = (B * Hq, (Lq + tiling.bq - 1) // tiling.bq)
         kernel[grid, tiling.threads](a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.has_bias,
                          a.mask, a.has_mask, a.logks, a.has_ks, problem.causal,

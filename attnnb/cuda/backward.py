@@ -94,8 +94,17 @@ from .._mod_compile import sum_param_grads
 from ..patterns import BlockLayout
 from ._arrays import device_problem
 from ._dropout import column_word, kept, kernel_dropout, row_key
-from ._micro import ALIGN, I64, U32, Tiling, micro_functions, tiled_kernel, tiling_for
-from ._mods import device_mods, gradient_buffers, parameter_gradients
+from ._micro import (
+    ALIGN,
+    I64,
+    U32,
+    Tiling,
+    kernel_label,
+    micro_functions,
+    tiled_kernel,
+    tiling_for,
+)
+from ._mods import device_mods, gradient_buffers, has_mods, parameter_gradients
 from ._tiles import cached_kernel, device_functions, key_tiles_seen
 
 ROW_THREADS = 128  # threads per block of the one-thread-per-element helper kernels
@@ -366,13 +375,13 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
         if STREAMS == 2:
             tile_scores(Q2, K2, row0, key0, S2)
         dscores(Ot, Vt, row0, key0, dP)
-        if partial:
-            apply_tile_mask(S1, Mt, row0, key0)
         if SCORE_FN:
             for x in range(N_S):
                 R[x] = S1[x]
         modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                     has_mask, logks, has_ks, normalizer if STREAMS == 1 else SOFTMAX, mods)
+        if partial:  # after the score function, which may map -inf to a number
+            apply_tile_mask(S1, Mt, row0, key0)
         if STREAMS == 1:
             single(S1, F, dP, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
                    clipped, clip_row, words, keys, drop[4], drop[5])
@@ -484,13 +493,13 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
                                Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
                                normalizer, keys, (seed_lo, seed_hi, batch0, head0, threshold, keep),
                                mods, R)
-                slope_tile(S1, R, i0, row0, j0, key0, Lq, Lk, b, h, mods)
                 if PAIR and not last:  # delta 0 and ratio 1: S holds A dP
                     for r in range(TM):
                         for c in range(TN):
                             part1[r] += S1[r * TN + c]
                 cuda.syncthreads()  # the key tiles and the tile mask are read
                 if last:
+                    slope_tile(S1, R, i0, row0, j0, key0, Lq, Lk, b, h, mods)
                     store_tile(S1, dSt, row0, key0)
                     if S_ == 2:
                         store_tile(S2, dSt[N_DS:], row0, key0)
@@ -841,8 +850,7 @@ def sum_to(x, shape, dtype):
 
 
 def _variant_kernel(name, build, dtype, tiling, variant, dropout, mods):
-    label = (f"{name}-{variant}" + ("-dropout" if dropout else "")
-             + ("" if mods is None else "-" + mods.tag)
+    label = (kernel_label(f"{name}-{variant}", dropout, mods)
              + ("-grads" if mods is not None and mods.agrad is not None else ""))
     return tiled_kernel(label, lambda dt, t: build(dt, t, variant, dropout, mods), dtype,
                         tiling)
@@ -1025,7 +1033,7 @@ def key_tile_blocks(problem, dtype) -> int:
 def _single_piece(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_k=None):
     """:func:`_single` with the bias gradient formed full size, in one piece."""
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
-    a = device_problem(problem, runs_mods=pattern is None and top_k is None)
+    a = device_problem(problem)
     dt = a.dtype
     mod_grads = () if problem.score_mod is None else gradient_buffers(
         problem, key_tile_blocks(problem, dt))
@@ -1104,11 +1112,16 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     if dbias_shape is not None:
         B, H2, _, Lq = problem.shape[:4]
         lam_rows = np.broadcast_to(_host(lam), (B, H2 // 2, Lq))
-        chunked = _in_chunks(problem, (lam_rows, out, dout), dbias_shape,
-                             lambda part, lam_c, *rest: _diff_piece(part, lam_c, mode, *rest),
-                             streams=2)
+        mod_parts = []
+
+        def piece(part, lam_c, *rest):
+            grads = _diff_piece(part, lam_c, mode, *rest)
+            mod_parts.extend(grads[6:])
+            return grads[:6]
+
+        chunked = _in_chunks(problem, (lam_rows, out, dout), dbias_shape, piece, streams=2)
         if chunked is not None:
-            return chunked
+            return chunked + ((sum_param_grads(mod_parts),) if mod_parts else ())
     return _diff_piece(problem, lam, mode, out, dout, dbias_shape)
 
 
@@ -1122,8 +1135,11 @@ def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
     lam_h = _host(lam)
     a = device_problem(problem)
     dt = a.dtype
+    mod_grads = () if problem.score_mod is None else gradient_buffers(
+        problem, key_tile_blocks(problem, dt))
+    tail = () if problem.score_mod is None else (parameter_gradients(problem, ()),)
     if not (B * H and Lq and Lk):
-        return _zeros(problem, dt, dbias_shape, extra=[(B, H, Lq)])
+        return _zeros(problem, dt, dbias_shape, extra=[(B, H, Lq)]) + tail
     host_rows = np.zeros((B, H, 5, Lq), dt)
     host_rows[:, :, 4] = np.broadcast_to(lam_h, (B, H, Lq))
     rowv = cuda.to_device(host_rows)
@@ -1131,8 +1147,13 @@ def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
     rectified = DIFF_MODE_CODES[mode] == RECTIFIED
     # (the kernels index the clip's words with 32 bits: past 2**32 words, 16 GiB, the
     # two-stream kernels, which form the clip themselves, take the problem)
-    two_streams = (RECTIFIED_TWO_STREAMS or B * H * Lq * -(-Lk // 32) >= 2**32 if rectified
-                   else DIFFERENCE_TWO_STREAMS)
+    huge = B * H * Lq * -(-Lk // 32) >= 2**32
+    two_streams = (RECTIFIED_TWO_STREAMS or huge if rectified else DIFFERENCE_TWO_STREAMS)
+    if two_streams and has_mods(problem):  # the functions run in the pair streams only
+        if rectified and huge:
+            raise NotImplementedError("mask and score functions in a rectified backward "
+                                      "past 2**32 clip words on the cuda backend: not yet")
+        two_streams = False
     # the rectified pair streams read the clip the forward's clip build writes
     clip = clip_words(B, H, Lq, Lk) if rectified and not two_streams else None
     diff_forward(problem, cuda.to_device(np.ascontiguousarray(host_rows[:, :, 4])), mode, a,
@@ -1149,7 +1170,7 @@ def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
         for c in range(2):
             _helper("pair_rows", build_pair_rows, dt)[grid, threads](rowv, c, rows)
             grads = _sweep(problem, a, 1, rows, dout, need_dbias=need_dbias, stream=c,
-                           grads=grads, clip=clip)
+                           grads=grads, clip=clip, mod_grads=mod_grads)
         dq, dk, dv, dbias, dlogks = grads
         e_rows, e_row = rows, 2
     dlam = cuda.device_array((B, H, Lq), dt)
@@ -1159,7 +1180,9 @@ def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
     if a.has_ks:
         dlks = sum_to(dlogks.reshape((B, dlogks.shape[1], 1, Lk)), (B, 1, 1, Lk),
                       dt).reshape((B, Lk))
-    return _finish(a, dq, dk, dv, dbias, dlks, dlam)
+    if mod_grads:
+        tail = (parameter_gradients(problem, mod_grads),)
+    return _finish(a, dq, dk, dv, dbias, dlks, dlam) + tail
 
 
 def ptx_signatures():

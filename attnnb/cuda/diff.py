@@ -33,11 +33,12 @@ from numba import cuda
 
 from .._codes import DIFF_MODE_CODES, RECTIFIED, SOFTMAX
 from ._arrays import device_problem, finish
-from ._micro import ALIGN, U32, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._micro import ALIGN, U32, kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._mods import device_mods
 from ._tiles import device_functions
 
 
-def build_diff(dtype, tiling, clip_bits=False):
+def build_diff(dtype, tiling, clip_bits=False, mods=None):
     """The differential kernel for one compute dtype and :class:`~attnnb.cuda._micro.Tiling`
     (``streams=2``; not compiled yet; launch with ``tiling.threads`` threads per block).
 
@@ -45,7 +46,8 @@ def build_diff(dtype, tiling, clip_bits=False):
     ``v (B, Hk, Lk, Dv)``, ``lam (B, H, Lq)``, ``scale``, ``bias`` / ``mask``
     (4-D over pairs, each axis full or 1) with flags, ``logks`` with its flag,
     ``causal``, the mode code, ``out (B, H, Lq, Dv)``, ``lses (B, H, 2, Lq)``
-    (both streams' LSEs, which the backward reuses) and ``clip``.
+    (both streams' LSEs, which the backward reuses), ``clip`` and ``mods`` (mask and
+    score functions on both streams, ``h`` the pair's index; as the dense kernel's).
 
     ``clip_bits``: the rectified backward's build.  Pass 2 also sets the clip
     of every weight it forms,
@@ -54,7 +56,7 @@ def build_diff(dtype, tiling, clip_bits=False):
     sharing a word OR their bits in, so the word is the same whatever their
     order).  The other build ignores ``clip``.
     """
-    f = micro_functions(np.dtype(dtype), tiling)
+    f = micro_functions(np.dtype(dtype), tiling, mods)
     nt, TM, TN, TO, N_S, N_O, BQ, BK = f.nt, f.TM, f.TN, f.TO, f.N_S, f.N_O, f.BQ, f.BK
     N_ALL, N_QS, N_KS, DV = f.N_ALL, f.N_QS, f.N_KS, f.DV
     t_ = device_functions(np.dtype(dtype))
@@ -72,7 +74,7 @@ def build_diff(dtype, tiling, clip_bits=False):
 
     @cuda.jit(device=True)
     def pair_scores(Qt, KV, k1h, k2h, j0, nk, row0, key0, S1, S2, F, i0, Lq, Lk, diag, b, h,
-                    bias, has_bias, mask, has_mask, logks, has_ks):
+                    bias, has_bias, mask, has_mask, logks, has_ks, mods):
         """Stage both components' key tiles at ``j0``; both modified logit micro-tiles
         (``-inf`` outside the allowed set; ``F``: scratch for the unused factors).  Every
         thread must call it; a barrier must follow before ``KV`` is staged again."""
@@ -81,10 +83,10 @@ def build_diff(dtype, tiling, clip_bits=False):
         cuda.syncthreads()
         tile_scores(Qt, KV, row0, key0, S1)
         modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                    has_mask, logks, has_ks, SOFTMAX, ())
+                    has_mask, logks, has_ks, SOFTMAX, mods)
         tile_scores(Qt[N_QS:], KV[N_KS:], row0, key0, S2)
         modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                    has_mask, logks, has_ks, SOFTMAX, ())
+                    has_mask, logks, has_ks, SOFTMAX, mods)
 
     @cuda.jit(device=True)
     def sweep_max(S, part, m, l, alpha, Pt, red, rows, t, row0, key0):
@@ -132,7 +134,7 @@ def build_diff(dtype, tiling, clip_bits=False):
                 cuda.atomic.or_(clip, word + (j >> U32(5)), bits << (j & U32(31)))
 
     def diff_attention_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks,
-                              has_ks, causal, mode, out, lses, clip):
+                              has_ks, causal, mode, out, lses, clip, mods):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1] // 2, k.shape[1] // 2, 0)
         smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
@@ -162,7 +164,7 @@ def build_diff(dtype, tiling, clip_bits=False):
         for tile in range(last):
             pair_scores(Qt, KV, k1h, k2h, tile * BK, min(BK, Lk - tile * BK), row0, key0,
                         S1, S2, F, i0, Lq, Lk, diag, b, h, bias, has_bias, mask, has_mask, logks,
-                        has_ks)
+                        has_ks, mods)
             sweep_max(S1, part, m1, l1, alpha, Pt, red, rows, t, row0, key0)
             sweep_max(S2, part, m2, l2, alpha, Pt, red, rows, t, row0, key0)  # ends: barrier
         stream_lse(m1, l1, part, red, rows, t, row0, key0)
@@ -186,7 +188,7 @@ def build_diff(dtype, tiling, clip_bits=False):
             j0 = tile * BK
             nk = min(BK, Lk - j0)
             pair_scores(Qt, KV, k1h, k2h, j0, nk, row0, key0, S1, S2, F, i0, Lq, Lk, diag, b,
-                        h, bias, has_bias, mask, has_mask, logks, has_ks)
+                        h, bias, has_bias, mask, has_mask, logks, has_ks, mods)
             normalise(S1, m1)
             normalise(S2, m2)
             # Pt is free: a barrier ended
@@ -245,18 +247,17 @@ def diff_forward(problem, lam, mode, a=None, lses=None, clip=None):
         lses = cuda.device_array((B, H, 2, Lq), a.dtype)
     if Lq and B * H:
         tiling = tiling_for(a.dtype, D, Dv, streams=2)
-        if clip is None:
-            kernel = tiled_kernel("diff", build_diff, a.dtype, tiling)
-            clip = cuda.device_array(1, np.uint32)
-        else:
-            kernel = tiled_kernel("diff-clip", build_clip, a.dtype, tiling)
-            clip = clip.reshape(clip.size)
+        mods = device_mods(problem)
+        bits = clip is not None
+        kernel = tiled_kernel(kernel_label("diff-clip" if bits else "diff", False, mods),
+                              lambda dt, t: build_diff(dt, t, bits, mods), a.dtype, tiling)
+        clip = clip.reshape(clip.size) if bits else cuda.device_array(1, np.uint32)
         lam_d = lam if hasattr(lam, "copy_to_host") else cuda.to_device(
             np.ascontiguousarray(lam))
         kernel[(B * H, (Lq + tiling.bq - 1) // tiling.bq), tiling.threads](
             a.q, a.k, a.v, lam_d, a.dtype.type(problem.scale), a.bias, a.has_bias, a.mask,
             a.has_mask, a.logks, a.has_ks, problem.causal, DIFF_MODE_CODES[mode], out, lses,
-            clip)
+            clip, a.mods)
     return out, lses
 
 
@@ -297,7 +298,7 @@ def ptx_signatures():
         arr4 = ty[:, :, :, ::1]
         return (arr4, arr4, arr4, ty[:, :, ::1], ty, arr4, types.boolean,
                 types.boolean[:, :, :, ::1], types.boolean, ty[:, ::1], types.boolean,
-                types.boolean, types.int64, arr4, arr4, types.uint32[::1])
+                types.boolean, types.int64, arr4, arr4, types.uint32[::1], types.Tuple(()))
 
     return (ptx_cases("diff", build_diff, argtypes, 64, 128, streams=2)
             + ptx_cases("diff clip", build_clip, argtypes, 64, 128, streams=2))

@@ -18,11 +18,12 @@ from numba import cuda
 from .._codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
 from ._dropout import kernel_dropout
-from ._micro import micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._micro import kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._mods import device_mods
 from ._tiles import device_functions
 
 
-def build_sparse(dtype, tiling, dropout=False):
+def build_sparse(dtype, tiling, dropout=False, mods=None):
     """The sparse kernel for one compute dtype and :class:`~attnnb.cuda._micro.Tiling`
     (not compiled yet; launch with ``tiling.threads`` threads per block).
 
@@ -31,10 +32,11 @@ def build_sparse(dtype, tiling, dropout=False):
     the normalizer code, ``p_heads`` (the pattern's head count, 1 = shared),
     its CSR ``indptr`` / ``indices``, the block layout's ``tile_ptr`` /
     ``tile_idx`` / ``tile_full``, the dropout's ``seed_lo, seed_hi, threshold,
-    keep`` (read by the ``dropout`` build, as the dense kernel's), ``out`` and
-    ``lse``.
+    keep`` (read by the ``dropout`` build, as the dense kernel's), ``out``,
+    ``lse`` and ``mods`` (mask and score functions, as the dense kernel's: the mask
+    function is intersected with the pattern).
     """
-    f = micro_functions(np.dtype(dtype), tiling)
+    f = micro_functions(np.dtype(dtype), tiling, mods)
     BQ, BK = f.BQ, f.BK
     t_ = device_functions(np.dtype(dtype))
     ONE = t_.CAST(1)
@@ -47,7 +49,8 @@ def build_sparse(dtype, tiling, dropout=False):
 
     def sparse_attention_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer,
                                 p_heads, indptr, indices, tile_ptr, tile_idx, tile_full,
-                                seed_lo, seed_hi, batch0, head0, threshold, keep, out, lse):
+                                seed_lo, seed_hi, batch0, head0, threshold, keep, out, lse,
+                                mods):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
         (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
@@ -70,10 +73,10 @@ def build_sparse(dtype, tiling, dropout=False):
             stage_transposed(kh, j0, nk, ONE, KV, BK)
             cuda.syncthreads()
             tile_scores(Qt, KV, row0, key0, S)
-            if partial:
-                apply_tile_mask(S, Pt, row0, key0)  # Pt is rewritten after online_tile's barrier
             modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, Lk, b, h, bias, False, mask, False,
-                        logks, has_ks, normalizer, ())
+                        logks, has_ks, normalizer, mods)
+            if partial:  # after the score function, which may map -inf to a number
+                apply_tile_mask(S, Pt, row0, key0)  # Pt is rewritten after online_tile's barrier
             online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, s, KV, Pt, red,
                         rows, flag, t, row0, key0, col0, O, T, keys,
                         threshold if DROPOUT else 0)
@@ -98,15 +101,16 @@ def sparse_attention(problem, pattern):
         tiling = tiling_for(a.dtype, D, Dv)
         layout = pattern.blocks(tiling.bq, tiling.bk)
         dropping = bool(problem.dropout_p)
-        kernel = tiled_kernel("sparse-dropout" if dropping else "sparse",
-                              lambda dt, t: build_sparse(dt, t, dropping), a.dtype, tiling)
+        mods = device_mods(problem)
+        kernel = tiled_kernel(kernel_label("sparse", dropping, mods),
+                              lambda dt, t: build_sparse(dt, t, dropping, mods), a.dtype, tiling)
         dev = [cuda.to_device(np.ascontiguousarray(x)) for x in (
             pattern.indptr, pattern.indices, layout.tile_ptr, layout.tile_idx,
             layout.tile_full)]
         kernel[(B * Hq, (Lq + tiling.bq - 1) // tiling.bq), tiling.threads](
             a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.mask, a.logks, a.has_ks,
             NORMALIZER_CODES[problem.normalizer], pattern.n_heads, *dev,
-            *kernel_dropout(problem, a.dtype), out, lse)
+            *kernel_dropout(problem, a.dtype), out, lse, a.mods)
     return finish(a, out, lse)
 
 
@@ -119,7 +123,8 @@ def ptx_signatures():
         return (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], ty[:, ::1],
                 types.boolean, types.int64, types.int64, types.int64[::1], types.int32[::1],
                 types.int64[::1], types.int32[::1], types.boolean[::1], types.int64,
-                types.int64, types.int64, types.int64, types.int64, ty, arr4, ty[:, :, ::1])
+                types.int64, types.int64, types.int64, types.int64, ty, arr4, ty[:, :, ::1],
+                types.Tuple(()))
 
     return (ptx_cases("sparse", build_sparse, argtypes, 64, 64)
             + ptx_cases("sparse dropout", lambda dt, t: build_sparse(dt, t, True), argtypes,

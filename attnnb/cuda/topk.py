@@ -25,13 +25,14 @@ from .. import _selection
 from .._codes import SOFTMAX
 from ._arrays import device_problem, finish, outputs
 from ._dropout import kernel_dropout
-from ._micro import U32, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._micro import U32, kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._mods import device_mods
 from ._tiles import device_functions
 
 SCRATCH_ELEMENTS = 1 << 24  # per launch: 64 MiB in float32
 
 
-def build_topk(dtype, tiling, dropout=False):
+def build_topk(dtype, tiling, dropout=False, mods=None):
     """The top-k kernel for one compute dtype and :class:`~attnnb.cuda._micro.Tiling`
     (not compiled yet; launch with ``tiling.threads`` threads per block).
 
@@ -42,9 +43,10 @@ def build_topk(dtype, tiling, dropout=False):
     dropout's ``seed_lo, seed_hi, batch0, head0, threshold, keep`` (read by the ``dropout``
     build: the kept keys' weights are dropped after the selection),
     ``out``, ``lse`` and the selection ``thr``, ``cut`` (``(B, Hq, Lq)``: each row's
-    threshold and tie cut, which the backward reuses).
+    threshold and tie cut, which the backward reuses) and ``mods`` (mask and score
+    functions, as the dense kernel's: rows rank the modified logits).
     """
-    f = micro_functions(np.dtype(dtype), tiling)
+    f = micro_functions(np.dtype(dtype), tiling, mods)
     nt, TM, TN, BQ, BK = f.nt, f.TM, f.TN, f.BQ, f.BK
     t_ = device_functions(np.dtype(dtype))
     ONE, NINF, tiles_seen = t_.CAST(1), t_.NINF, t_.tiles_seen
@@ -99,7 +101,7 @@ def build_topk(dtype, tiling, dropout=False):
 
     def topk_attention_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal,
                               top_k, qt0, R, buf, seed_lo, seed_hi, batch0, head0, threshold,
-                              keep, out, lse, thr_out, cut_out):
+                              keep, out, lse, thr_out, cut_out, mods):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], qt0)
         # F, the factors, is unused (softmax)
@@ -122,7 +124,7 @@ def build_topk(dtype, tiling, dropout=False):
             cuda.syncthreads()
             tile_scores(Qt, KV, row0, key0, S)
             modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, False, mask,
-                        has_mask, logks, has_ks, SOFTMAX, ())
+                        has_mask, logks, has_ks, SOFTMAX, mods)
             for r in range(TM):
                 for c in range(TN):
                     if j0 + key0 + c < Lk:
@@ -173,8 +175,9 @@ def topk_selection(problem, top_k, a=None):
         tiling = tiling_for(a.dtype, D, Dv)
         tq = tiling.bq
         dropping = bool(problem.dropout_p)
-        kernel = tiled_kernel("topk-dropout" if dropping else "topk",
-                              lambda dt, t: build_topk(dt, t, dropping), a.dtype, tiling)
+        mods = device_mods(problem)
+        kernel = tiled_kernel(kernel_label("topk", dropping, mods),
+                              lambda dt, t: build_topk(dt, t, dropping, mods), a.dtype, tiling)
         n_qt = (Lq + tq - 1) // tq
         chunk = max(1, min(n_qt, SCRATCH_ELEMENTS // (2 * B * Hq * tq * max(Lk, 1))))
         R = cuda.device_array((B * Hq, chunk * tq, max(Lk, 1)), a.dtype)
@@ -183,7 +186,7 @@ def topk_selection(problem, top_k, a=None):
             kernel[(B * Hq, min(chunk, n_qt - qt0)), tiling.threads](
                 a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.mask, a.has_mask, a.logks,
                 a.has_ks, problem.causal, int(top_k), qt0, R, buf,
-                *kernel_dropout(problem, a.dtype), out, lse, thr, cut)
+                *kernel_dropout(problem, a.dtype), out, lse, thr, cut, a.mods)
     return out, lse, thr, cut
 
 
@@ -203,7 +206,7 @@ def ptx_signatures():
         return (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], types.boolean,
                 ty[:, ::1], types.boolean, types.boolean, types.int64, types.int64, arr3, arr3,
                 types.int64, types.int64, types.int64, types.int64, types.int64, ty, arr4, arr3,
-                arr3, types.int64[:, :, ::1])
+                arr3, types.int64[:, :, ::1], types.Tuple(()))
 
     return (ptx_cases("topk", build_topk, argtypes, 64, 64)
             + ptx_cases("topk dropout", lambda dt, t: build_topk(dt, t, True), argtypes,

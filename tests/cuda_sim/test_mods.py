@@ -145,13 +145,37 @@ def test_cuda_score_array_gradients_equal_the_reference(rng, dtype):
         np.testing.assert_array_equal(got, again)
 
 
-def test_cuda_refuses_mods_beyond_attention(rng):
-    """Sparse, top-k and differential attention do not run mods on cuda yet: refused."""
+@pytest.mark.parametrize("function", ["sparse", "topk", "difference", "rectified"])
+def test_cuda_mods_in_every_function_equal_the_reference(rng, function):
+    """Sparse (the mask function intersected with the pattern), top-k (rows rank the
+    modified logits) and differential attention (both maps, h the pair's index, both
+    modes): outputs and every gradient, the slopes' too, against the reference."""
     from attnnb import patterns
 
-    q, k, v = _problem(rng, np.float64, B=1, Hk=2)
-    pattern = patterns.local((q.shape[2], k.shape[2]), 3)
-    with pytest.raises(NotImplementedError, match="attention only"):
-        attnnb.sparse_attention(q, k, v, pattern, mask_mod=mods.causal, backend="cuda")
-    with pytest.raises(NotImplementedError, match="attention only"):
-        attnnb.topk_attention(q, k, v, 3, mask_mod=mods.causal, backend="cuda")
+    Hk = 2 if function in ("difference", "rectified") else 1
+    q, k, v = _problem(rng, np.float64, B=1, Hq=4, Hk=Hk)
+    lq, lk = q.shape[2], k.shape[2]
+    alibi = mods.alibi(rng.standard_normal(2 if Hk == 2 else 4))
+    kw = dict(mask_mod=mods.sliding_window(6), score_mod=alibi + mods.softcap(3.0))
+    if function == "sparse":
+        args, fn = (q, k, v, patterns.local((lq, lk), 4)), attnnb.sparse_attention
+    elif function == "topk":
+        args, fn = (q, k, v, 3), attnnb.topk_attention
+    else:
+        lam = rng.uniform(0.1, 0.6, (1, 2, lq))
+        args, fn = (q, k, v[:, :1], lam), attnnb.diff_attention
+        kw["mode"] = function
+    out, pb = attnnb.vjp(fn, *args, backend="cuda", **kw)
+    ref, pb_ref = attnnb.vjp(fn, *args, backend="reference", **kw)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12 * np.abs(ref).max())
+    dout = rng.standard_normal(out.shape)
+    g, r = pb(dout), pb_ref(dout)
+    for name in r:
+        if name == "score_mod":
+            for got, want in zip(g[name], r[name]):
+                if want is not None:
+                    np.testing.assert_allclose(got, want, rtol=0,
+                                               atol=1e-11 * np.abs(want).max())
+        elif r[name] is not None:
+            np.testing.assert_allclose(g[name], r[name], rtol=0,
+                                       atol=1e-11 * np.abs(r[name]).max(), err_msg=name)
