@@ -44,6 +44,13 @@ the host and back.
   as :func:`attnnb.mods.constant` of itself), and a mod cannot be built from
   a traced array (a ``TypeError`` at its construction).  Build mods outside
   the traced function, as ``pattern``.
+* **Dropout** (``dropout_p``, static, and ``seed``): the kernels' own
+  dropout (docs/contract.md §1.14), its decisions regenerated in the backward
+  from the seed.  ``seed`` is a Python int (static: a new value traces the
+  function anew) or a scalar integer JAX array, which may be traced (drawn
+  from a ``jax.random`` key inside ``jax.jit``); under ``vmap`` the seed must
+  be the same for every mapped element (the mapped axes are batch axes of
+  the call, so their decisions differ all the same).
 * **Backend.** ``backend=None`` is resolved (:func:`attnnb.use_backend`, then
   ``ATTNNB_BACKEND``, then ``"cpu"``) when the function is traced: under
   ``jax.jit`` at the first call, and it then stays for that compiled
@@ -97,7 +104,7 @@ _VMAP_METHOD = "expand_dims"
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
               normalizer="softmax", return_lse=False, sinks=None, mask_mod=None,
-              score_mod=None, backend=None):
+              score_mod=None, dropout_p=0.0, seed=None, backend=None):
     """:func:`attnnb.attention` on JAX arrays, differentiable in q, k, v, bias, key_size,
     sinks.
 
@@ -114,6 +121,12 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     causal, scale, normalizer, return_lse, backend
         Static, as in :func:`attnnb.attention` (every normalizer; ``sigmoid``
         with its default bias).
+    dropout_p : float, optional
+        Static: attention dropout (:func:`attnnb.attention`'s, module notes).
+    seed : int or integer JAX array, optional
+        The dropout's seed (needed with ``dropout_p > 0``): a Python int
+        (static) or a scalar integer array (traced, e.g. drawn from a
+        ``jax.random`` key each step).
     mask_mod, score_mod : :mod:`attnnb.mods` objects or Python functions, optional
         Static; their arrays are constants of the gradient (module notes).
 
@@ -126,11 +139,13 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     return _call("attention", dict(q=q, k=k, v=v, mask=mask, bias=bias, key_size=key_size,
                                    sinks=sinks),
                  dict(causal=causal, scale=scale, normalizer=normalizer,
-                      return_lse=return_lse, backend=backend, **_mods(mask_mod, score_mod)))
+                      return_lse=return_lse, backend=backend, **_mods(mask_mod, score_mod)),
+                 dropout_p, seed)
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
-                     return_lse=False, sinks=None, mask_mod=None, score_mod=None, backend=None):
+                     return_lse=False, sinks=None, mask_mod=None, score_mod=None,
+                     dropout_p=0.0, seed=None, backend=None):
     """:func:`attnnb.sparse_attention` on JAX arrays, differentiable in q, k, v, key_size,
     sinks.
 
@@ -143,6 +158,12 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     sinks : JAX array broadcastable to ``(*batch, Hq)``, optional
     scale, normalizer, return_lse, backend
         Static, as in :func:`attnnb.sparse_attention`.
+    dropout_p : float, optional
+        Static: attention dropout (:func:`attnnb.attention`'s, module notes).
+    seed : int or integer JAX array, optional
+        The dropout's seed (needed with ``dropout_p > 0``): a Python int
+        (static) or a scalar integer array (traced, e.g. drawn from a
+        ``jax.random`` key each step).
     mask_mod, score_mod : :mod:`attnnb.mods` objects or Python functions, optional
         Static; their arrays are constants of the gradient (module notes).
 
@@ -153,11 +174,13 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     """
     return _call("sparse_attention", dict(q=q, k=k, v=v, key_size=key_size, sinks=sinks),
                  dict(pattern=pattern, scale=scale, normalizer=normalizer,
-                      return_lse=return_lse, backend=backend, **_mods(mask_mod, score_mod)))
+                      return_lse=return_lse, backend=backend, **_mods(mask_mod, score_mod)),
+                 dropout_p, seed)
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, sinks=None, mask_mod=None, score_mod=None, backend=None):
+                   return_lse=False, sinks=None, mask_mod=None, score_mod=None,
+                   dropout_p=0.0, seed=None, backend=None):
     """:func:`attnnb.topk_attention` on JAX arrays, differentiable in q, k, v, key_size,
     sinks.
 
@@ -171,6 +194,12 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     sinks : JAX array broadcastable to ``(*batch, Hq)``, optional
     causal, scale, return_lse, backend
         Static, as in :func:`attnnb.topk_attention`.
+    dropout_p : float, optional
+        Static: attention dropout (:func:`attnnb.attention`'s, module notes).
+    seed : int or integer JAX array, optional
+        The dropout's seed (needed with ``dropout_p > 0``): a Python int
+        (static) or a scalar integer array (traced, e.g. drawn from a
+        ``jax.random`` key each step).
     mask_mod, score_mod : :mod:`attnnb.mods` objects or Python functions, optional
         Static; their arrays are constants of the gradient (module notes).
 
@@ -182,11 +211,12 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     return _call("topk_attention", dict(q=q, k=k, v=v, mask=mask, key_size=key_size,
                                         sinks=sinks),
                  dict(top_k=top_k, causal=causal, scale=scale, return_lse=return_lse,
-                      backend=backend, **_mods(mask_mod, score_mod)))
+                      backend=backend, **_mods(mask_mod, score_mod)), dropout_p, seed)
 
 
 def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
-                   scale=None, mode="difference", mask_mod=None, score_mod=None, backend=None):
+                   scale=None, mode="difference", mask_mod=None, score_mod=None, dropout_p=0.0,
+                   seed=None, backend=None):
     """:func:`attnnb.diff_attention` on JAX arrays, differentiable in q, k, v, lam, bias, key_size.
 
     Parameters
@@ -201,6 +231,12 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         Static, as in :func:`attnnb.diff_attention` (``mode="rectified"``:
         the clip at 0 has derivative 0; ``"heaviside"``: the gate is held
         fixed).
+    dropout_p : float, optional
+        Static: attention dropout (:func:`attnnb.attention`'s, module notes).
+    seed : int or integer JAX array, optional
+        The dropout's seed (needed with ``dropout_p > 0``): a Python int
+        (static) or a scalar integer array (traced, e.g. drawn from a
+        ``jax.random`` key each step).
     mask_mod, score_mod : :mod:`attnnb.mods` objects or Python functions, optional
         Static; their arrays are constants of the gradient (module notes).
 
@@ -211,7 +247,7 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
     return _call("diff_attention", dict(q=q, k=k, v=v, lam=lam, mask=mask, bias=bias,
                                         key_size=key_size),
                  dict(causal=causal, scale=scale, mode=mode, backend=backend,
-                      **_mods(mask_mod, score_mod)))
+                      **_mods(mask_mod, score_mod)), dropout_p, seed)
 
 
 # ---------------------------------------------------------------------------
@@ -287,7 +323,7 @@ def _full_rank(arrays) -> dict:
     q = arrays["q"].shape
     nb = max(len(q) - 3, 0)  # batch axes (2-D input: none, and a head axis is added)
     rank = {"q": 3, "k": 3, "v": 3, "mask": nb + 3, "bias": nb + 3, "key_size": nb + 1,
-            "lam": nb + 2, "sinks": nb + 1}
+            "lam": nb + 2, "sinks": nb + 1, "seed": 0}
     return {a: (1,) * max(rank[a] - x.ndim, 0) + tuple(x.shape) for a, x in arrays.items()}
 
 
@@ -314,9 +350,27 @@ def _check_values(arrays, call=None):
         check(x)
 
 
-def _call(name, arrays, static):
+def _seed(dropout_p, seed, static: dict):
+    """``dropout_p`` into ``static``; a Python int ``seed`` too, else the seed array for
+    the callbacks (None without one).  The signature's checks see a stand-in seed."""
+    static["dropout_p"] = dropout_p
+    if seed is None or isinstance(seed, int):
+        static["seed"] = seed
+        return None
+    seed = jnp.asarray(seed)
+    if seed.ndim != 0 or not jnp.issubdtype(seed.dtype, jnp.integer):
+        raise TypeError(f"seed must be an integer or a scalar integer array; got an array of "
+                        f"dtype {seed.dtype}, shape {tuple(seed.shape)}")
+    return seed
+
+
+def _call(name, arrays, static, dropout_p=0.0, seed=None):
     arrays = {a: jnp.asarray(x) for a, x in arrays.items() if x is not None}
-    sig = _bridge.signature(name, {a: (x.shape, x.dtype) for a, x in arrays.items()}, static)
+    seed_array = _seed(dropout_p, seed, static)
+    checked = static if seed_array is None else dict(static, seed=0)
+    sig = _bridge.signature(name, {a: (x.shape, x.dtype) for a, x in arrays.items()}, checked)
+    if seed_array is not None:
+        arrays["seed"] = seed_array
     _check_values(arrays)  # known values: after the dtype and shape checks, as in NumPy
     call = _Call.of(name, arrays, dict(static, backend=sig.backend), sig)
     res = _function(call)({a: x.reshape(call.shapes[a]) for a, x in arrays.items()})
@@ -373,10 +427,23 @@ def _build(call: _Call):
     return function
 
 
+def _host_seed(call: _Call, arrays) -> dict:
+    """The call's static arguments with a traced seed's value (one for every element that
+    ``vmap`` maps)."""
+    seed = arrays.pop("seed", None)
+    if seed is None:
+        return call.static
+    values = np.unique(np.asarray(seed))
+    if values.size != 1 or values[0] < 0:
+        raise ValueError(f"seed must be one integer >= 0 for the whole call; got {values}")
+    return dict(call.static, seed=int(values[0]))
+
+
 def _host_forward(call: _Call, arrays):
     _check_values(arrays, call)
     arrays, lead = _broadcast(call, arrays)
-    _, residuals = _bridge.forward(call.name, arrays, call.static)
+    static = _host_seed(call, arrays)
+    _, residuals = _bridge.forward(call.name, arrays, static)
     return tuple(np.asarray(r).reshape(lead + s) for r, s in zip(residuals, call.residuals))
 
 
@@ -387,9 +454,10 @@ def _host_backward(call: _Call, arrays, res, dout, dlse):
     if dlse is not None:
         extra["dlse"] = (dlse, call.residuals[1])
     arrays, lead = _broadcast(call, arrays, extra)
+    static = _host_seed(call, arrays)
     residuals = (arrays["out"], arrays.get("lse"))
-    grads = _bridge.backward(call.name, {a: arrays[a] for a in call.shapes}, call.static,
-                             residuals, arrays["dout"], arrays.get("dlse"))
+    grads = _bridge.backward(call.name, {a: arrays[a] for a in call.shapes if a != "seed"},
+                             static, residuals, arrays["dout"], arrays.get("dlse"))
     return {a: np.asarray(grads[a]).astype(spec.dtype, copy=False)
             for a, spec in call.grads.items()}
 

@@ -342,3 +342,27 @@ def test_mods_are_static_constants_of_the_gradient(rng):
             np.testing.assert_allclose(g, grads[name], rtol=1e-10, atol=1e-13, err_msg=name)
     with pytest.raises(TypeError, match="outside jax.jit and jax.grad"):
         jax.grad(lambda s: ajax.attention(q, k, v, score_mod=mods.alibi(s)).sum())(slopes)
+
+
+def test_dropout_with_a_static_or_traced_seed(rng):
+    """Dropout: attnnb's keep decisions and gradients for the same seed, whether the seed
+    is a Python int or a traced array under ``jax.jit`` (a new seed: new decisions)."""
+    q, k, v = randn(rng, 1, 2, Lq, D), randn(rng, 1, 1, Lk, D), randn(rng, 1, 1, Lk, 3)
+    kw = dict(dropout_p=0.4, causal=True, backend=REF)
+    want, pullback = attnnb.vjp(attnnb.attention, q, k, v, seed=11, **kw)
+    dout = randn(rng, *want.shape)
+    grads = pullback(dout)
+
+    def loss(q, k, v, seed):
+        out = ajax.attention(q, k, v, seed=seed, **kw)
+        return jnp.sum(out * dout), out
+
+    for f, seed in ((loss, 11), (jax.jit(loss), jnp.uint32(11)), (loss, jnp.int32(11))):
+        (_, out), got = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v, seed)
+        np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-14)
+        for g, name in zip(got, "qkv"):
+            np.testing.assert_allclose(g, grads[name], rtol=1e-10, atol=1e-13, err_msg=name)
+    other = jax.jit(loss)(q, k, v, jnp.uint32(12))[1]
+    assert not np.allclose(other, want)
+    with pytest.raises(TypeError, match="needs seed="):
+        ajax.attention(q, k, v, dropout_p=0.4, backend=REF)
