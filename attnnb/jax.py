@@ -158,14 +158,8 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
     sinks : JAX array broadcastable to ``(*batch, Hq)``, optional
     scale, normalizer, return_lse, backend
         Static, as in :func:`attnnb.sparse_attention`.
-    dropout_p : float, optional
-        Static: attention dropout (:func:`attnnb.attention`'s, module notes).
-    seed : int or integer JAX array, optional
-        The dropout's seed (needed with ``dropout_p > 0``): a Python int
-        (static) or a scalar integer array (traced, e.g. drawn from a
-        ``jax.random`` key each step).
-    mask_mod, score_mod : :mod:`attnnb.mods` objects or Python functions, optional
-        Static; their arrays are constants of the gradient (module notes).
+    dropout_p, seed, mask_mod, score_mod
+        As in :func:`attention`.
 
     Returns
     -------
@@ -194,14 +188,8 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     sinks : JAX array broadcastable to ``(*batch, Hq)``, optional
     causal, scale, return_lse, backend
         Static, as in :func:`attnnb.topk_attention`.
-    dropout_p : float, optional
-        Static: attention dropout (:func:`attnnb.attention`'s, module notes).
-    seed : int or integer JAX array, optional
-        The dropout's seed (needed with ``dropout_p > 0``): a Python int
-        (static) or a scalar integer array (traced, e.g. drawn from a
-        ``jax.random`` key each step).
-    mask_mod, score_mod : :mod:`attnnb.mods` objects or Python functions, optional
-        Static; their arrays are constants of the gradient (module notes).
+    dropout_p, seed, mask_mod, score_mod
+        As in :func:`attention`.
 
     Returns
     -------
@@ -231,14 +219,8 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         Static, as in :func:`attnnb.diff_attention` (``mode="rectified"``:
         the clip at 0 has derivative 0; ``"heaviside"``: the gate is held
         fixed).
-    dropout_p : float, optional
-        Static: attention dropout (:func:`attnnb.attention`'s, module notes).
-    seed : int or integer JAX array, optional
-        The dropout's seed (needed with ``dropout_p > 0``): a Python int
-        (static) or a scalar integer array (traced, e.g. drawn from a
-        ``jax.random`` key each step).
-    mask_mod, score_mod : :mod:`attnnb.mods` objects or Python functions, optional
-        Static; their arrays are constants of the gradient (module notes).
+    dropout_p, seed, mask_mod, score_mod
+        As in :func:`attention`.
 
     Returns
     -------
