@@ -95,9 +95,9 @@ def lambda_rows(lam, batch_shape, B, H, Lq, dtype):
 
 
 def refuse_lazy_mods(mask_mod, score_mod) -> None:
-    """Dask arrays take mask and score functions in ``attention`` and
-    ``sparse_attention`` only so far (docs/contract.md §2.10)."""
+    """Dask arrays take mask and score functions in every function but
+    ``topk_attention`` so far (docs/contract.md §2.10)."""
     if mask_mod is not None or score_mod is not None:
-        raise NotImplementedError("mask_mod and score_mod on Dask arrays: attention and "
-                                  "sparse_attention only for now (compute the arrays, or "
-                                  "call the function on each block)")
+        raise NotImplementedError("mask_mod and score_mod in topk_attention on Dask arrays: "
+                                  "not yet (compute the arrays, or call the function on each "
+                                  "block)")

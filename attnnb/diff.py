@@ -25,7 +25,7 @@ from . import _eager
 from ._checks import as_named_array
 from ._dask import any_dask
 from ._dropout import refuse_lazy_dropout
-from ._function_args import MODES, refuse_lazy_mods
+from ._function_args import MODES
 from ._validate import compute_dtypes, float_dtype_of
 
 __all__ = ["diff_attention", "lambda_init", "reparam_lambda", "subln", "MODES"]
@@ -113,12 +113,12 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         from ._dask.ops import diff_attention as lazy
 
         refuse_lazy_dropout(dropout_p)
-        refuse_lazy_mods(mask_mod, score_mod)
         if mode == "heaviside":  # its gate needs both maps' global normalisers at once
             raise NotImplementedError("diff_attention(mode='heaviside') with Dask arrays: not "
                                       "yet; compute the arrays first")
         return lazy(q, k, v, lam, mask=mask, bias=bias, key_size=key_size, causal=causal,
-                    scale=scale, mode=mode, backend=backend)
+                    scale=scale, mode=mode, mask_mod=mask_mod, score_mod=score_mod,
+                    backend=backend)
     return _eager.diff_attention(q, k, v, lam, mask=mask, bias=bias, key_size=key_size,
                                  causal=causal, scale=scale, mode=mode, dropout_p=dropout_p,
                                  seed=seed, mask_mod=mask_mod, score_mod=score_mod,

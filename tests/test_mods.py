@@ -368,8 +368,26 @@ def test_dask_skips_blocks_the_mask_function_hides_and_refuses_the_rest():
     with pytest.raises(NotImplementedError, match="reads b needs batch blocks"):
         attnnb.attention(x, x, x, mask_mod=_every_third_by_batch)
     attnnb.attention(x, x, x, mask_mod=mods.causal)  # (b not read: any blocks)
-    with pytest.raises(NotImplementedError, match="attention and sparse_attention only"):
+    with pytest.raises(NotImplementedError, match="topk_attention on Dask"):
         attnnb.topk_attention(*lazy, 2, mask_mod=docs)
+
+
+@pytest.mark.parametrize("mode", ["difference", "rectified"])
+def test_dask_diff_attention_takes_mods(mode):
+    """Differential attention on Dask arrays with mods on both maps (h the pair's index):
+    the one call's result, in blocks of every axis."""
+    da = pytest.importorskip("dask.array")
+    rng = np.random.default_rng(23)
+    q, k, v = qkv(rng, batch=(1,), hq=4, hk=2, lq=21, lk=25, d=4, dv=3)
+    v = v[:, :1]
+    lam = rng.uniform(0.1, 0.6, (1, 2, 21))
+    kw = dict(mask_mod=mods.sliding_window(9) | mods.sinks(2),
+              score_mod=mods.alibi(np.array([0.3, -0.2])), mode=mode)
+    ref = attnnb.diff_attention(q, k, v, lam, backend="reference", **kw)
+    lazy = [da.from_array(x, chunks=(1, 2, 8, 4)) for x in (q, k)]
+    out = attnnb.diff_attention(*lazy, da.from_array(v, chunks=(1, 1, 8, 3)), lam,
+                                backend="reference", **kw)
+    assert_close(out.compute(), ref, np.float64)
 
 
 # ---------------------------------------------------------------------------

@@ -103,7 +103,8 @@ def topk_solo(q, k, v, mask, key_size, *, top_k, limit, heads, scale, backend):
     return native(out, q), native(lse, q)
 
 
-def streams_part(q, k, v, mask, bias, key_size, *, limit, heads, scale, backend, lse_only):
+def streams_part(q, k, v, mask, bias, key_size, *, limit, heads, scale, backend, lse_only,
+                 mask_mod=None, score_mod=None):
     """Differential attention's two softmax streams over one block.
 
     ``(o1, lse1, o2, lse2)``; with ``lse_only`` just ``(lse1, lse2)`` (the
@@ -117,22 +118,24 @@ def streams_part(q, k, v, mask, bias, key_size, *, limit, heads, scale, backend,
     for c in (0, 1):
         out, lse = attention(q[..., c::2, :, :], k[..., c::2, :, :], vals, mask=mask, bias=bias,
                              key_size=key_size, causal=causal, scale=scale, return_lse=True,
-                             backend=backend)
+                             backend=backend, mask_mod=mask_mod, score_mod=score_mod)
         res += [native(lse, q)] if lse_only else [native(out, q), native(lse, q)]
     return tuple(res)
 
 
-def diff_solo(q, k, v, mask, bias, key_size, lam, *, limit, heads, scale, mode, backend):
+def diff_solo(q, k, v, mask, bias, key_size, lam, *, limit, heads, scale, mode, backend,
+              mask_mod=None, score_mod=None):
     """Differential attention of a query block that sees one key block: the call itself."""
     k, v = key_heads(k, v, heads, pairs=True)
     mask, causal = restrict(mask, limit, q.shape[-2], k.shape[-2])
     out = diff_attention(q, k, v, lam, mask=mask, bias=bias, key_size=key_size, causal=causal,
-                         scale=scale, mode=mode, backend=backend)
+                         scale=scale, mode=mode, backend=backend, mask_mod=mask_mod,
+                         score_mod=score_mod)
     return native(out, q)
 
 
 def rectified_part(q, k, v, mask, bias, key_size, lam, local, total, *, limit, heads, scale,
-                   backend):
+                   backend, mask_mod=None, score_mod=None):
     """One key block's share of rectified differential attention.
 
     With ``A_c`` the block's own softmax maps (normalised over the block),
@@ -162,16 +165,17 @@ def rectified_part(q, k, v, mask, bias, key_size, lam, local, total, *, limit, h
         lam_p = lam * xp.exp(d2 - d1)
         ok = xp.isfinite(l1) & (xp.abs(lam_p) < np.finfo(q.dtype).max / 4) & ~nan
     lam_p = xp.where(ok, lam_p, 0)
+    mods = dict(mask_mod=mask_mod, score_mod=score_mod)
     out = diff_attention(q, k, v, xp.asnumpy(lam_p) if xp is not np else lam_p, mask=mask,
                          bias=bias, key_size=key_size, causal=causal, scale=scale,
-                         mode="rectified", backend=backend)
+                         mode="rectified", backend=backend, **mods)
     out = native(out, q).astype(np.float64)
     out = xp.where(ok[..., None], a1[..., None] * out, 0)
     rest = ~ok & ~nan & (lam < 0) & xp.isfinite(l2)
     if bool(rest.any()):
         o2, _ = attention(q[..., 1::2, :, :], k[..., 1::2, :, :], v, mask=mask, bias=bias,
                           key_size=key_size, causal=causal, scale=scale, return_lse=True,
-                          backend=backend)
+                          backend=backend, **mods)
         out = xp.where(rest[..., None], (-lam * a2)[..., None] * native(o2, q), out)
     return xp.where(nan[..., None], np.nan, out).astype(q.dtype)
 

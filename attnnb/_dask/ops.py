@@ -420,13 +420,13 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
 
 
 def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
-                   scale=None, mode="difference", backend=None):
+                   scale=None, mode="difference", mask_mod=None, score_mod=None, backend=None):
     """:func:`attnnb.diff_attention` on Dask arrays."""
     check_mode(mode)
     causal = check_bool("causal", causal)
     c = Call("diff", q, k, v, mask=mask, bias=bias, key_size=key_size, lam=lam, scale=scale,
-             backend=backend, pairs=True, params=(causal, mode))
-    visible = dense_blocks(c.grid.q_edges, c.grid.k_edges, causal)
+             backend=backend, pairs=True, params=(causal, mode), mods=(mask_mod, score_mod))
+    visible = c.without_hidden(dense_blocks(c.grid.q_edges, c.grid.k_edges, causal))
     names = ("q", "k", "v", "mask", "bias", "key_size")
     cast = partial(blocks.finish_cast, dtype=c.grid.out_dtype)
     for index in c.grid.query_blocks():
@@ -436,23 +436,26 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
             c.empty(index)
         elif len(row) == 1:
             kb, spec = row[0]
-            fn = partial(blocks.diff_solo, mode=mode, **c.common(index, spec))
+            fn = partial(blocks.diff_solo, mode=mode, **c.common(index, spec),
+                         **c.mods_at(index, kb))
             c.finish(index, cast, c.part("part", index, kb, fn, names + ("lam",)),
                      picks=(None, None))
         elif mode == "difference":
             parts = [c.part("part", index, kb,
-                            partial(blocks.streams_part, lse_only=False, **c.common(index, spec)),
-                            names) for kb, spec in row]
+                            partial(blocks.streams_part, lse_only=False, **c.common(index, spec),
+                                    **c.mods_at(index, kb)), names) for kb, spec in row]
             merged = c.reduce("merge", index, parts, blocks.merge_streams)
             c.finish(index, partial(blocks.finish_difference, out_dtype=c.grid.out_dtype),
                      merged, lam_key, picks=(None, None))
         else:
             local = {kb: c.part("lse", index, kb,
                                 partial(blocks.streams_part, lse_only=True,
-                                        **c.common(index, spec)), names) for kb, spec in row}
+                                        **c.common(index, spec), **c.mods_at(index, kb)), names)
+                     for kb, spec in row}
             total = c.reduce("lmerge", index, list(local.values()), blocks.merge_lses)
             parts = [c.part("part", index, kb,
-                            partial(blocks.rectified_part, **c.common(index, spec)),
+                            partial(blocks.rectified_part, **c.common(index, spec),
+                                    **c.mods_at(index, kb)),
                             names + ("lam",), local[kb], total) for kb, spec in row]
             c.finish(index, cast, c.reduce("merge", index, parts, blocks.merge_sum),
                      picks=(None, None))
