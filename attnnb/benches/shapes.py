@@ -160,6 +160,34 @@ def alternate(quick: bool, rounds: int, match: str = "") -> list[tuple[str, str,
     return [(shapes[i][0], what, r) for (i, what), r in ratios.items()]
 
 
+def machine_caption() -> str:
+    """One line naming what a table ran on: the CPU (vendor, family, model, name), its
+    logical cores, the date (UTC) and the PyTorch release it was compared against."""
+    import datetime
+    import os
+    import platform
+
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    cpu = info.get("model name") or platform.processor() or platform.machine()
+    family = (f" (family {info['cpu family']}, model {info['model']})"
+              if "cpu family" in info and "model" in info else "")
+    try:
+        import torch
+
+        versus = f"PyTorch {torch.__version__}"
+    except ImportError:
+        versus = "no PyTorch"
+    day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    return f"{cpu}{family}, {os.cpu_count()} logical cores, {day}, against {versus}"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m attnnb.benches.shapes",
@@ -169,6 +197,8 @@ def main(argv=None) -> None:
     parser.add_argument("--match", default="", help="only the shapes whose name contains this")
     args = parser.parse_args(argv)
     rows = alternate(args.quick, args.rounds, args.match)
+    print(f"SDPA time / attnnb time (float32, cpu backend; {args.rounds} rounds, each "
+          f"candidate alone in a fresh process): {machine_caption()}\n")
     print("| shape | forward | forward + backward |")
     print("|---|---|---|")
     by_tag: dict[str, dict[str, list[float]]] = {}
