@@ -238,6 +238,7 @@ register("tome_merge_wavg", "cuda", "attnnb.cuda.tome:merge_wavg")
 # The statistics of dense attention's weights (attnnb.attention_stats) in one compiled
 # pass; every other call's are reduced from its rows' weights on the host.
 register("attention_stats", "cpu", "attnnb.cpu.stats:attention_stats")
+register("attention_stats", "cuda", "attnnb.cuda.stats:attention_stats")
 
 # Gradients (attnnb.vjp): one backward operation per differentiable function,
 # ``"<function>_vjp"``, with the interface documented in :mod:`attnnb.vjp`.  Only

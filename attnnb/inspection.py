@@ -171,9 +171,9 @@ def attention_stats(fn, *args, stats=("entropy", "max", "argmax", "received"), k
     keys : integer array or boolean ``(Lk,)`` array
         The keys of ``"mass"`` (e.g. ``[0]``: an attention sink).
     backend : in ``kwargs``, as the call's
-        ``"cpu"`` (the default for host arrays) runs dense attention's
-        compiled pass; ``"reference"`` the float64 rows; other functions
-        always take the float64 rows.
+        ``"cpu"`` (the default for host arrays) and ``"cuda"`` run dense
+        attention's compiled pass; ``"reference"`` the float64 rows; other
+        functions always take the float64 rows.
 
     Returns
     -------
@@ -198,8 +198,9 @@ def attention_stats(fn, *args, stats=("entropy", "max", "argmax", "received"), k
     compiled = (call.name == "attention"
                 and call.problem.normalizer in ("softmax", "softmax1", "relu_expm1")
                 and call.problem.mask_mod is None and call.problem.score_mod is None)
-    if compiled and choose_backend(call.backend, False) == "cpu":
-        per_row, received = _dispatch.implementation("attention_stats", "cpu")(
+    backend = choose_backend(call.backend, False)
+    if compiled and backend in ("cpu", "cuda"):
+        per_row, received = _dispatch.implementation("attention_stats", backend)(
             call.problem, np.zeros(Lk, bool) if key_mask is None else key_mask)
         nan_rows = np.isnan(per_row[..., 0])
         columns = {"entropy": per_row[..., 0], "max": per_row[..., 1],

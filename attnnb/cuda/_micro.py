@@ -345,26 +345,35 @@ def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
     values_product = micro_product(TM, TO, BK, BQ, DVP)
 
     @cuda.jit(device=True)
+    def key_allowed(i, j, Lk, diag, b, h, mask, has_mask, mods):
+        """Whether key ``j`` is in row ``i``'s set: before ``Lk`` and the causal limit,
+        and allowed by the mask array and the mask function (``mods``: their arrays,
+        ``mods[0]`` the origin; row ``i`` a real row, ``< Lq``)."""
+        if j >= Lk or j > i + diag:
+            return False
+        if has_mask and not mask[index(b, mask.shape[0]), index(h, mask.shape[1]),
+                                 index(i, mask.shape[2]), index(j, mask.shape[3])]:
+            return False
+        if MASK_FN:  # (a constant: a build without the function has none of this)
+            if not mod_allowed(b + mods[0][0], h + mods[0][1], i, j, mods):
+                return False
+        return True
+
+    @cuda.jit(device=True)
     def modify_value(s, i, j, Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
                      normalizer, mods):
         """``(s, f)``: one modified logit and its ``relu_expm1`` factor, as the cpu core's
-        ``modify_logits`` (a key outside the set: ``(-inf, 0)``; keys ``j >= Lk`` are
-        outside; row ``i`` must be a real row, ``< Lq``).  The mask function, then the
-        score function come first (``mods``: their arrays, ``mods[0]`` the origin)."""
-        if j >= Lk or j > i + diag:  # past the keys, or beyond the causal limit
+        ``modify_logits`` (a key outside the set, :func:`key_allowed`: ``(-inf, 0)``).
+        The score function comes first, then the bias, the normalizer's factor, the
+        key sizes."""
+        if not key_allowed(i, j, Lk, diag, b, h, mask, has_mask, mods):
             return NINF, ZERO
-        if MASK_FN:  # (a constant: a build without the function has none of this)
-            if not mod_allowed(b + mods[0][0], h + mods[0][1], i, j, mods):
-                return NINF, ZERO
         if SCORE_FN:
             s = CAST(mod_value(s, b + mods[0][0], h + mods[0][1], i, j, mods))
         f = ONE
         if has_bias:
             s += CAST(bias[index(b, bias.shape[0]), index(h, bias.shape[1]),
                            index(i, bias.shape[2]), index(j, bias.shape[3])])
-        if has_mask and not mask[index(b, mask.shape[0]), index(h, mask.shape[1]),
-                                 index(i, mask.shape[2]), index(j, mask.shape[3])]:
-            return NINF, ZERO
         if normalizer == RELU_EXPM1:
             if s > ZERO:
                 f = -math.expm1(-s)
@@ -413,6 +422,19 @@ def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
                                      has_bias, mask, has_mask, logks, has_ks, normalizer, mods)
                 S[r * TN + c] = s
                 F[r * TN + c] = fr
+
+    @cuda.jit(device=True)
+    def key_tile_logits(kh, j0, nk, Qt, KV, S, F, i0, row0, key0, Lq, Lk, diag, b, h, bias,
+                        has_bias, mask, has_mask, logks, has_ks, normalizer, mods):
+        """Stage the key tile at ``j0`` (``nk`` keys of ``kh``) in ``KV``, then the
+        thread's micro-tile of modified logits ``S`` (factors ``F``) against the staged
+        queries ``Qt``.  Every thread must call it; a barrier must follow before ``KV``
+        is staged again."""
+        stage_transposed(kh, j0, nk, ONE, KV, BK)
+        cuda.syncthreads()
+        tile_scores(Qt, KV, row0, key0, S)
+        modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                    has_mask, logks, has_ks, normalizer, mods)
 
     @cuda.jit(device=True)
     def slope_tile(dS, R, i0, row0, j0, key0, Lq, Lk, b, h, mods):
@@ -666,7 +688,8 @@ def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
         stage_transposed=stage_transposed, stage_values=stage_values, clear=clear,
         transposed_stager=transposed_stager, row_stager=row_stager, zeros=zeros,
         scores_product=scores_product, micro_product=micro_product,
-        tile_scores=tile_scores, modify_value=modify_value, modify_tile=modify_tile,
+        tile_scores=tile_scores, key_allowed=key_allowed, modify_value=modify_value,
+        modify_tile=modify_tile, key_tile_logits=key_tile_logits,
         slope_tile=slope_tile, SCORE_FN=SCORE_FN,
         thread_max=thread_max, row_reduce=row_reduce, store_tile=store_tile,
         tile_weights=tile_weights, tile_sums=tile_sums, tile_product=tile_product,

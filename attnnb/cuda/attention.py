@@ -40,9 +40,8 @@ def build_dense(dtype, tiling, dropout=False, mods=None):
     f = micro_functions(np.dtype(dtype), tiling, mods)
     BQ, BK = f.BQ, f.BK
     t_ = device_functions(np.dtype(dtype))
-    ONE, tiles_seen = t_.CAST(1), t_.tiles_seen
-    block_tile, begin_tile, stage_transposed = f.block_tile, f.begin_tile, f.stage_transposed
-    tile_scores, modify_tile = f.tile_scores, f.modify_tile
+    tiles_seen = t_.tiles_seen
+    block_tile, begin_tile, key_tile_logits = f.block_tile, f.begin_tile, f.key_tile_logits
     online_tile, finish_tile = f.online_tile, f.finish_tile
     TM, DROPOUT = f.TM, dropout
     dropout_keys, scale_values = f.dropout_keys, f.scale_values
@@ -63,11 +62,8 @@ def build_dense(dtype, tiling, dropout=False, mods=None):
         for tile in range(last):
             j0 = tile * BK
             nk = min(BK, Lk - j0)
-            stage_transposed(kh, j0, nk, ONE, KV, BK)
-            cuda.syncthreads()
-            tile_scores(Qt, KV, row0, key0, S)
-            modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                        has_mask, logks, has_ks, normalizer, mods)
+            key_tile_logits(kh, j0, nk, Qt, KV, S, F, i0, row0, key0, Lq, Lk, diag, b, h, bias,
+                            has_bias, mask, has_mask, logks, has_ks, normalizer, mods)
             online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, tile, KV, Pt, red,
                         rows, flag, t, row0, key0, col0, O, T, keys,
                         threshold if DROPOUT else 0)
