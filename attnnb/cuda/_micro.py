@@ -694,6 +694,6 @@ def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
         thread_max=thread_max, row_reduce=row_reduce, store_tile=store_tile,
         tile_weights=tile_weights, tile_sums=tile_sums, tile_product=tile_product,
         tile_values=tile_values, add_tile=add_tile, online_tile=online_tile, map_lse=map_lse,
-        dropout_keys=dropout_keys, scale_values=scale_values,
+        dropout_keys=dropout_keys, scale_values=scale_values, drop_stored=drop_stored,
         stage_tile_mask=stage_tile_mask, apply_tile_mask=apply_tile_mask,
     )

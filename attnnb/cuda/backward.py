@@ -1149,10 +1149,11 @@ def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
     # two-stream kernels, which form the clip themselves, take the problem)
     huge = B * H * Lq * -(-Lk // 32) >= 2**32
     two_streams = (RECTIFIED_TWO_STREAMS or huge if rectified else DIFFERENCE_TWO_STREAMS)
-    if two_streams and has_mods(problem):  # the functions run in the pair streams only
+    if two_streams and (has_mods(problem) or problem.dropout_p):  # the pair streams' own
         if rectified and huge:
-            raise NotImplementedError("mask and score functions in a rectified backward "
-                                      "past 2**32 clip words on the cuda backend: not yet")
+            raise NotImplementedError("mask and score functions or dropout in a rectified "
+                                      "backward past 2**32 clip words on the cuda backend: "
+                                      "not yet")
         two_streams = False
     # the rectified pair streams read the clip the forward's clip build writes
     clip = clip_words(B, H, Lq, Lk) if rectified and not two_streams else None

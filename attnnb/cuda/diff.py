@@ -33,12 +33,13 @@ from numba import cuda
 
 from .._codes import DIFF_MODE_CODES, RECTIFIED, SOFTMAX
 from ._arrays import device_problem, finish
+from ._dropout import kernel_dropout
 from ._micro import ALIGN, U32, kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
 from ._mods import device_mods
 from ._tiles import device_functions
 
 
-def build_diff(dtype, tiling, clip_bits=False, mods=None):
+def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
     """The differential kernel for one compute dtype and :class:`~attnnb.cuda._micro.Tiling`
     (``streams=2``; not compiled yet; launch with ``tiling.threads`` threads per block).
 
@@ -46,8 +47,11 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None):
     ``v (B, Hk, Lk, Dv)``, ``lam (B, H, Lq)``, ``scale``, ``bias`` / ``mask``
     (4-D over pairs, each axis full or 1) with flags, ``logks`` with its flag,
     ``causal``, the mode code, ``out (B, H, Lq, Dv)``, ``lses (B, H, 2, Lq)``
-    (both streams' LSEs, which the backward reuses), ``clip`` and ``mods`` (mask and
-    score functions on both streams, ``h`` the pair's index; as the dense kernel's).
+    (both streams' LSEs, which the backward reuses), ``clip``, the dropout's
+    ``seed_lo, seed_hi, batch0, head0, threshold, keep`` (read by the ``dropout``
+    build: a combined weight ``(b, pair h, i, j)`` is dropped after it is formed, its
+    clip bit and the LSEs are those before dropout) and ``mods`` (mask and score
+    functions on both streams, ``h`` the pair's index; as the dense kernel's).
 
     ``clip_bits``: the rectified backward's build.  Pass 2 also sets the clip
     of every weight it forms,
@@ -69,7 +73,8 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None):
     tile_sums, store_tile, tile_product, add_tile = (
         f.tile_sums, f.store_tile, f.tile_product, f.add_tile)
     start, start_rows, map_lse = f.start, f.start_rows, f.map_lse
-    CLIP = clip_bits
+    dropout_keys, drop_stored, scale_values = f.dropout_keys, f.drop_stored, f.scale_values
+    CLIP, DROPOUT = clip_bits, dropout
     ONE_WORD = 32 % TN == 0  # a thread's keys share a clip word
 
     @cuda.jit(device=True)
@@ -134,7 +139,8 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None):
                 cuda.atomic.or_(clip, word + (j >> U32(5)), bits << (j & U32(31)))
 
     def diff_attention_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks,
-                              has_ks, causal, mode, out, lses, clip, mods):
+                              has_ks, causal, mode, out, lses, clip, seed_lo, seed_hi, batch0,
+                              head0, threshold, keep, mods):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1] // 2, k.shape[1] // 2, 0)
         smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
@@ -153,6 +159,9 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None):
         T = cuda.local.array(N_O, nt)
         start(m1, l1, O, flag)
         start_rows(m2, l2)
+        keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
+        if DROPOUT:
+            dropout_keys(keys, seed_lo, seed_hi, batch0 + b, head0 + h, i0, row0)
         nq = min(BQ, Lq - i0)
         stage_transposed(q[b, 2 * h], i0, nq, scale, Qt, BQ)
         stage_transposed(q[b, 2 * h + 1], i0, nq, scale, Qt[N_QS:], BQ)
@@ -193,6 +202,8 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None):
             normalise(S2, m2)
             # Pt is free: a barrier ended
             combine(S1, S2, part, rectified, Pt, row0, key0, clip, row_word, words, i0, j0, Lq)
+            if DROPOUT:
+                drop_stored(Pt, row0, key0, j0, keys, threshold)
             cuda.syncthreads()  # the key tiles are read: stage the values over them
             if stage_values(vh, j0, nk, KV):
                 flag[0] = CAST(tile)
@@ -200,11 +211,15 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None):
             guarded = flag[0] == CAST(tile)
             if guarded and not rectified:  # as two attention calls: A1 V - lam * (A2 V)
                 store_tile(S1, Pt, row0, key0)
+                if DROPOUT:
+                    drop_stored(Pt, row0, key0, j0, keys, threshold)
                 cuda.syncthreads()
                 tile_product(Pt, KV, row0, col0, True, T)
                 add_tile(O, T, l1)
                 cuda.syncthreads()
                 store_tile(S2, Pt, row0, key0)
+                if DROPOUT:
+                    drop_stored(Pt, row0, key0, j0, keys, threshold)
                 cuda.syncthreads()
                 tile_product(Pt, KV, row0, col0, True, T)
                 add_tile(O, T, l2)
@@ -212,6 +227,8 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None):
                 tile_product(Pt, KV, row0, col0, guarded, T)
                 add_tile(O, T, l1)
             cuda.syncthreads()
+        if DROPOUT:
+            scale_values(O, keep)
         for r in range(TM):
             i = i0 + row0 + r
             spoiled = m1[r] != m1[r] or m2[r] != m2[r]
@@ -235,10 +252,6 @@ def diff_forward(problem, lam, mode, a=None, lses=None, clip=None):
     if mode == "heaviside":
         raise NotImplementedError("diff_attention(mode='heaviside') on the cuda backend: not "
                                   "yet (the reference and cpu backends have it)")
-    if problem.dropout_p:
-        raise NotImplementedError("dropout_p > 0 in diff_attention on the cuda backend: not "
-                                  "yet (the reference and cpu backends have it; cuda has it "
-                                  "in attention, sparse_attention and topk_attention)")
     B, H2, _, Lq, _, D, Dv = problem.shape
     H = H2 // 2
     a = device_problem(problem) if a is None else a
@@ -249,15 +262,17 @@ def diff_forward(problem, lam, mode, a=None, lses=None, clip=None):
         tiling = tiling_for(a.dtype, D, Dv, streams=2)
         mods = device_mods(problem)
         bits = clip is not None
-        kernel = tiled_kernel(kernel_label("diff-clip" if bits else "diff", False, mods),
-                              lambda dt, t: build_diff(dt, t, bits, mods), a.dtype, tiling)
+        dropping = bool(problem.dropout_p)
+        kernel = tiled_kernel(kernel_label("diff-clip" if bits else "diff", dropping, mods),
+                              lambda dt, t: build_diff(dt, t, bits, mods, dropping), a.dtype,
+                              tiling)
         clip = clip.reshape(clip.size) if bits else cuda.device_array(1, np.uint32)
         lam_d = lam if hasattr(lam, "copy_to_host") else cuda.to_device(
             np.ascontiguousarray(lam))
         kernel[(B * H, (Lq + tiling.bq - 1) // tiling.bq), tiling.threads](
             a.q, a.k, a.v, lam_d, a.dtype.type(problem.scale), a.bias, a.has_bias, a.mask,
             a.has_mask, a.logks, a.has_ks, problem.causal, DIFF_MODE_CODES[mode], out, lses,
-            clip, a.mods)
+            clip, *kernel_dropout(problem, a.dtype), a.mods)
     return out, lses
 
 
@@ -298,7 +313,10 @@ def ptx_signatures():
         arr4 = ty[:, :, :, ::1]
         return (arr4, arr4, arr4, ty[:, :, ::1], ty, arr4, types.boolean,
                 types.boolean[:, :, :, ::1], types.boolean, ty[:, ::1], types.boolean,
-                types.boolean, types.int64, arr4, arr4, types.uint32[::1], types.Tuple(()))
+                types.boolean, types.int64, arr4, arr4, types.uint32[::1], types.int64,
+                types.int64, types.int64, types.int64, types.int64, ty, types.Tuple(()))
 
     return (ptx_cases("diff", build_diff, argtypes, 64, 128, streams=2)
-            + ptx_cases("diff clip", build_clip, argtypes, 64, 128, streams=2))
+            + ptx_cases("diff clip", build_clip, argtypes, 64, 128, streams=2)
+            + ptx_cases("diff dropout", lambda dt, t: build_diff(dt, t, dropout=True), argtypes,
+                        64, 128, streams=2))

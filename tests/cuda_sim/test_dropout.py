@@ -97,10 +97,35 @@ def test_cuda_chunked_backward_keys_the_whole_problems_indices(rng, monkeypatch)
         np.testing.assert_allclose(g[name], r[name], rtol=1e-11, atol=1e-13, err_msg=name)
 
 
-def test_cuda_refuses_diff_dropout(rng):
-    q = rng.standard_normal((1, 2, 4, 4))
-    with pytest.raises(NotImplementedError, match="diff_attention on the cuda backend"):
-        attnnb.diff_attention(q, q, q[:, :1], 0.5, dropout_p=0.2, seed=1, backend="cuda")
+@pytest.mark.parametrize("mode", ["difference", "rectified"])
+def test_cuda_diff_dropout_equals_the_reference(rng, mode):
+    """Differential attention's dropout (one decision per combined weight of a head pair,
+    after the clip): the reference's output and every gradient (lam's too), GQA, causal,
+    a bias; a value tile holding an Inf takes the two maps apart, under the same
+    decisions."""
+    lq, lk = n(7), n(10)
+    q = rng.standard_normal((1, 4, lq, 4))
+    k = rng.standard_normal((1, 2, lk, 4))
+    v = rng.standard_normal((1, 1, lk, 3))
+    lam = rng.uniform(0.1, 0.7, (1, 2, lq))
+    kw = dict(dropout_p=0.35, seed=5, causal=True, mode=mode,
+              bias=rng.standard_normal((lq, lk)))
+    out, pb = attnnb.vjp(attnnb.diff_attention, q, k, v, lam, backend="cuda", **kw)
+    ref, pb_ref = attnnb.vjp(attnnb.diff_attention, q, k, v, lam, backend="reference", **kw)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12 * np.abs(ref).max())
+    dout = rng.standard_normal(out.shape)
+    g, r = pb(dout), pb_ref(dout)
+    for name in r:
+        if r[name] is not None:
+            np.testing.assert_allclose(g[name], r[name], rtol=0,
+                                       atol=1e-11 * np.abs(r[name]).max(), err_msg=name)
+    if mode == "difference":
+        v[0, 0, 2, 1] = np.inf
+        out = attnnb.diff_attention(q, k, v, lam, backend="cuda", **kw)
+        ref = attnnb.diff_attention(q, k, v, lam, backend="reference", **kw)
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+        finite = np.isfinite(ref)
+        np.testing.assert_allclose(out[finite], ref[finite], rtol=1e-12, atol=1e-12)
 
 
 def test_cuda_refuses_sigmoid_from_host_arrays(rng):
