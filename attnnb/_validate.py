@@ -423,9 +423,9 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
         raise NotImplementedError(f"normalizer={normalizer!r} on the cuda backend: not yet "
                                   "(the reference and cpu backends have it)")
     if sinks is not None:
-        if on_dev or is_device_array(sinks):
-            raise NotImplementedError("sinks on the cuda backend: not yet (the reference and "
-                                      "cpu backends have them)")
+        if is_device_array(sinks):  # (a logit per head: small, checked on the host)
+            raise TypeError("sinks must be a host array (NumPy), even with device q, k, v; "
+                            "got a device array")
         prob.sinks = check_sinks(sinks, normalizer, batch, squeeze, B, Hq, comp)
         prob.normalizer = "softmax1"
     if mask_mod is not None or score_mod is not None:

@@ -32,12 +32,10 @@ def device_problem(problem) -> SimpleNamespace:
     Returns a namespace with ``q, k, v`` (device), ``mask, bias`` (4-D,
     each axis of full length or 1), ``logks`` (``(B or 1, Lk or 1)``), the
     ``has_mask / has_bias / has_ks`` flags, ``dtype`` (compute), ``out_dtype``,
-    ``lse_dtype``, ``on_device`` and ``mods`` (the mods' kernel argument,
+    ``lse_dtype``, ``on_device``, ``sinks`` (``(B, Hq)`` sink logits, or a zero
+    ``(1, 1)``) and ``mods`` (the mods' kernel argument,
     :func:`attnnb.cuda._mods.mods_argument`).
     """
-    if problem.sinks is not None:  # the kernels would read softmax1, the sink 0: refuse
-        raise NotImplementedError("sinks on the cuda backend: not yet (the reference and cpu "
-                                  "backends have them)")
     if problem.normalizer in ("sigmoid", "softpick"):  # codes the kernels do not know
         raise NotImplementedError(f"normalizer={problem.normalizer!r} on the cuda backend: "
                                   "not yet (the reference and cpu backends have it)")
@@ -61,6 +59,8 @@ def device_problem(problem) -> SimpleNamespace:
         has_mask=mask is not None, has_bias=bias is not None, has_ks=logks is not None,
         dtype=np.dtype(dtype), out_dtype=out_dtype, lse_dtype=lse_dtype(out_dtype),
         on_device=problem.on_device, mods=mods_argument(problem, dtype),
+        sinks=cuda.to_device(np.ascontiguousarray(
+            np.zeros((1, 1)) if problem.sinks is None else problem.sinks, dtype)),
     )
 
 

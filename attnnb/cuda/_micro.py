@@ -635,9 +635,10 @@ def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
 
     @cuda.jit(device=True)
     def finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, lrow, normalizer,
-                    out, lse):
+                    out, lse, sink):
         """Reduce the partial sums ``l`` per row, write the thread's ``out`` values and
-        (first thread of a row) the row's ``lse``.  Every thread must call it."""
+        (first thread of a row) the row's ``lse``; ``sink``: the head's sink logit
+        (``softmax1``).  Every thread must call it."""
         row_reduce(red, rows, t, row0, key0, l, lrow, False)
         for r in range(TM):
             i = i0 + row0 + r
@@ -649,7 +650,7 @@ def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
                     col = col0 + e
                     if col < DV:
                         out[i, col] = finish_value(O[r * TO + e], m[r], lrow[r], row_lse,
-                                                   normalizer)
+                                                   normalizer, sink)
 
     @cuda.jit(device=True, inline="always")
     def begin_tile(q_bh, i0, scale):

@@ -158,13 +158,14 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
         return m + math.log(l)
 
     @cuda.jit(device=True)
-    def finish_value(x, m, l, lse, normalizer):
+    def finish_value(x, m, l, lse, normalizer, sink):
         """One output value ``x / Z`` of a finished row (``lse = map_lse(m, l)``).
 
         Empty rows (no allowed key, or weights summing to zero) get zeros;
         rows that met a NaN logit get NaN.  For ``softmax1``
-        ``Z = l + exp(-m)`` (the ``+1`` in units of ``exp(m)``); the LSE
-        excludes it.  ``x / Z`` is taken as ``(x / l) * sigmoid(lse)``,
+        ``Z = l + exp(sink - m)`` (the row's sink logit, 0 or learned, in units of
+        ``exp(m)``); the LSE excludes it.  ``x / Z`` is taken as ``(x / l) *
+        sigmoid(lse - sink)``,
         which neither overflows ``exp(-m)`` nor goes through a subnormal
         ``exp(m)`` for very negative logits.  A sum ``l`` below
         ``4 / finfo.max`` (where ``1 / l`` would overflow; the core's ``modify_value``
@@ -175,9 +176,9 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
             return NAN
         if l == ZERO or m == NINF:
             return ZERO
-        if normalizer == SOFTMAX1:  # 1 / (l + e^-m) = sigmoid(lse) / l, stably
-            # x / l first: sigmoid(lse) / l can be subnormal
-            return (x * (ONE / l)) * sigmoid(lse, ONE)
+        if normalizer == SOFTMAX1:  # 1 / (l + e^(sink - m)) = sigmoid(lse - sink) / l, stably
+            # x / l first: sigmoid(lse - sink) / l can be subnormal
+            return (x * (ONE / l)) * sigmoid(lse - sink, ONE)
         if l < L_MIN:
             return x / l
         return x * (ONE / l)

@@ -31,7 +31,8 @@ def build_dense(dtype, tiling, dropout=False, mods=None):
     code, the dropout's ``seed_lo, seed_hi, batch0, head0, threshold, keep``
     (:func:`attnnb.cuda._dropout.kernel_dropout`; read only by the ``dropout``
     build, a kernel of its own so that the others carry none of it),
-    ``out (B, Hq, Lq, Dv)``, ``lse (B, Hq, Lq)`` and ``mods`` (the mods' arrays,
+    ``out (B, Hq, Lq, Dv)``, ``lse (B, Hq, Lq)``, ``sinks`` (``(B or 1, Hq or 1)``
+    sink logits of ``softmax1``: learned, or a zero) and ``mods`` (the mods' arrays,
     :func:`attnnb.cuda._mods.mods_argument`; ``()`` without).
 
     With ``causal`` the sweep stops at the last key tile the block's last
@@ -40,7 +41,7 @@ def build_dense(dtype, tiling, dropout=False, mods=None):
     f = micro_functions(np.dtype(dtype), tiling, mods)
     BQ, BK = f.BQ, f.BK
     t_ = device_functions(np.dtype(dtype))
-    tiles_seen = t_.tiles_seen
+    tiles_seen, CAST, index = t_.tiles_seen, t_.CAST, t_.index
     block_tile, begin_tile, key_tile_logits = f.block_tile, f.begin_tile, f.key_tile_logits
     online_tile, finish_tile = f.online_tile, f.finish_tile
     TM, DROPOUT = f.TM, dropout
@@ -48,7 +49,7 @@ def build_dense(dtype, tiling, dropout=False, mods=None):
 
     def dense_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks,
                                causal, normalizer, seed_lo, seed_hi, batch0, head0, threshold,
-                               keep, out, lse, mods):
+                               keep, out, lse, sinks, mods):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
         (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
@@ -70,7 +71,8 @@ def build_dense(dtype, tiling, dropout=False, mods=None):
         if DROPOUT:
             scale_values(O, keep)
         finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
-                    out[b, h], lse[b, h])
+                    out[b, h], lse[b, h], CAST(sinks[index(b, sinks.shape[0]),
+                                                     index(h, sinks.shape[1])]))
 
     return dense_attention_kernel
 
@@ -95,7 +97,7 @@ def attention(problem):
         kernel[grid, tiling.threads](a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.has_bias,
                          a.mask, a.has_mask, a.logks, a.has_ks, problem.causal,
                          NORMALIZER_CODES[problem.normalizer],
-                         *kernel_dropout(problem, a.dtype), out, lse, a.mods)
+                         *kernel_dropout(problem, a.dtype), out, lse, a.sinks, a.mods)
     return finish(a, out, lse)
 
 
@@ -114,7 +116,7 @@ def ptx_signatures():
         return (arr4, arr4, arr4, ty, arr4, types.boolean, types.boolean[:, :, :, ::1],
                 types.boolean, ty[:, ::1], types.boolean, types.boolean, types.int64,
                 types.int64, types.int64, types.int64, types.int64, types.int64, ty, arr4,
-                ty[:, :, ::1], mods_type)
+                ty[:, :, ::1], ty[:, ::1], mods_type)
 
     def with_mods(**given):
         def build(dt, t):

@@ -735,13 +735,14 @@ def row_of(e, heads, lq):
 def build_row_terms(dtype):
     """Kernel, one thread per row: ``rowv[b, h] = (lse, r, delta)`` of a single stream.
 
-    ``r = 1`` (``sigmoid(lse)`` for ``softmax1``), ``delta = dout . out -
-    dlse / r``; empty rows (``lse = -inf``) get 0 for both.
+    ``r = 1`` (``sigmoid(lse - sink)`` for ``softmax1``, ``sinks (B or 1, H or 1)``),
+    ``delta = dout . out - dlse / r``; empty rows (``lse = -inf``) get 0 for both.
     """
     t_ = device_functions(np.dtype(dtype))
     CAST, ZERO, ONE, NINF, sigmoid = t_.CAST, t_.ZERO, t_.CAST(1), t_.NINF, t_.sigmoid
+    index = t_.index
 
-    def row_terms_kernel(out, dout, lse, dlse, has_dlse, normalizer, rowv):
+    def row_terms_kernel(out, dout, lse, dlse, has_dlse, normalizer, sinks, rowv):
         B, H, Lq = lse.shape
         e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if e >= B * H * Lq:
@@ -752,8 +753,9 @@ def build_row_terms(dtype):
         delta = ZERO
         if x != NINF:
             ratio = ONE
-            if normalizer == SOFTMAX1:
-                ratio = sigmoid(x, ONE)
+            if normalizer == SOFTMAX1:  # the head's sink logit: 0, or learned
+                ratio = sigmoid(x - CAST(sinks[index(b, sinks.shape[0]),
+                                               index(h, sinks.shape[1])]), ONE)
             for c in range(out.shape[3]):
                 delta += CAST(dout[b, h, i, c]) * CAST(out[b, h, i, c])
             if has_dlse:
@@ -1051,7 +1053,7 @@ def _single_piece(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_
     dlse_d = _on_device(dlse)
     _helper("row_terms", build_row_terms, dt)[grid, threads](
         _on_device(out), dout, _on_device(lse), dlse_d if dlse is not None else rowv,
-        dlse is not None, NORMALIZER_CODES[problem.normalizer], rowv)
+        dlse is not None, NORMALIZER_CODES[problem.normalizer], a.sinks, rowv)
     dq, dk, dv, dbias, dlogks = _sweep(problem, a, 1, rowv, dout, pattern=pattern,
                                        selection=selection, need_dbias=dbias_shape is not None,
                                        mod_grads=mod_grads)
@@ -1241,7 +1243,7 @@ def ptx_signatures():
         arr3, arr4 = ty[:, :, ::1], ty[:, :, :, ::1]
         name = np.dtype(dtype).name
         cases += [(f"backward row_terms {name}", build_row_terms(np.dtype(dtype)),
-                   (arr4, arr4, arr3, arr3, b_, types.int64, arr4)),
+                   (arr4, arr4, arr3, arr3, b_, types.int64, ty[:, ::1], arr4)),
                   (f"backward pair_rows {name}", build_pair_rows(np.dtype(dtype)),
                    (arr4, types.int64, arr4)),
                   (f"backward negated_row {name}", build_negated_row(np.dtype(dtype)),

@@ -33,13 +33,13 @@ def build_sparse(dtype, tiling, dropout=False, mods=None):
     its CSR ``indptr`` / ``indices``, the block layout's ``tile_ptr`` /
     ``tile_idx`` / ``tile_full``, the dropout's ``seed_lo, seed_hi, threshold,
     keep`` (read by the ``dropout`` build, as the dense kernel's), ``out``,
-    ``lse`` and ``mods`` (mask and score functions, as the dense kernel's: the mask
-    function is intersected with the pattern).
+    ``lse``, ``sinks`` and ``mods`` (as the dense kernel's: the mask function is
+    intersected with the pattern).
     """
     f = micro_functions(np.dtype(dtype), tiling, mods)
     BQ, BK = f.BQ, f.BK
     t_ = device_functions(np.dtype(dtype))
-    ONE = t_.CAST(1)
+    ONE, CAST, index = t_.CAST(1), t_.CAST, t_.index
     block_tile, begin_tile, stage_transposed = f.block_tile, f.begin_tile, f.stage_transposed
     tile_scores, modify_tile = f.tile_scores, f.modify_tile
     online_tile, finish_tile = f.online_tile, f.finish_tile
@@ -50,7 +50,7 @@ def build_sparse(dtype, tiling, dropout=False, mods=None):
     def sparse_attention_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer,
                                 p_heads, indptr, indices, tile_ptr, tile_idx, tile_full,
                                 seed_lo, seed_hi, batch0, head0, threshold, keep, out, lse,
-                                mods):
+                                sinks, mods):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
         (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
@@ -83,7 +83,8 @@ def build_sparse(dtype, tiling, dropout=False, mods=None):
         if DROPOUT:
             scale_values(O, keep)
         finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
-                    out[b, h], lse[b, h])
+                    out[b, h], lse[b, h], CAST(sinks[index(b, sinks.shape[0]),
+                                                     index(h, sinks.shape[1])]))
 
     return sparse_attention_kernel
 
@@ -110,7 +111,7 @@ def sparse_attention(problem, pattern):
         kernel[(B * Hq, (Lq + tiling.bq - 1) // tiling.bq), tiling.threads](
             a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.mask, a.logks, a.has_ks,
             NORMALIZER_CODES[problem.normalizer], pattern.n_heads, *dev,
-            *kernel_dropout(problem, a.dtype), out, lse, a.mods)
+            *kernel_dropout(problem, a.dtype), out, lse, a.sinks, a.mods)
     return finish(a, out, lse)
 
 
@@ -124,7 +125,7 @@ def ptx_signatures():
                 types.boolean, types.int64, types.int64, types.int64[::1], types.int32[::1],
                 types.int64[::1], types.int32[::1], types.boolean[::1], types.int64,
                 types.int64, types.int64, types.int64, types.int64, ty, arr4, ty[:, :, ::1],
-                types.Tuple(()))
+                ty[:, ::1], types.Tuple(()))
 
     return (ptx_cases("sparse", build_sparse, argtypes, 64, 64)
             + ptx_cases("sparse dropout", lambda dt, t: build_sparse(dt, t, True), argtypes,

@@ -49,7 +49,7 @@ def build_topk(dtype, tiling, dropout=False, mods=None):
     f = micro_functions(np.dtype(dtype), tiling, mods)
     nt, TM, TN, BQ, BK = f.nt, f.TM, f.TN, f.BQ, f.BK
     t_ = device_functions(np.dtype(dtype))
-    ONE, NINF, tiles_seen = t_.CAST(1), t_.NINF, t_.tiles_seen
+    ONE, ZERO, NINF, tiles_seen = t_.CAST(1), t_.ZERO, t_.NINF, t_.tiles_seen
     PINF = np.dtype(dtype).type(np.inf)
     block_tile, begin_tile, stage_transposed = f.block_tile, f.begin_tile, f.stage_transposed
     tile_scores, modify_tile = f.tile_scores, f.modify_tile
@@ -153,7 +153,7 @@ def build_topk(dtype, tiling, dropout=False, mods=None):
         if DROPOUT:
             scale_values(O, keep)
         finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, SOFTMAX,
-                    out[b, h], lse[b, h])
+                    out[b, h], lse[b, h], ZERO)
 
     return topk_attention_kernel
 
@@ -167,6 +167,9 @@ def topk_selection(problem, top_k, a=None):
     made (:func:`~attnnb.cuda._arrays.device_problem`).
     """
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
+    if problem.sinks is not None:  # the kernel's softmax has no sink
+        raise NotImplementedError("sinks in topk_attention on the cuda backend: not yet (the "
+                                  "reference and cpu backends have them)")
     a = device_problem(problem) if a is None else a
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)
     thr = cuda.device_array((B, Hq, Lq), a.dtype)

@@ -45,13 +45,41 @@ def test_cuda_dropout_gradients_equal_the_reference(rng, dtype, rtol):
                                    atol=rtol * np.abs(r[name]).max(), err_msg=name)
 
 
-def test_cuda_refuses_sinks_from_host_arrays(rng):
-    """Host arrays with backend="cuda": the sinks are refused, never run as softmax1."""
-    q = rng.standard_normal((1, 2, 5, 4))
-    with pytest.raises(NotImplementedError, match="sinks on the cuda backend"):
-        attnnb.attention(q, q, q, sinks=np.ones(2), backend="cuda")
-    with pytest.raises(NotImplementedError, match="sinks on the cuda backend"):
-        attnnb.topk_attention(q, q, q, 2, sinks=np.ones(2), backend="cuda")
+@pytest.mark.parametrize("function", ["attention", "sparse"])
+def test_cuda_sinks_equal_the_reference(rng, function):
+    """Learned sinks (a logit per head in the denominator): the reference's output, LSE
+    and every gradient, the sinks' too; device inputs take host sinks; top-k refuses
+    them by name (its kernel's softmax has no sink)."""
+    from attnnb import patterns
+
+    lq, lk = n(7), n(9)
+    q = rng.standard_normal((2, 2, lq, 4))
+    k = rng.standard_normal((2, 1, lk, 4))
+    v = rng.standard_normal((2, 1, lk, 3))
+    sinks = rng.standard_normal(2) * 2
+    if function == "sparse":
+        fn, args = attnnb.sparse_attention, (q, k, v, patterns.local((lq, lk), 3))
+    else:
+        fn, args = attnnb.attention, (q, k, v)
+    kw = dict(sinks=sinks, return_lse=True) | ({} if function == "sparse" else
+                                               dict(causal=True, dropout_p=0.25, seed=4))
+    (out, lse), pb = attnnb.vjp(fn, *args, backend="cuda", **kw)
+    (ref, ref_lse), pb_ref = attnnb.vjp(fn, *args, backend="reference", **kw)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
+    dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+    g, r = pb(dout, dlse), pb_ref(dout, dlse)
+    for name in r:
+        np.testing.assert_allclose(g[name], r[name], rtol=0,
+                                   atol=1e-11 * np.abs(r[name]).max(), err_msg=name)
+    if function == "attention":
+        from .common import host, to_device
+
+        on_device = attnnb.attention(*to_device(q, k, v), sinks=sinks, causal=True)
+        np.testing.assert_allclose(host(on_device), attnnb.attention(
+            q, k, v, sinks=sinks, causal=True, backend="reference"), rtol=0, atol=1e-12)
+    with pytest.raises(NotImplementedError, match="sinks in topk_attention on the cuda"):
+        attnnb.topk_attention(q, k, v, 2, sinks=sinks, backend="cuda")
 
 
 def test_cuda_sparse_and_topk_dropout_equal_the_reference(rng):
