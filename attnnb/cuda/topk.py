@@ -22,7 +22,7 @@ import numpy as np
 from numba import cuda
 
 from .. import _selection
-from .._codes import SOFTMAX
+from .._codes import NORMALIZER_CODES, SOFTMAX
 from ._arrays import device_problem, finish, outputs
 from ._dropout import kernel_dropout
 from ._micro import U32, kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
@@ -43,13 +43,16 @@ def build_topk(dtype, tiling, dropout=False, mods=None):
     dropout's ``seed_lo, seed_hi, batch0, head0, threshold, keep`` (read by the ``dropout``
     build: the kept keys' weights are dropped after the selection),
     ``out``, ``lse`` and the selection ``thr``, ``cut`` (``(B, Hq, Lq)``: each row's
-    threshold and tie cut, which the backward reuses) and ``mods`` (mask and score
-    functions, as the dense kernel's: rows rank the modified logits).
+    threshold and tie cut, which the backward reuses), the normalizer code
+    (``softmax``, or ``softmax1`` with learned sinks, which only the finish reads),
+    ``sinks`` (sink logits, as the dense kernel's) and ``mods``
+    (mask and score functions, as the dense kernel's: rows rank the modified logits).
     """
     f = micro_functions(np.dtype(dtype), tiling, mods)
     nt, TM, TN, BQ, BK = f.nt, f.TM, f.TN, f.BQ, f.BK
     t_ = device_functions(np.dtype(dtype))
-    ONE, ZERO, NINF, tiles_seen = t_.CAST(1), t_.ZERO, t_.NINF, t_.tiles_seen
+    ONE, NINF, tiles_seen = t_.CAST(1), t_.NINF, t_.tiles_seen
+    CAST, index = t_.CAST, t_.index
     PINF = np.dtype(dtype).type(np.inf)
     block_tile, begin_tile, stage_transposed = f.block_tile, f.begin_tile, f.stage_transposed
     tile_scores, modify_tile = f.tile_scores, f.modify_tile
@@ -101,7 +104,7 @@ def build_topk(dtype, tiling, dropout=False, mods=None):
 
     def topk_attention_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal,
                               top_k, qt0, R, buf, seed_lo, seed_hi, batch0, head0, threshold,
-                              keep, out, lse, thr_out, cut_out, mods):
+                              keep, out, lse, thr_out, cut_out, normalizer, sinks, mods):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], qt0)
         # F, the factors, is unused (softmax)
@@ -152,8 +155,9 @@ def build_topk(dtype, tiling, dropout=False, mods=None):
                         threshold if DROPOUT else 0)
         if DROPOUT:
             scale_values(O, keep)
-        finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, SOFTMAX,
-                    out[b, h], lse[b, h], ZERO)
+        sink = CAST(sinks[index(b, sinks.shape[0]), index(h, sinks.shape[1])])
+        finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
+                    out[b, h], lse[b, h], sink)
 
     return topk_attention_kernel
 
@@ -167,9 +171,6 @@ def topk_selection(problem, top_k, a=None):
     made (:func:`~attnnb.cuda._arrays.device_problem`).
     """
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
-    if problem.sinks is not None:  # the kernel's softmax has no sink
-        raise NotImplementedError("sinks in topk_attention on the cuda backend: not yet (the "
-                                  "reference and cpu backends have them)")
     a = device_problem(problem) if a is None else a
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)
     thr = cuda.device_array((B, Hq, Lq), a.dtype)
@@ -189,7 +190,8 @@ def topk_selection(problem, top_k, a=None):
             kernel[(B * Hq, min(chunk, n_qt - qt0)), tiling.threads](
                 a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.mask, a.has_mask, a.logks,
                 a.has_ks, problem.causal, int(top_k), qt0, R, buf,
-                *kernel_dropout(problem, a.dtype), out, lse, thr, cut, a.mods)
+                *kernel_dropout(problem, a.dtype), out, lse, thr, cut,
+                NORMALIZER_CODES[problem.normalizer], a.sinks, a.mods)
     return out, lse, thr, cut
 
 
@@ -209,7 +211,7 @@ def ptx_signatures():
         return (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], types.boolean,
                 ty[:, ::1], types.boolean, types.boolean, types.int64, types.int64, arr3, arr3,
                 types.int64, types.int64, types.int64, types.int64, types.int64, ty, arr4, arr3,
-                arr3, types.int64[:, :, ::1], types.Tuple(()))
+                arr3, types.int64[:, :, ::1], types.int64, ty[:, ::1], types.Tuple(()))
 
     return (ptx_cases("topk", build_topk, argtypes, 64, 64)
             + ptx_cases("topk dropout", lambda dt, t: build_topk(dt, t, True), argtypes,

@@ -45,11 +45,10 @@ def test_cuda_dropout_gradients_equal_the_reference(rng, dtype, rtol):
                                    atol=rtol * np.abs(r[name]).max(), err_msg=name)
 
 
-@pytest.mark.parametrize("function", ["attention", "sparse"])
+@pytest.mark.parametrize("function", ["attention", "sparse", "topk"])
 def test_cuda_sinks_equal_the_reference(rng, function):
     """Learned sinks (a logit per head in the denominator): the reference's output, LSE
-    and every gradient, the sinks' too; device inputs take host sinks; top-k refuses
-    them by name (its kernel's softmax has no sink)."""
+    and every gradient, the sinks' too; device inputs take host sinks."""
     from attnnb import patterns
 
     lq, lk = n(7), n(9)
@@ -59,10 +58,14 @@ def test_cuda_sinks_equal_the_reference(rng, function):
     sinks = rng.standard_normal(2) * 2
     if function == "sparse":
         fn, args = attnnb.sparse_attention, (q, k, v, patterns.local((lq, lk), 3))
+    elif function == "topk":
+        fn, args = attnnb.topk_attention, (q, k, v, 3)
     else:
         fn, args = attnnb.attention, (q, k, v)
     kw = dict(sinks=sinks, return_lse=True) | ({} if function == "sparse" else
                                                dict(causal=True, dropout_p=0.25, seed=4))
+    if function == "topk":
+        del kw["dropout_p"], kw["seed"]
     (out, lse), pb = attnnb.vjp(fn, *args, backend="cuda", **kw)
     (ref, ref_lse), pb_ref = attnnb.vjp(fn, *args, backend="reference", **kw)
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12)
@@ -78,8 +81,7 @@ def test_cuda_sinks_equal_the_reference(rng, function):
         on_device = attnnb.attention(*to_device(q, k, v), sinks=sinks, causal=True)
         np.testing.assert_allclose(host(on_device), attnnb.attention(
             q, k, v, sinks=sinks, causal=True, backend="reference"), rtol=0, atol=1e-12)
-    with pytest.raises(NotImplementedError, match="sinks in topk_attention on the cuda"):
-        attnnb.topk_attention(q, k, v, 2, sinks=sinks, backend="cuda")
+
 
 
 def test_cuda_sparse_and_topk_dropout_equal_the_reference(rng):
