@@ -93,11 +93,3 @@ def lambda_rows(lam, batch_shape, B, H, Lq, dtype):
     check_lam_values(arr)
     return np.ascontiguousarray(view.astype(dtype).reshape(B, H, Lq))
 
-
-def refuse_lazy_mods(mask_mod, score_mod) -> None:
-    """Dask arrays take mask and score functions in every function but
-    ``topk_attention`` so far (docs/contract.md §2.10)."""
-    if mask_mod is not None or score_mod is not None:
-        raise NotImplementedError("mask_mod and score_mod in topk_attention on Dask arrays: "
-                                  "not yet (compute the arrays, or call the function on each "
-                                  "block)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from . import _eager
 from ._dask import any_dask
 from ._dropout import refuse_lazy_dropout
-from ._function_args import refuse_lazy_mods
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
@@ -131,9 +130,9 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
         from ._dask.ops import topk_attention as lazy
 
         refuse_lazy_dropout(dropout_p)
-        refuse_lazy_mods(mask_mod, score_mod)
         return lazy(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size, scale=scale,
-                    return_lse=return_lse, sinks=sinks, backend=backend)
+                    return_lse=return_lse, sinks=sinks, mask_mod=mask_mod, score_mod=score_mod,
+                    backend=backend)
     return _eager.topk_attention(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size,
                                  scale=scale, return_lse=return_lse, dropout_p=dropout_p,
                                  seed=seed, sinks=sinks, mask_mod=mask_mod, score_mod=score_mod,

@@ -353,7 +353,7 @@ def test_dask_mods_see_the_calls_positions(backend):
 def test_dask_skips_blocks_the_mask_function_hides_and_refuses_the_rest():
     """Four documents of 16 in blocks of 16: only the diagonal blocks get a part (a task
     per block the function allows); a function that reads b refuses batch blocks that are
-    not consecutive; top-k and differential attention refuse mods."""
+    not consecutive; top-k selects across blocks by the modified logits."""
     da = pytest.importorskip("dask.array")
     rng = np.random.default_rng(22)
     q, k, v = qkv(rng, batch=(1,), hq=1, lq=64, lk=64, d=4)
@@ -368,8 +368,10 @@ def test_dask_skips_blocks_the_mask_function_hides_and_refuses_the_rest():
     with pytest.raises(NotImplementedError, match="reads b needs batch blocks"):
         attnnb.attention(x, x, x, mask_mod=_every_third_by_batch)
     attnnb.attention(x, x, x, mask_mod=mods.causal)  # (b not read: any blocks)
-    with pytest.raises(NotImplementedError, match="topk_attention on Dask"):
-        attnnb.topk_attention(*lazy, 2, mask_mod=docs)
+    for mask in (docs, mods.sliding_window(24)):  # one key block a query block; several
+        kw = dict(mask_mod=mask, score_mod=mods.softcap(2.0) + mods.alibi(np.array([0.1])))
+        assert_close(attnnb.topk_attention(*lazy, 5, **kw).compute(),
+                     attnnb.topk_attention(q, k, v, 5, backend="reference", **kw), np.float64)
 
 
 @pytest.mark.parametrize("mode", ["difference", "rectified"])

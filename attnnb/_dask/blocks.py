@@ -94,12 +94,14 @@ def sparse_part(q, k, v, key_size, pattern, *, where, heads, scale, normalizer, 
     return native(out, q), native(lse, q)
 
 
-def topk_solo(q, k, v, mask, key_size, *, top_k, limit, heads, scale, backend):
+def topk_solo(q, k, v, mask, key_size, *, top_k, limit, heads, scale, backend, mask_mod=None,
+              score_mod=None):
     """Top-k attention of a query block that sees one key block: the call itself."""
     k, v = key_heads(k, v, heads)
     mask, causal = restrict(mask, limit, q.shape[-2], k.shape[-2])
     out, lse = topk_attention(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size,
-                              scale=scale, return_lse=True, backend=backend)
+                              scale=scale, return_lse=True, backend=backend, mask_mod=mask_mod,
+                              score_mod=score_mod)
     return native(out, q), native(lse, q)
 
 

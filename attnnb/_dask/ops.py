@@ -384,15 +384,15 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, sinks=None, backend=None):
+                   return_lse=False, sinks=None, mask_mod=None, score_mod=None, backend=None):
     """:func:`attnnb.topk_attention` on Dask arrays: an exact, global selection."""
     return_lse = check_bool("return_lse", return_lse)
     top_k = check_top_k(top_k)
     causal = check_bool("causal", causal)
     c = Call("topk", q, k, v, mask=mask, key_size=key_size, sinks=sinks, scale=scale,
-             backend=backend, params=(top_k, causal))
+             backend=backend, params=(top_k, causal), mods=(mask_mod, score_mod))
     Lk = c.grid.shape[3]
-    visible = dense_blocks(c.grid.q_edges, c.grid.k_edges, causal)
+    visible = c.without_hidden(dense_blocks(c.grid.q_edges, c.grid.k_edges, causal))
     k_starts = c.grid.k_edges
     names = ("q", "k", "v", "mask", "key_size")
     for index in c.grid.query_blocks():
@@ -401,19 +401,22 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
             if top_k >= Lk or not row:  # every allowed key is kept: plain masked attention
                 parts = dense_parts(c, index, row, "softmax")
             else:
-                fn = partial(blocks.topk_solo, top_k=top_k, **c.common(index, row[0][1]))
+                fn = partial(blocks.topk_solo, top_k=top_k, **c.common(index, row[0][1]),
+                             **c.mods_at(index, row[0][0]))
                 parts = [c.part("part", index, row[0][0], fn, names)]
             c.lse_finish(index, parts, False)
             continue
         found = [c.part("candidates", index, kb,
                         partial(select.candidates, start=k_starts[kb], top_k=top_k,
-                                **c.common(index, spec, drop=("backend",))),
+                                **c.common(index, spec, drop=("backend",)),
+                                **c.mods_at(index, kb)),
                         ("q", "k", "mask", "key_size")) for kb, spec in row]
         merged = c.reduce("cmerge", index, found, partial(select.merge_candidates, top_k=top_k))
         chosen = c.graph.add("selection", c.position(index),
                              (partial(select.selection, top_k=top_k), merged))
         parts = [c.part("part", index, kb,
-                        partial(select.topk_part, start=k_starts[kb], **c.common(index, spec)),
+                        partial(select.topk_part, start=k_starts[kb], **c.common(index, spec),
+                                **c.mods_at(index, kb)),
                         names, chosen) for kb, spec in row]
         c.lse_finish(index, parts, False)
     return c.outputs(return_lse)

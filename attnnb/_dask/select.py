@@ -39,12 +39,15 @@ from .blocks import key_heads, namespace, native
 from .products import ordered_products
 
 
-def ranking_logits(q, k, mask, key_size, limit, scale):
-    """``x = (q * scale) @ k^T + log key_size``, ``-inf`` where not allowed; and the allowed set.
+def ranking_logits(q, k, mask, key_size, limit, scale, mask_mod=None, score_mod=None):
+    """``x = f((q * scale) @ k^T) + log key_size``, ``-inf`` where not allowed; and the
+    allowed set.
 
     ``q`` ``S + (Hq, nq, D)``, ``k`` ``S + (Hk, nk, D)`` (query head ``h`` reads
-    key head ``h // (Hq // Hk)``); returns ``x`` ``S + (Hq, nq, nk)`` in
-    ``q``'s dtype and the boolean allowed set (broadcastable to it).
+    key head ``h // (Hq // Hk)``); ``f`` the score function placed at the block (none:
+    the identity), and the mask function's pairs out of the allowed set; returns ``x``
+    ``S + (Hq, nq, nk)`` in ``q``'s dtype and the boolean allowed set (broadcastable
+    to it).
     """
     xp = namespace(q)
     *batch, hq, nq, d = q.shape
@@ -52,6 +55,8 @@ def ranking_logits(q, k, mask, key_size, limit, scale):
     qs = (q * q.dtype.type(scale)).reshape(*batch, hk, (hq // hk) * nq, d)
     kt = xp.broadcast_to(xp.swapaxes(k, -1, -2), (*batch, hk, d, nk))
     x = ordered_products(xp, qs, kt).reshape(*batch, hq, nq, nk)
+    if score_mod is not None or mask_mod is not None:
+        x, mask = _with_mods(xp, x, mask, mask_mod, score_mod)
     if key_size is not None:
         logs = xp.log(xp.asarray(key_size).astype(np.float64)).astype(q.dtype)
         x = x + xp.broadcast_to(logs, (*batch, nk))[..., None, None, :]
@@ -60,6 +65,22 @@ def ranking_logits(q, k, mask, key_size, limit, scale):
         mask = diagonal if mask is None else xp.logical_and(mask, diagonal)
     allowed = xp.ones((nq, nk), bool) if mask is None else xp.asarray(mask)
     return xp.where(allowed, x, -np.inf), allowed
+
+
+def _with_mods(xp, x, mask, mask_mod, score_mod):
+    """The block's logits through the score function and its mask through the mask
+    function (host float64 loops of :mod:`attnnb._mod_compile`, as the reference's)."""
+    from .._mod_compile import mask_values, score_values
+
+    shape = x.shape
+    flat = (int(np.prod(shape[:-3], dtype=np.int64)), *shape[-3:])
+    if score_mod is not None:
+        s, _ = score_values(score_mod, np.asarray(x, np.float64).reshape(flat), shape[-2])
+        x = xp.asarray(s.reshape(shape).astype(x.dtype))
+    if mask_mod is not None:
+        allowed = xp.asarray(mask_values(mask_mod, flat).reshape(shape))
+        mask = allowed if mask is None else xp.logical_and(mask, allowed)
+    return x, mask
 
 
 def _best(values, index, top_k):
@@ -80,10 +101,11 @@ def _best(values, index, top_k):
     return values[keep].reshape(shape), index[keep].reshape(shape)
 
 
-def candidates(q, k, mask, key_size, *, start, top_k, limit, heads, scale):
+def candidates(q, k, mask, key_size, *, start, top_k, limit, heads, scale, mask_mod=None,
+               score_mod=None):
     """Phase 1 on one key block: ``(values, key indices, nan rows)`` of its best keys."""
     k, _ = key_heads(k, None, heads)
-    x, _ = ranking_logits(q, k, mask, key_size, limit, scale)
+    x, _ = ranking_logits(q, k, mask, key_size, limit, scale, mask_mod, score_mod)
     xp = namespace(x)
     nan = xp.isnan(x).any(axis=-1)
     x = xp.where(xp.isnan(x), -np.inf, x)
@@ -116,10 +138,12 @@ def selection(merged, *, top_k):
     return kth, cut, nan
 
 
-def topk_part(q, k, v, mask, key_size, chosen, *, start, limit, heads, scale, backend):
-    """Phase 2 on one key block: ``(out, lse)`` of attention over the keys it keeps."""
+def topk_part(q, k, v, mask, key_size, chosen, *, start, limit, heads, scale, backend,
+              mask_mod=None, score_mod=None):
+    """Phase 2 on one key block: ``(out, lse)`` of attention over the keys it keeps (the
+    score function weighs them as it ranked them)."""
     k, v = key_heads(k, v, heads)
-    x, allowed = ranking_logits(q, k, mask, key_size, limit, scale)
+    x, allowed = ranking_logits(q, k, mask, key_size, limit, scale, mask_mod, score_mod)
     xp = namespace(x)
     thr, cut, nan = chosen
     index = xp.arange(start, start + x.shape[-1])
@@ -127,5 +151,5 @@ def topk_part(q, k, v, mask, key_size, chosen, *, start, limit, heads, scale, ba
     keep = (x > thr) | ((x == thr) & (index <= cut))
     keep = xp.where(nan[..., None], allowed, keep)
     out, lse = attention(q, k, v, mask=keep, key_size=key_size, scale=scale, return_lse=True,
-                         backend=backend)
+                         backend=backend, score_mod=score_mod)
     return native(out, q), native(lse, q)
