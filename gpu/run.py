@@ -25,11 +25,15 @@ forward + backward (``H / 2`` pairs of query and key heads of size D, values
 of ``2 D``, ``lam = 0.5``) at ``--diff-sizes`` and the first D: the
 difference mode through its two one-stream backwards (the default) and
 through the two-stream kernels (the alternative, off by default), against two SDPA
-calls (``o1 - lam o2``, then ``backward()``); (e) full results as JSON
-(``--out``) and the short tables printed last.  A time budget (``--budget``,
-default 7 minutes) stops starting new sizes so the run ends within 8 minutes; after
-the tests, each timing step may spend only its share of what is left (b: 45 %, c: 60 %
-of the rest, d: all of the rest), and the first size of every step runs whatever the
+calls (``o1 - lam o2``, then ``backward()``); (e) mask and score functions,
+forward + backward at ``--mods-sizes`` and the first D, causal: ALiBi as a
+constant ``mods.alibi`` against SDPA given the same logits as a float mask, and
+8 documents as ``mods.document`` against SDPA given them as a boolean mask;
+(f) full results as JSON (``--out``) and the short tables printed last.  A time
+budget (``--budget``, default 7 minutes) stops starting new sizes so the run ends
+within 8 minutes; after the tests, each timing step may spend only its share of what
+is left (b: 45 %, c: 60 % of the rest, d: 60 % of the rest, e: all of the rest), and
+the first size of every step runs whatever the
 clock says, so that a slow step never leaves a later one without a figure.
 """
 
@@ -65,6 +69,9 @@ def parse(argv):
     p.add_argument("--diff-sizes", default=None,
                    help="comma-separated N of the differential forward+backward timings "
                         "(default 4096; '' for none)")
+    p.add_argument("--mods-sizes", default=None,
+                   help="comma-separated N of the mask and score function timings (default "
+                        "4096; '' for none)")
     p.add_argument("--budget", type=float, default=420.0, help="seconds for everything")
     p.add_argument("--out", default=os.path.join(ROOT, "gpu", "out", "results.json"))
     args = p.parse_args(argv)
@@ -75,6 +82,7 @@ def parse(argv):
         args.flex_n = ""
         args.backward_sizes = "8" if args.backward_sizes is None else args.backward_sizes
         args.diff_sizes = "8" if args.diff_sizes is None else args.diff_sizes
+        args.mods_sizes = "16" if args.mods_sizes is None else args.mods_sizes
     args.sizes = [int(x) for x in (args.sizes or "1024,2048,4096,8192,16384").split(",")]
     args.dims = [int(x) for x in (args.dims or "64,128").split(",")]
     args.heads = args.heads or 16
@@ -83,6 +91,8 @@ def parse(argv):
     args.backward_sizes = [int(x) for x in raw.split(",") if x]
     raw = "4096" if args.diff_sizes is None else args.diff_sizes
     args.diff_sizes = [int(x) for x in raw.split(",") if x]
+    raw = "4096" if args.mods_sizes is None else args.mods_sizes
+    args.mods_sizes = [int(x) for x in raw.split(",") if x]
     return args
 
 
@@ -192,8 +202,10 @@ def step_deadline(args, started, share):
     return now + share * max(0.0, started + args.budget - now)
 
 
-def sweep(args, deadline, sizes, make, error, flop_factor, **extra) -> list[dict]:
-    """Time ``make(args, torch, n, d, causal)``'s candidates at every size until
+def sweep(args, deadline, sizes, make, error, flop_factor, causals=(False, True),
+          **extra) -> list[dict]:
+    """Time ``make(args, torch, n, d, causal)``'s candidates at every size (and each of
+    ``causals``) until
     ``deadline`` (a ``time.perf_counter()`` value; the first size always runs);
     ``error(ours, sdpa)`` compares their results; GFLOP/s count ``flop_factor`` times
     the forward's ``4 N^2 D H`` (half of it causal)."""
@@ -202,7 +214,7 @@ def sweep(args, deadline, sizes, make, error, flop_factor, **extra) -> list[dict
     timer = Timer(args.simulator_tiny)
     rows = []
     for d in args.dims:
-        for causal in (False, True):
+        for causal in causals:
             for n in sizes:
                 row = {"N": n, "H": args.heads, "D": d, "causal": causal, "dtype": "float32",
                        **extra}
@@ -361,6 +373,70 @@ def run_diff_timings(args, deadline) -> list[dict]:
                  **{"pass": "diff forward+backward"})
 
 
+def mods_candidates(kind):
+    """``make(args, torch, n, d, causal)`` for ``sweep``: attnnb with one mod (``kind``
+    ``"alibi"`` or ``"documents"``), forward + backward, against SDPA given the same
+    logits as a materialised float or boolean mask (causal in both)."""
+    def make(args, torch, n, d, causal):
+        import numpy as np
+
+        import attnnb
+        from attnnb import mods
+
+        dev = "cpu" if args.simulator_tiny else "cuda"
+        g = torch.Generator(device=dev).manual_seed(n * 1000 + d + 7)
+        shape = (1, args.heads, n, d)
+        q, k, v, dout = (torch.randn(shape, generator=g, device=dev, dtype=torch.float32)
+                         for _ in range(4))
+        dq, dk, dv, ddout = attnnb_inputs(args, q, k, v, dout)
+        i = torch.arange(n, device=dev)
+        allowed = i[None, :] <= i[:, None]
+        if kind == "alibi":
+            slopes = 2.0 ** -np.arange(1, args.heads + 1)
+            mod = dict(score_mod=mods.constant(mods.alibi(slopes)), causal=True)
+            bias = torch.as_tensor(slopes, device=dev, dtype=torch.float32)[:, None, None] * (
+                i[None, :] - i[:, None]).float()
+            mask = torch.where(allowed, bias, torch.tensor(float("-inf"), device=dev))
+        else:
+            ids = np.arange(n) * 8 // n
+            mod = dict(mask_mod=mods.document(ids) & mods.causal)
+            same = torch.as_tensor(ids, device=dev)
+            mask = allowed & (same[:, None] == same[None, :])
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        F = torch.nn.functional
+
+        def ours():
+            _, pullback = attnnb.vjp(attnnb.attention, dq, dk, dv, backend="cuda", **mod)
+            return pullback(ddout)
+
+        def theirs():
+            for x in leaves:
+                x.grad = None
+            F.scaled_dot_product_attention(*leaves, attn_mask=mask).backward(dout)
+            return {name: x.grad for name, x in zip("qkv", leaves, strict=True)}
+
+        return {"attnnb-cuda": ours, "torch-sdpa": theirs}
+    return make
+
+
+def run_mods_timings(args, deadline) -> list[dict]:
+    """(e): ALiBi and 8 documents, forward + backward at ``--mods-sizes``, the first D,
+    causal only (the candidates build their own causal limit)."""
+    import torch
+
+    plain_float32(args, torch)
+
+    def error(ours, theirs, torch):
+        return max(max_rel_error(to_host(ours[x]), theirs[x], torch) for x in "qkv")
+
+    one_d = argparse.Namespace(**{**vars(args), "dims": args.dims[:1]})
+    rows = []
+    for kind in ("alibi", "documents"):
+        rows += sweep(one_d, deadline, args.mods_sizes, mods_candidates(kind), error, 3.5,
+                      causals=(True,), **{"pass": f"{kind} forward+backward"})
+    return rows
+
+
 def device_info(simulator) -> dict:
     info = {"python": platform.python_version(), "simulator": simulator}
     try:
@@ -410,7 +486,8 @@ def main(argv=None) -> int:
     result["tests"] = None if args.skip_tests else run_tests(args)
     result["timings"] = run_timings(args, step_deadline(args, started, 0.45))
     result["backward_timings"] = run_backward_timings(args, step_deadline(args, started, 0.6))
-    result["diff_timings"] = run_diff_timings(args, step_deadline(args, started, 1.0))
+    result["diff_timings"] = run_diff_timings(args, step_deadline(args, started, 0.6))
+    result["mods_timings"] = run_mods_timings(args, step_deadline(args, started, 1.0))
     result["seconds"] = round(time.perf_counter() - started, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
@@ -431,7 +508,12 @@ def main(argv=None) -> int:
                 print(f"N = {r['N']}, causal {r['causal']}: through the two-stream kernels "
                       f"{r['attnnb-cuda-two-streams_ms']:.3f} ms, max err "
                       f"{r['attnnb-cuda-two-streams_max_rel_err_vs_sdpa']:.1e}")
-    timed = result["timings"] + result["backward_timings"] + result["diff_timings"]
+    if result["mods_timings"]:
+        print("\nALiBi (score function) and 8 documents (mask function), forward + backward, "
+              "against SDPA with the materialised mask (rows: alibi, then documents):")
+        print(table(result["mods_timings"]))
+    timed = (result["timings"] + result["backward_timings"] + result["diff_timings"]
+             + result["mods_timings"])
     failed = (result["tests"] or {}).get("returncode", 0) != 0
     failed |= any("error" in r for r in timed)
     return 1 if failed else 0
