@@ -259,16 +259,15 @@ def attnnb_inputs(args, *tensors):
     return tuple(cuda.to_device(x.numpy()) for x in tensors)
 
 
-def backward_candidates(args, torch, n, d, causal):
-    """``{label: callable}`` running forward + backward, and a gradient check's inputs.
-
-    attnnb: ``vjp`` then the pullback (device inputs, device gradients);
-    torch: SDPA on tensors that require grad, then ``backward()``.
-    """
+def backward_pair(args, torch, n, d, seed, ours_kw, theirs_kw):
+    """``{label: callable}`` running forward + backward on the same random inputs
+    ``(1, H, n, d)``: attnnb's ``vjp`` then the pullback with ``ours_kw`` (device inputs,
+    device gradients), SDPA on tensors that require grad with ``theirs_kw``, then
+    ``backward()``."""
     import attnnb
 
     dev = "cpu" if args.simulator_tiny else "cuda"
-    g = torch.Generator(device=dev).manual_seed(n * 1000 + d + 1)
+    g = torch.Generator(device=dev).manual_seed(seed)
     shape = (1, args.heads, n, d)
     q, k, v, dout = (torch.randn(shape, generator=g, device=dev, dtype=torch.float32)
                      for _ in range(4))
@@ -277,16 +276,22 @@ def backward_candidates(args, torch, n, d, causal):
     F = torch.nn.functional
 
     def ours():
-        _, pullback = attnnb.vjp(attnnb.attention, dq, dk, dv, causal=causal, backend="cuda")
+        _, pullback = attnnb.vjp(attnnb.attention, dq, dk, dv, backend="cuda", **ours_kw)
         return pullback(ddout)
 
     def theirs():
         for x in leaves:
             x.grad = None
-        F.scaled_dot_product_attention(*leaves, is_causal=causal).backward(dout)
+        F.scaled_dot_product_attention(*leaves, **theirs_kw).backward(dout)
         return {name: x.grad for name, x in zip("qkv", leaves, strict=True)}
 
     return {"attnnb-cuda": ours, "torch-sdpa": theirs}
+
+
+def backward_candidates(args, torch, n, d, causal):
+    """Dense attention forward + backward (:func:`backward_pair`)."""
+    return backward_pair(args, torch, n, d, n * 1000 + d + 1, dict(causal=causal),
+                         dict(is_causal=causal))
 
 
 def plain_float32(args, torch):
@@ -380,15 +385,9 @@ def mods_candidates(kind):
     def make(args, torch, n, d, causal):
         import numpy as np
 
-        import attnnb
         from attnnb import mods
 
         dev = "cpu" if args.simulator_tiny else "cuda"
-        g = torch.Generator(device=dev).manual_seed(n * 1000 + d + 7)
-        shape = (1, args.heads, n, d)
-        q, k, v, dout = (torch.randn(shape, generator=g, device=dev, dtype=torch.float32)
-                         for _ in range(4))
-        dq, dk, dv, ddout = attnnb_inputs(args, q, k, v, dout)
         i = torch.arange(n, device=dev)
         allowed = i[None, :] <= i[:, None]
         if kind == "alibi":
@@ -402,20 +401,7 @@ def mods_candidates(kind):
             mod = dict(mask_mod=mods.document(ids) & mods.causal)
             same = torch.as_tensor(ids, device=dev)
             mask = allowed & (same[:, None] == same[None, :])
-        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-        F = torch.nn.functional
-
-        def ours():
-            _, pullback = attnnb.vjp(attnnb.attention, dq, dk, dv, backend="cuda", **mod)
-            return pullback(ddout)
-
-        def theirs():
-            for x in leaves:
-                x.grad = None
-            F.scaled_dot_product_attention(*leaves, attn_mask=mask).backward(dout)
-            return {name: x.grad for name, x in zip("qkv", leaves, strict=True)}
-
-        return {"attnnb-cuda": ours, "torch-sdpa": theirs}
+        return backward_pair(args, torch, n, d, n * 1000 + d + 7, mod, dict(attn_mask=mask))
     return make
 
 
