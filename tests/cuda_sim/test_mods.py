@@ -121,6 +121,7 @@ def test_cuda_score_array_gradients_equal_the_reference(rng, dtype):
         + mods.score_mod(_key_shift, rng.standard_normal((2, lk)),
                          grad_arrays=_key_shift_da)
         + mods.forgetting(-np.abs(rng.standard_normal((2, lk)))))
+    mods.check(score, shape=(2, 2, lq, lk))  # the user's grad_arrays: central differences
     kw = dict(score_mod=score, mask_mod=mods.causal, bias=rng.standard_normal((lq, lk)))
     dout = rng.standard_normal((2, 2, lq, 3))
     runs = []
