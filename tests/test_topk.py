@@ -9,7 +9,7 @@ import attnnb
 
 from .helpers import HOST_BACKENDS, assert_close, from_jit
 
-GRAD_RTOL = {np.float64: 1e-12, np.float32: 1e-4}  # as tests/test_grad_cpu.py
+GRAD_RTOL = {np.float64: 1e-12, np.float32: 1e-4}  # as tests/grad/test_cpu.py
 
 
 def sorted_topk(q, k, v, top_k, mask=None, causal=False, key_size=None, scale=1.0):

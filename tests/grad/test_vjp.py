@@ -2,7 +2,7 @@
 
 Shapes, dtypes, broadcast summing, 2-D inputs, errors, repeated and threaded
 pullbacks, and the LSE cotangent.  The values themselves are checked against
-finite differences in test_grad_reference.py.  Every call uses the
+finite differences in test_reference.py.  Every call uses the
 ``reference`` backend: it is the one with a backward pass so far.
 """
 
@@ -19,7 +19,7 @@ import attnnb
 from attnnb import _dispatch, patterns
 
 REF = "reference"
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def qkv(rng, batch=(2,), hq=2, hk=None, lq=4, lk=5, d=3, dv=2, dtype=np.float64):

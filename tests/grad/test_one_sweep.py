@@ -5,7 +5,7 @@ From ``B * Hk >= ONE_SWEEP_TASKS`` the cpu backward forms ``dq``, ``dk`` and
 key tile and a ``dq`` sweep per query tile.  Both recompute every pair's
 weights with the same shared code and add ``dq``'s terms in key-tile order,
 so the two paths must give the same bits for every option; the two-sweep
-path is tested against the reference in test_grad_cpu.py, and the one-sweep
+path is tested against the reference in test_cpu.py, and the one-sweep
 path against it again here.
 """
 
