@@ -26,7 +26,7 @@ import attnnb  # noqa: E402
 import attnnb.jax as ajax  # noqa: E402
 from attnnb import _dispatch, patterns  # noqa: E402
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 REF = "reference"
 Lq, Lk, D = 5, 7, 4
 

@@ -462,7 +462,7 @@ def test_readme_torch_block_runs(monkeypatch):
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     match = re.search(r"<!-- usage:torch -->\n```python\n(.*?)```\n<!-- /usage:torch -->",
                       text, re.S)
     assert match, "README has no usage:torch block"
