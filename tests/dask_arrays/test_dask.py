@@ -372,7 +372,7 @@ def started_twice(token, dask_scheduler):
 
 
 def test_readme_dask_block_runs():
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     match = re.search(r"<!-- usage:dask -->\n```python\n(.*?)```\n<!-- /usage:dask -->", text,
                       re.S)
     assert match, "README has no usage:dask block"
