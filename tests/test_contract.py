@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import attnnb
+from attnnb._validate import attention_problem
 
 from .helpers import HOST_BACKENDS, assert_close, qkv
 
@@ -41,6 +42,14 @@ def test_non_float_inputs_are_type_errors(data, which, dtype):
 def test_ragged_list_is_type_error():
     with raises(TypeError, "q"):
         attnnb.attention([[1.0, 2.0], [3.0]], np.ones((2, 2)), np.ones((2, 2)))
+
+
+@pytest.mark.parametrize("name", ["mask", "bias", "key_size"])
+def test_ragged_lists_name_the_argument(name):
+    q = np.zeros((2, 3, 4))
+    value = [[True, False], [True]] if name == "mask" else [[1.0, 2.0], [1.0]]
+    with pytest.raises(TypeError, match=f"^{name} could not be read"):
+        attnnb.attention(q, q, q, backend="reference", **{name: value})
 
 
 def test_lists_are_accepted(data):
@@ -89,6 +98,27 @@ def test_unbroadcastable_options(data, name, shape):
     value = np.ones(shape, dtype=bool if name == "mask" else float)
     with raises(ValueError, name, str(shape), "broadcast"):
         attnnb.attention(*data, **{name: value})
+
+
+def test_bias_and_mask_of_two_batch_axes_copy_the_batch_axes_only():
+    rng = np.random.default_rng(0)
+    B1, B2, H, L, D = 2, 8, 4, 32, 8
+    q = rng.standard_normal((B1, B2, H, L, D))
+    bias = rng.standard_normal((B1, 1, 1, L, L))
+    mask = rng.random((1, B2, 1, L, L)) > 0.3
+    problem = attention_problem(q, q, q, bias=bias, mask=mask)
+    for canonical, user in ((problem.bias, bias), (problem.mask, mask)):
+        held = canonical.base if canonical.base is not None else canonical
+        while getattr(held, "base", None) is not None:
+            held = held.base
+        assert held.nbytes <= B1 * B2 * L * L * user.itemsize  # never the heads
+        np.testing.assert_array_equal(
+            canonical, np.broadcast_to(user, (B1, B2, H, L, L)).reshape(B1 * B2, H, L, L))
+    got = attnnb.attention(q, q, q, bias=bias, mask=mask, backend="reference")
+    want = attnnb.attention(q, q, q, bias=np.broadcast_to(bias, (B1, B2, H, L, L)).copy(),
+                            mask=np.broadcast_to(mask, (B1, B2, H, L, L)).copy(),
+                            backend="reference")
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("size", [0.0, -1.0, np.nan])
@@ -209,6 +239,15 @@ def test_torch_cpu_tensors(rng):
     sdpa = torch.nn.functional.scaled_dot_product_attention(
         tq, tk.repeat_interleave(2, dim=1), tv.repeat_interleave(2, dim=1), attn_mask=mask)
     assert_close(want, sdpa.numpy(), np.float32)
+
+
+def test_masked_arrays_with_masked_entries_are_refused():
+    v = np.ma.masked_array(np.ones((5, 3)), mask=np.zeros((5, 3), bool))
+    q = np.zeros((2, 3))
+    assert attnnb.attention(q, np.ones((5, 3)), v, backend="reference").shape == (2, 3)
+    v[2] = np.ma.masked
+    with pytest.raises(TypeError, match="^v is a masked array"):
+        attnnb.attention(q, np.ones((5, 3)), v, backend="reference")
 
 
 # ------------------------------------------------------------------ non-finite values

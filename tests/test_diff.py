@@ -360,6 +360,13 @@ def test_subln(rng):
         subln(np.ones(3, int), lambda_init=init)
 
 
+def test_subln_weight_never_grows_the_result():
+    x = np.ones(8)
+    with pytest.raises(ValueError, match="weight of shape"):
+        subln(x, np.ones((5, 8)), lambda_init=0.2)
+    assert subln(np.ones((3, 8)), np.ones(8), lambda_init=0.2).shape == (3, 8)
+
+
 def test_concurrent_calls_from_threads(rng):
     from concurrent.futures import ThreadPoolExecutor
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import attnnb
-from attnnb import tome
+from attnnb import diff, patterns, tome
 
 from .helpers import qkv, randn
 
@@ -105,6 +105,16 @@ def test_diff_attention_nonfinite_lam_says_where(rng):
     with pytest.raises(ValueError, match=r"lam must be finite.*inf .*scalar"):
         attnnb.diff_attention(q, k, v, np.inf, backend="reference")
     _assert_unchanged((q, k, v, lam), before)
+
+
+def test_lam_lambda_init_and_seed_errors_name_the_argument():
+    q = np.zeros((1, 2, 3, 4))
+    with pytest.raises(TypeError, match="^lam could not be read"):
+        attnnb.diff_attention(q, q, q[:, :1], [[0.1, 0.2], [0.1]], backend="reference")
+    with pytest.raises(TypeError, match="lambda_init must be a number"):
+        diff.subln(q, lambda_init=[0.1, 0.2])
+    with pytest.raises(TypeError, match="seed must be"):
+        patterns.bigbird(8, 2, 0, 1, 1, seed="x")
 
 
 @pytest.mark.parametrize("fn", ["attention", "topk_attention", "diff_attention"])

@@ -238,6 +238,36 @@ def test_validation_errors():
         _ = P.from_mask(np.ones((2, 3, 3), bool)) | P.from_mask(np.ones((3, 3, 3), bool))
 
 
+def test_pattern_leaves_the_callers_arrays_writeable():
+    indptr = np.array([0, 1, 3], np.int64)
+    indices = np.array([0, 0, 1], np.int32)
+    pattern = P.Pattern(indptr, indices, (2, 2))
+    assert indptr.flags.writeable and indices.flags.writeable
+    indptr[0] = 0  # still the caller's to write
+    assert not pattern.indptr.flags.writeable and not pattern.indices.flags.writeable
+
+
+def test_pattern_refuses_keys_that_int32_would_wrap():
+    with pytest.raises(ValueError, match=r"indices must lie in \[0, Lk\)"):
+        P.Pattern(np.array([0, 1]), np.array([2**32 + 1], np.int64), (1, 4))
+
+
+@pytest.mark.parametrize("tokens", [np.array([False, False, False, False, True]), [1.7], ["a"]])
+def test_longformer_global_tokens_must_be_integer_positions(tokens):
+    with pytest.raises(TypeError, match="global_tokens"):
+        P.longformer(5, 1, tokens)
+
+
+@pytest.mark.parametrize("builder", [lambda c: P.local(5, 1, causal=c),
+                                     lambda c: P.strided(5, 2, causal=c),
+                                     lambda c: P.fixed(6, 3, 1, causal=c),
+                                     lambda c: P.dilated(6, 2, 2, causal=c)])
+@pytest.mark.parametrize("value", [None, 1, "yes"])
+def test_builders_take_a_real_bool_for_causal(builder, value):
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        builder(value)
+
+
 def test_empty_and_degenerate():
     check(P.local(0, 3), np.zeros((0, 0), bool))
     check(P.local((0, 5), 3), np.zeros((0, 5), bool))

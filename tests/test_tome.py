@@ -510,6 +510,20 @@ def test_merge_wavg_accepts_a_merge_function(rng):
         np.testing.assert_array_equal(u, v)
 
 
+def test_merge_wavg_takes_integer_counts():
+    rng = np.random.default_rng(1)
+    matching = tome.bipartite_soft_matching(rng.standard_normal((1, 6, 3)), 2)
+    x = rng.standard_normal((1, 6, 4))
+    counts = rng.integers(1, 4, (1, 6, 1))
+    got = tome.merge_wavg(matching, x, counts)
+    want = tome.merge_wavg(matching, x, counts.astype(np.float64))
+    for g, w in zip(got, want):
+        assert g.dtype == np.float64
+        np.testing.assert_array_equal(g, w)
+    with pytest.raises(TypeError):
+        tome.merge_wavg(matching, x, np.ones((1, 6, 1), bool))
+
+
 @pytest.mark.parametrize("backend", HOST_BACKENDS)
 def test_merge_source(rng, backend):
     B, N = 2, 15

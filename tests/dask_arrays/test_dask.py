@@ -298,6 +298,19 @@ def test_bad_arguments_are_refused_before_any_work(rng):
             *chunked(data(rng, DIFF_SHAPES), DIFF_CHUNKINGS["keys"]).values(), lam))
 
 
+def test_dask_arrays_of_unknown_chunk_sizes_are_refused():
+    da = pytest.importorskip("dask.array")
+    rng = np.random.default_rng(2)
+    q = da.from_array(rng.standard_normal((6, 4)), chunks=(3, 4))
+    unknown = q[q[:, 0] > -100]  # chunks ((nan, nan), (4,))
+    k, v = rng.standard_normal((7, 4)), rng.standard_normal((7, 3))
+    with pytest.raises(ValueError, match=r"q has chunks of unknown size.*compute_chunk_sizes"):
+        attnnb.attention(unknown, k, v, causal=True, backend="reference")
+    known = unknown.compute_chunk_sizes()
+    np.testing.assert_allclose(attnnb.attention(known, k, v, backend="reference").compute(),
+                               attnnb.attention(q.compute(), k, v, backend="reference"))
+
+
 def test_combine_stays_lazy_on_dask_arrays(rng):
     o = [da.from_array(rng.standard_normal((4, 3)), chunks=2) for _ in range(2)]
     s = [da.from_array(rng.standard_normal(4), chunks=2) for _ in range(2)]
