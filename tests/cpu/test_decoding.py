@@ -19,8 +19,8 @@ import attnnb
 from attnnb.cpu._blocks import ROWS
 from attnnb.cpu._splits import LOCAL_TILE_ROWS, key_splits
 
-from .helpers import qkv
-from .test_attention import compare_backends
+from ..helpers import qkv
+from ..test_attention import compare_backends
 
 LK = 600  # ten key tiles: two or more splits for the shapes below
 

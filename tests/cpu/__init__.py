@@ -1,0 +1,1 @@
+"""Tests of the cpu backend's internals, mirroring attnnb/cpu."""
