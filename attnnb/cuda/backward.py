@@ -60,15 +60,11 @@ forms its rows' keys per tile (:mod:`attnnb.cuda._dropout`) and
 weights that reach ``dV`` to ``z w``; the key sizes' term stays ``w g``.
 
 Each kernel has its own :class:`~attnnb.cuda._micro.Tiling`
-(:func:`backward_tiling`; the tile lists are built for each).  Threads and
-micro-tiles are the forward's (``(ty, tx)``: rows ``ty * TM``,
-keys ``tx * TN``): ``S`` and ``dP`` micro-tiles in registers, the products
-``dO V^T``, ``W^T dO``, ``dS^T Q`` and ``dS K`` through the core's
-:func:`micro_product` on tiles staged in shared memory (transposed for the
-score-like products, row-major for the others).  In the key-tile kernel
-thread ``(ty, tx)`` owns keys ``tx * TN ... + TN`` (the same keys as its
-scores) and columns ``ty * TDK`` of ``dK`` / ``ty * TVK`` of ``dV``; in the
-query-tile kernel rows ``ty * TM`` and columns ``tx * TD`` of ``dQ``.
+(:func:`~attnnb.cuda._backward_tiling.backward_tiling`, which also says which
+thread owns what; the tile lists are built for each): ``S`` and ``dP``
+micro-tiles in registers, the products ``dO V^T``, ``W^T dO``, ``dS^T Q`` and
+``dS K`` through the core's :func:`micro_product` on tiles staged in shared
+memory (transposed for the score-like products, row-major for the others).
 
 Dense, causal and sparse problems all walk tile lists (a dense problem's
 are every key tile up to the causal limit); a sparse partial tile's mask
@@ -93,6 +89,16 @@ from .._device import device_view
 from .._mod_compile import sum_param_grads
 from ..patterns import BlockLayout
 from ._arrays import device_problem
+from ._backward_tiling import (
+    KNOWN_GATE_FAILURES,
+    backward_tiling,
+    dkdv_parts,
+    dq_parts,
+    geometry,
+    key_tile_layout,
+    part_offsets,
+    round_up4,
+)
 from ._dropout import column_word, kept, kernel_dropout, row_key
 from ._micro import (
     ALIGN,
@@ -102,7 +108,6 @@ from ._micro import (
     kernel_label,
     micro_functions,
     tiled_kernel,
-    tiling_for,
 )
 from ._mods import device_mods, gradient_buffers, has_mods, parameter_gradients
 from ._tiles import cached_kernel, device_functions, key_tiles_seen
@@ -110,80 +115,6 @@ from ._tiles import cached_kernel, device_functions, key_tiles_seen
 ROW_THREADS = 128  # threads per block of the one-thread-per-element helper kernels
 
 
-def _up4(n: int) -> int:
-    return -(-n // 4) * 4
-
-
-def geometry(t: Tiling) -> dict:
-    """Derived sizes of the backward kernels for a tiling (see the module notes)."""
-    nx, ny = t.bk // t.tn, t.bq // t.tm
-    td, tdk, tvk = -(-t.d // nx), -(-t.d // ny), -(-t.dv // ny)
-    return dict(NX=nx, NY=ny, DV4=_up4(t.dv), TD=td, DQP=td * nx, TDK=tdk, DKP=tdk * ny,
-                TVK=tvk, DVKP=tvk * ny)
-
-
-def dq_parts(t: Tiling) -> tuple[int, ...]:
-    """Shared lengths of the query-tile kernel: ``Qt, dOt, KV, Vt, dSt, red, rows, flag``."""
-    g = geometry(t)
-    s = t.streams
-    kv = _up4(max(t.dp * t.bk, t.bk * g["DQP"]))
-    return (s * t.dp * t.bq, g["DV4"] * t.bq, s * kv, g["DV4"] * t.bk, s * _up4(t.bk * t.bq),
-            _up4(t.bq * g["NX"]), _up4(t.bq), 4)
-
-
-def key_tile_layout(t: Tiling) -> Tiling:
-    """The tiling the key-tile kernel is laid out with: one stream's ``d < Dv <= 128`` as
-    ``d = Dv`` (the score depth and the ``dK`` columns padded with zeros).
-
-    At ``d = 64, Dv = 128`` every tiling of the unpadded kernel needs 142 registers or
-    more, the padded one 125 (gpu/RESULTS.md): the padding's flops buy the register
-    tiling.  Measured there only; a small ``d`` pays more (``d = 16, Dv = 128``: 8x
-    the kernel's score work).
-    """
-    if t.streams == 1 and t.d < t.dv <= 128:
-        return t._replace(d=t.dv)
-    return t
-
-
-def dkdv_parts(t: Tiling) -> tuple[int, ...]:
-    """Shared lengths of the key-tile kernel: ``Kt, Vt, QQ, OO, Wt, dS, X``."""
-    t = key_tile_layout(t)
-    g = geometry(t)
-    s = t.streams
-    qq = _up4(max(t.dp * t.bq, t.bq * g["DKP"]))
-    oo = _up4(max(g["DV4"] * t.bq, t.bq * g["DVKP"]))
-    tile = _up4(t.bq * t.bk)
-    return (s * t.dp * t.bk, g["DV4"] * t.bk, s * qq, oo, tile, s * tile, tile)
-
-
-# production tiles by the largest head size (float32 on sm_90, see gpu/RESULTS.md), shrunk
-# to fit 48 KiB by tiling_for: the query-tile kernel keeps TM x TD of dQ per thread, the
-# key-tile kernel TN keys of dK and dV (at D <= 64 a taller query tile, one key a thread:
-# no spill; at D <= 128 16-row query tiles and two keys a thread, whose small Q and dO
-# tiles leave room for more keys: at D = 128 16 x 16, 4.2 FMA per shared load against
-# 3.3 for 32 x 8 of 2 x 1; at D = 80 126 registers against 153)
-_PRODUCTION = {
-    "dq": ((64, (32, 64, 2, 4)), (128, (32, 32, 2, 1))),
-    "dkdv": ((64, (64, 32, 4, 1)), (128, (16, 32, 1, 2))),
-}
-# one stream with d < Dv <= 128 (the differential pair's streams: d = 64, Dv = 128): the query-tile
-# kernel's 32 x 16 of 2 x 2 takes 127 registers there (128 with the pair's delta sweep)
-# against 168 for the D <= 128 tiles
-_PRODUCTION_NARROW_D = dict(_PRODUCTION, dq=((64, (32, 64, 2, 4)), (128, (32, 16, 2, 2))))
-# two score streams (rectified differential attention): no tiling of the key-tile kernel meets the
-# gate at d = 64, Dv = 128 (16 x 16 of 1 x 2: 213 registers), so it keeps 32 x 8 of 2 x 1
-_PRODUCTION_TWO_STREAMS = dict(_PRODUCTION, dkdv=((64, (64, 32, 4, 1)), (128, (32, 32, 2, 1))))
-# float32 kernels that do not meet the register-tiling gate yet, and why (the gate reports
-# them as known failures; gpu/RESULTS.md has their figures)
-KNOWN_GATE_FAILURES = {
-    "backward two-stream dq float32 d=64": "more than 128 registers and fewer than 4 FMA per "
-                                           "shared load: two score streams (not the default "
-                                           "route of either mode)",
-    "backward two-stream dkdv float32 d=64": "more than 128 registers and fewer than 4 FMA "
-                                             "per shared load: two score streams, Dv = 128 "
-                                             "(not the default route of either mode)",
-}
-_PARTS = {"dq": dq_parts, "dkdv": dkdv_parts}
 # the difference mode through the two-stream kernels instead of two pair streams: the
 # other design, kept (and tested) so that a GPU run can time the two against each other
 # (gpu/run.py); the pair streams pass the register gate, the two-stream kernels do not
@@ -191,24 +122,6 @@ DIFFERENCE_TWO_STREAMS = False
 # the rectified mode through the two-stream kernels (which form the clip themselves) instead
 # of two clipped pair streams: kept, tested and timed the same way
 RECTIFIED_TWO_STREAMS = False
-
-
-def backward_tiling(dtype, d: int, dv: int, streams: int = 1, kernel: str = "dq") -> Tiling:
-    """The tiling of one backward kernel (``"dq"`` or ``"dkdv"``) for a compute dtype and
-    head sizes."""
-    parts = _PARTS[kernel]
-    production = (_PRODUCTION_TWO_STREAMS if streams == 2 else
-                  _PRODUCTION_NARROW_D if d < dv <= 128 else _PRODUCTION)[kernel]
-    return tiling_for(dtype, d, dv, streams, elements=lambda t: sum(parts(t)),
-                      production=production)
-
-
-def _offsets(parts):
-    out, at = [], 0
-    for n in parts:
-        out.append(at)
-        at += n
-    return out, at
 
 
 PAIR_VARIANTS = ("stream0", "stream1", "clipped0", "clipped1")
@@ -240,7 +153,7 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
     # key tiles start at multiples of BK: with BK dividing 32, a tile's keys share a clip word
     ONE_WORD = 32 % tiling.bk == 0
     SCORE_FN = f.SCORE_FN
-    dscores = f.scores_product(_up4(tiling.dv))
+    dscores = f.scores_product(round_up4(tiling.dv))
 
     @cuda.jit(device=True)
     def single(S, F, dP, rv, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
@@ -421,9 +334,9 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
     S_, D = tiling.streams, tiling.d
     TD, DQP, DV4 = g_["TD"], g_["DQP"], g_["DV4"]
     row_zeros, dq_zeros = f.zeros(TM), f.zeros(TM * TD)
-    N_QS, N_KS = tiling.dp * BQ, _up4(max(tiling.dp * BK, BK * DQP))
-    N_DS = _up4(BK * BQ)
-    (O_Q, O_O, O_KV, O_V, O_DS, O_RED, O_ROWS, O_FLAG), N_ALL = _offsets(dq_parts(tiling))
+    N_QS, N_KS = tiling.dp * BQ, round_up4(max(tiling.dp * BK, BK * DQP))
+    N_DS = round_up4(BK * BQ)
+    (O_Q, O_O, O_KV, O_V, O_DS, O_RED, O_ROWS, O_FLAG), N_ALL = part_offsets(dq_parts(tiling))
     t_ = device_functions(np.dtype(dtype))
     CAST, ONE = t_.CAST, t_.CAST(1)
     block_tile, thread_place = f.block_tile, f.thread_place
@@ -565,9 +478,9 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
     S_, DV = tiling.streams, tiling.dv
     NX, TDK, DKP, TVK, DVKP, DV4 = (g_[x] for x in ("NX", "TDK", "DKP", "TVK", "DVKP", "DV4"))
     row_zeros, dk_zeros, dv_zeros = f.zeros(TM), f.zeros(TN * TDK), f.zeros(TN * TVK)
-    N_KS, N_TILE = tiling.dp * BK, _up4(BQ * BK)
-    N_QQ = _up4(max(tiling.dp * BQ, BQ * DKP))
-    (O_K, O_V, O_Q, O_O, O_W, O_DS, O_X), N_ALL = _offsets(dkdv_parts(tiling))
+    N_KS, N_TILE = tiling.dp * BK, round_up4(BQ * BK)
+    N_QQ = round_up4(max(tiling.dp * BQ, BQ * DKP))
+    (O_K, O_V, O_Q, O_O, O_W, O_DS, O_X), N_ALL = part_offsets(dkdv_parts(tiling))
     t_ = device_functions(np.dtype(dtype))
     ZERO, ONE = t_.ZERO, t_.CAST(1)
     thread_place = f.thread_place
