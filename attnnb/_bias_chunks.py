@@ -43,8 +43,8 @@ def bias_chunks(shape, itemsize, dbias_shape, min_heads=1):
     full buffer fits in :data:`CHUNK_BYTES`.  A chunk holds at least ``min_heads`` key
     heads (counted over its batch elements) where the problem has them, so that it
     keeps the backward's one-sweep form (``ONE_SWEEP_TASKS`` in
-    :mod:`attnnb.cpu.backward`; measured: chunks of 4 key heads in the two-sweep form
-    took the backward of a shared bias from 254 to 386 ms at B = 1, H = 8, N = 2048).
+    :mod:`attnnb.cpu.backward`): chunks too small for it cost more than the memory
+    they save (docs/performance.md, "Figures moved out of the code's comments").
     The buffer is then at most ``CHUNK_BYTES`` or ``min_heads`` key heads' rows.
     """
     B, Hq, Hk, Lq, Lk = shape[:5]

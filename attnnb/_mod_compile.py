@@ -50,7 +50,8 @@ def _skip(fn) -> bool:
 
 
 # Eigen's rational approximation of tanh on [-7.9, 7.9] (float32: within 3.3e-7
-# relative, measured on a grid of 28,572 points in [-12, 12]; +-1 to rounding beyond)
+# relative on [-12, 12], docs/performance.md, "Mask and score functions"; +-1 to
+# rounding beyond)
 _F = np.float32
 TANH_CLAMP = _F(7.90531110763549805)
 A13, A11, A9, A7 = _F(-2.76076847742355e-16), _F(2.00018790482477e-13), _F(
@@ -241,8 +242,9 @@ def compile_mask(mod: MaskMod, offset: int = 0, target: Target = CPU) -> Compile
     else:
         left = compile_mask(mod.parts[0], offset, target).allowed
         right = compile_mask(mod.parts[1], offset + arity(mod.parts[0]), target).allowed
-        # both sides always (no short circuit): branch-free loops vectorise, 170x faster
-        # for a document mask & causal; each side must be defined at every position
+        # both sides always (no short circuit): a branch per pair keeps the classifier's
+        # loop scalar (docs/performance.md, "Mask and score functions"); each side must
+        # be defined at every position
         if mod.kind == "and":
             def allowed(b, h, i, j, args):
                 return bool(left(b, h, i, j, args)) & bool(right(b, h, i, j, args))

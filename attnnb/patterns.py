@@ -822,8 +822,9 @@ def _block_layout(p: Pattern, tile_q: int, tile_k: int, chunk: int = _BLOCK_CHUN
     full when it holds ``rows_in * cols_in`` pairs (a row never repeats a key).
 
     The CSR is read in passes of ``chunk`` entries, so the temporary memory
-    is ``O(chunk + rows + tiles)``, not ``O(nnz)`` (at ``Lq = 65536`` with a
-    causal window of 256, 16.8 M pairs, counting them all at once took 705 MiB).
+    is ``O(chunk + rows + tiles)``, not ``O(nnz)``: long sequences with wide windows
+    have too many pairs to count at once (docs/performance.md, "Figures moved out of
+    the code's comments").
     Entries come in CSR order, so block codes never decrease from one query
     tile row to the next: only the last tile row of a pass can continue in
     the next one, and its partial counts are carried over and merged.

@@ -5,8 +5,8 @@ keys by ``q @ k^T`` computed block by block, and two equal keys in blocks of
 other widths, or at other columns, must get bit-equal logits so that the
 lower index wins their tie as in one call.  A BLAS product does not promise
 that: OpenBLAS's AVX2 sgemm kernel rounds the first and last eight columns
-of a panel differently from the others (measured on an AMD EPYC, znver1,
-with numpy's OpenBLAS 0.3.31), even at one matrix shape.
+of a panel differently from the others, even at one matrix shape
+(docs/performance.md, "Figures moved out of the code's comments").
 
 So each entry here is summed over the depth in increasing order, one IEEE
 multiply and one IEEE add per step (no FMA, no reassociation), starting from

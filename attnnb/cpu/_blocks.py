@@ -1,8 +1,8 @@
 """Register-blocked tile products for the tiled core (no BLAS).
 
-A 64 x 64 ``np.dot`` called from inside ``prange`` reaches ~77 GFLOP/s a
-thread; these loops go faster because every shape is a compile-time
-constant: :data:`ROWS` query rows times :data:`COLS` columns accumulate in a
+These loops are faster than ``np.dot`` called from inside ``prange``
+(docs/performance.md, "Figures moved out of the code's comments") because every
+shape is a compile-time constant: :data:`ROWS` query rows times :data:`COLS` columns accumulate in a
 small scratch ``blk`` at constant offsets, which LLVM keeps in vector
 registers for the whole reduction (one loaded vector, ``ROWS`` broadcasts,
 ``ROWS`` FMAs a step).  That needs constant offsets (so the rows provably
@@ -28,9 +28,9 @@ COLS = 64
 # Columns of a block that gemm_block accumulates in one pass over the reduction.
 # With AVX-512's 32 registers of 16 floats a whole 4 x 64 block stays in
 # registers.  AVX2 has 16 registers of 8 floats: a 4 x 64 block (32 of them)
-# spilled on every step (96 stack moves in the loop, measured on an AMD EPYC of
-# the znver1 type), so there the block is formed 16 columns at a time (8
-# accumulators).  Each element is summed in the same order either way: the
+# spills to the stack on every step (docs/performance.md, "An AVX2 machine type:
+# blocks formed 16 columns at a time"), so there the block is formed 16 columns at
+# a time (8 accumulators).  Each element is summed in the same order either way: the
 # result's bits do not depend on the pass width.
 PASS_COLS = COLS if WIDE_REGISTERS else 16
 # the column widths of the register blocks, widest first (:func:`block_width`)
@@ -160,11 +160,11 @@ def block_product(a, a0, lda, n, b, b0, ldb, blk, c0, width):
     Head sizes and value widths that are not multiples of 64 (16, 32, 40,
     80, 96, 160) are covered by 16-wide blocks instead of single rows: 4
     rows share every loaded vector of ``b``, and the accumulators stay in
-    registers.  A 32-wide block measured no faster than two 16-wide ones at
-    D = 32 and 96, and each width is one more inlined copy to compile.
-    Narrower than 16 the vectoriser gives up (8 columns ran at a tenth of
-    the speed), so there is no 8-wide block: callers reach back over columns
-    they already have instead.
+    registers.  A 32-wide block is no faster than two 16-wide ones, and each
+    width is one more inlined copy to compile.  Narrower than 16 the vectoriser
+    gives up (docs/performance.md, "Head sizes, ViT batches and decoding"), so
+    there is no 8-wide block: callers reach back over columns they already have
+    instead.
     """
     if width == 64:
         gemm_block(a, a0, lda, 1, n, b, b0, ldb, blk, c0, 64, ROWS)
@@ -190,11 +190,10 @@ def block_product_add(a, a0, lda, a_step, n, b, b0, ldb, blk, dst, d0, ldd, widt
     ``A`` and ``B`` as in :func:`gemm_block`, ``blk`` scratch of ``rows * width``.
 
     The block is added while it is still in registers: formed by one call and
-    added by another with variable bounds, the block went through memory, and
-    the value product took 1.9x as long at ``Dv = 64`` (1.35x at 16).  A 16-wide
-    block takes 8 rows (``width``, ``rows`` from :func:`block_rows`): 4 rows
-    of one 512-bit register each left the FMAs waiting on each other's
-    latency (the value product at ``Dv = 16`` took 1.25x as long).
+    added by another with variable bounds, the block goes through memory.  A
+    16-wide block takes 8 rows (``width``, ``rows`` from :func:`block_rows`): 4
+    rows of one 512-bit register each leave the FMAs waiting on each other's
+    latency (docs/performance.md, "Value products that add in registers").
     """
     if width == 64:
         gemm_block(a, a0, lda, a_step, n, b, b0, ldb, blk, 0, 64, ROWS)

@@ -1,12 +1,13 @@
 """A vectorisable ``exp`` for float32 tiles.
 
 llvmlite's wheels carry no vector math library, so ``np.exp`` inside a
-Numba loop is a scalar libm call (~2.3 ns an element, half the time of a
-straightforward flash kernel).  For float32 we use Cephes' ``expf``
-polynomial instead: ``exp(x) = 2**n * exp(r)`` with ``n = round(x / ln 2)``,
-``|r| <= ln(2) / 2``, and ``2**n`` built directly in the exponent bits.  The
-loop is branch-free so LLVM vectorises it; relative error ~1e-7.  Inputs
-below ``EXP_MIN`` (masked ``-inf`` logits among them) give exactly 0.
+Numba loop is a scalar libm call, which would be much of a tile's time
+(docs/performance.md, "Figures moved out of the code's comments").  For
+float32 we use Cephes' ``expf`` polynomial instead: ``exp(x) = 2**n *
+exp(r)`` with ``n = round(x / ln 2)``, ``|r| <= ln(2) / 2``, and ``2**n``
+built directly in the exponent bits.  The loop is branch-free so LLVM
+vectorises it; relative error ~1e-7.  Inputs below ``EXP_MIN`` (masked
+``-inf`` logits among them) give exactly 0.
 
 float64 keeps libm's ``exp`` (the float64 tolerance is ~1e-12).
 """
@@ -106,7 +107,8 @@ def sum_at(a, a0, n):
     falls back to a scalar loop, which adds in another order, when it cannot
     rule it out; scratch arrays come from the allocator at addresses that
     vary with the thread that runs a task, so the sum's last bit did too
-    (a float64 top-k row, 1 ulp in ~30 % of calls on 2 threads).  A loop
+    (a float64 top-k row was an ulp off in some calls: docs/performance.md, "Figures
+    moved out of the code's comments").  A loop
     that only reads has no such check: its order depends on ``n`` alone.
     """
     wide_vectors()
@@ -134,8 +136,9 @@ def exp_tile_accumulate(src, dst, m, l, nq):
     finite (other rows are left untouched); ``src``, ``dst`` flat ``(nq, 64)``.
 
     One call per tile: per row the loop has a constant trip count and the
-    polynomial's constants stay in registers (per-row calls cost ~40 ns a
-    row, more than the row's arithmetic).
+    polynomial's constants stay in registers (a call per row costs more than the
+    row's arithmetic: docs/performance.md, "Figures moved out of the code's
+    comments").
     """
     raise NotImplementedError  # only callable from Numba code
 

@@ -31,7 +31,8 @@ _PLACEHOLDERS: dict = {}
 def _dummy_pairwise(dtype):
     # Shaped so that Numba types it like a real broadcast mask or bias (readonly, layout
     # 'A'): calls with and without a mask then share one compiled kernel.  Read-only, so
-    # one per dtype serves every call (np.broadcast_to costs ~3 us a call).
+    # one per dtype serves every call, not a new broadcast each (docs/performance.md,
+    # "Compile time and the first call").
     dtype = np.dtype(dtype)
     placeholder = _PLACEHOLDERS.get(dtype)
     if placeholder is None:

@@ -7,10 +7,8 @@ before the sweep (:func:`attnnb.cpu._host.run_sweep`, the backward
 passes), rather than a first ``prange`` copied into every kernel: a
 ``prange`` in an inlined function is not parallelised by Numba, and the
 backward's two sweeps then share one fill instead of each redoing it.
-The second launch costs a few microseconds, measured on the project's
-2-core Zen 5 machine with two threads: 1.5 us for an almost empty parallel
-kernel, and 72 -> 77 us for a whole ``1 x 2 x 100 x 64`` call; at a ViT
-batch or N = 2048 the change is within noise.
+The second launch costs a few microseconds, which only the smallest calls
+notice (docs/performance.md, "The Zen 5 machine type").
 """
 
 from __future__ import annotations

@@ -4,10 +4,9 @@ Every CPU kernel first copies the keys into tiles transposed for the
 register-blocked ``Q K^T`` (:func:`attnnb.cpu._tiles.prepare_key_tile`): a
 buffer as large as ``k`` itself.  Fresh memory of that size costs a page fault
 per 4 KiB page on first touch, and two threads faulting at once contend in
-the kernel: measured on this project's two-core machine, a sliding-window
-``sparse_attention`` at ``N = 16384`` (about 0.2 s) spent 10-20 % of its time
-there.  So the buffer is kept after a call and reused by the next one that
-fits in it.
+the kernel, a large share of a short call (docs/performance.md, "What each
+step gave").  So the buffer is kept after a call and reused by the next one
+that fits in it.
 
 Memory held: at most one idle buffer, the largest one used so far (the size
 of the largest ``k`` seen, in the compute dtype, rounded up to a whole

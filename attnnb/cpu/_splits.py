@@ -8,9 +8,9 @@ attention itself:
   ``k`` (:func:`attnnb.cpu._tiles.prepare_key_tile`), which pays off only
   when many query tiles read each key tile.  With at most
   :data:`LOCAL_TILE_ROWS` query rows a task transposes each key tile itself,
-  into a tile of scratch that stays in L1, just before it uses it (measured
-  at ``Lq = 1``, ``Lk = 4096``, 8 heads: the prologue alone took 2.4 ms of
-  a 3.9 ms call);
+  into a tile of scratch that stays in L1, just before it uses it (the
+  prologue was most of a decoding call: docs/performance.md, "Head sizes, ViT
+  batches and decoding");
 * a transposed key tile serves at most 16 rows.  Where the register blocks
   are AVX2's (:data:`LOGITS_FROM_KEYS`), tasks of 4 to 16 rows form a full
   tile's logits from the keys as stored instead
@@ -39,9 +39,9 @@ from ._tiles import TILE_K, sigmoid
 
 # Query rows up to which tasks transpose their key tiles themselves.
 LOCAL_TILE_ROWS = 16
-# Full key tiles of 4 to 16 query rows by tile_logits_keys instead of a transposed copy.
-# Measured on the Zen 1 type (AVX2), Lq = 16, Lk = 4096, 8 heads, D = 64: 3.22-3.24 ms a
-# call against 3.98-4.11 ms.  With AVX-512 its 16-wide blocks of 4 rows would keep 4
+# Full key tiles of 4 to 16 query rows by tile_logits_keys instead of a transposed copy:
+# with AVX2 the copy costs more than it saves (docs/performance.md, "Decoding from the
+# keys as stored").  With AVX-512 its 16-wide blocks of 4 rows would keep 4
 # accumulators (FMA latency-bound, where the transposed tiles' 4 x 64 blocks keep 16):
 # those types keep the transposed tiles until it is measured there.
 LOGITS_FROM_KEYS = not WIDE_REGISTERS

@@ -6,12 +6,12 @@ The online softmax needs each row's maximum of every 64-key tile before
 any weight.  Written as a loop, ``max(mx, x)`` is a reduction LLVM does not
 vectorise without the ``nnan`` flag, which the project leaves out (NaN
 inputs must propagate, see :mod:`attnnb.cpu._jit`): with ``maxnum`` it was
-scalar code at ~13 ns a row (1.6-1.8 us of a 128 x 64 float32 tile, as long
-as the tile's exponentials; a quarter of a tile's time at D = 16).
+scalar code, as slow as the tile's exponentials (docs/performance.md, "Value
+products that add in registers").
 
 :func:`row_max_64` loads the row as 512-bit vectors and reduces them in a
 tree of ``a > b ? a : b`` selects (vertical first, then halving shuffles),
-which x86 lowers to ``vmaxps`` / ``vmaxpd`` one for one: 0.14 us a tile.
+which x86 lowers to ``vmaxps`` / ``vmaxpd`` one for one.
 
 NaN: ``a > b ? a : b`` returns ``b`` when either is NaN, so with a NaN in
 the row the result is either NaN or the maximum of some of the row's other
@@ -23,13 +23,13 @@ bits do not depend on the reduction's shape.
 
 **Transposed copy.** Written as a double loop, a 16 x 16 block's transpose
 reads rows as vectors and stores its columns element by element: one
-scalar store per element, 1.0-1.1 us for a 64 x 64 float32 tile (the
-forward's prologue transposes every key tile once per call, decoding each
-key tile once per task). :func:`transpose_16` loads the block's 16 rows
-as vectors and swaps one bit of the row index with the same bit of the
-column index per round (four rounds of 16 two-vector shuffles), then
-stores 16 rows: 0.16 us a float32 tile, 0.53 us float64 (1.1 us before).
-It is a copy, exact in any order.
+scalar store per element, and the copy is frequent (the forward's prologue
+transposes every key tile once per call, decoding each key tile once per
+task). :func:`transpose_16` loads the block's 16 rows as vectors and swaps
+one bit of the row index with the same bit of the column index per round
+(four rounds of 16 two-vector shuffles), then stores 16 rows, several times
+faster (docs/performance.md, "Value products that add in registers").  It
+is a copy, exact in any order.
 
 **Prefetch.** :func:`prefetch_line` is LLVM's ``llvm.prefetch`` (x86
 ``prefetcht1``): a hint that fetches the cache line of one element into L2

@@ -277,8 +277,9 @@ def stream_lses(problem):
 
     The forward runs on values of width zero: the same kernel (the same types),
     the same logits and so the same LSE bit for bit, without the value
-    product, which at ``Dv = 2d`` is two thirds of the forward's work (one
-    stream at H = 8, N = 2048, causal: 13 ms against 29 ms).
+    product, which at ``Dv = 2d`` is two thirds of the forward's work
+    (docs/performance.md, "The rectified backward, chunked bias gradients and first
+    calls").
     """
     lses = []
     no_values = np.ascontiguousarray(problem.v[..., :0])
