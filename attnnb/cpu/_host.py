@@ -100,7 +100,7 @@ def run_sweep(kernel_fn, problem, *own, out_heads=None, key_tiles=True):
         Heads of the output when not ``Hq`` (differential attention: ``Hq / 2``).
     key_tiles : bool
         False for a kernel that transposes its key tiles itself (decoding:
-        :mod:`attnnb.cpu._splits`): ``kt`` and ``v_ok`` then have no tiles.
+        :mod:`attnnb.cpu._decoding`): ``kt`` and ``v_ok`` then have no tiles.
 
     Returns
     -------

@@ -12,7 +12,7 @@ that touch every score live here, once:
   :func:`transpose_keys` when decoding), register-blocked; below 4 query rows
   :func:`tile_logits_rows` takes dot products with the keys as stored instead,
   and from 4 to 16 rows :func:`tile_logits_keys` reads the keys as stored
-  against the queries transposed (:data:`attnnb.cpu._splits.LOGITS_FROM_KEYS`)
+  against the queries transposed (:data:`attnnb.cpu._decoding.LOGITS_FROM_KEYS`)
 * :func:`modify_logits`    -- bias, element masks, causal diagonal,
   ``relu_expm1``'s factor, ``log(key_size)``
 * :func:`online_update`    -- running max / sum, ``acc = acc * alpha + P @ v_tile``

@@ -1,5 +1,5 @@
 """Dense attention on the CPU: the tiled core swept over every key tile (split along the
-keys when decoding: :mod:`attnnb.cpu._splits`)."""
+keys when decoding: :mod:`attnnb.cpu._decoding`)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from numba import prange
 
 from .._codes import NORMALIZER_CODES, SOFTMAX, SOFTMAX1, SOFTPICK
 from ._blocks import ROWS
+from ._decoding import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS, key_splits, merge_split_rows
 from ._dropout import kernel_dropout, row_keys, scale_kept
 from ._host import kernel_sinks, run_sweep
 from ._jit import kernel, wide_vectors
 from ._mask_tiles import EMPTY, FULL, tile_class
 from ._mod_hooks import MASK_FN, mask_tile, score_tile
 from ._mods import mod_kernel, mods_argument, tile_map
-from ._splits import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS, key_splits, merge_split_rows
 from ._task import query_task, sweep_geometry
 from ._tiles import (
     KEY_BLOCK_ROWS,
@@ -46,7 +46,7 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
     ``causal`` the sweep stops at the last key tile the tile's last query may
     see, and only tiles that cross the diagonal are masked element by element.
 
-    Decoding (:mod:`attnnb.cpu._splits`): with at most ``LOCAL_TILE_ROWS``
+    Decoding (:mod:`attnnb.cpu._decoding`): with at most ``LOCAL_TILE_ROWS``
     queries the host fills no key tiles (``kt`` and ``v_ok`` have none) and each
     task transposes and checks its key and value tiles itself (or, with
     ``LOGITS_FROM_KEYS`` and 4 rows or more, forms a full tile's logits from the

@@ -53,6 +53,7 @@ from .._codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID, SOFTPICK
 from .._dropout import keep_scale
 from .._mod_compile import sum_param_grads
 from ._blocks import ROWS
+from ._decoding import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS
 from ._dropout import keep_factors, kernel_dropout
 from ._exp import exp_shifted
 from ._grad_tiles import (
@@ -84,7 +85,6 @@ from ._mods import (
 )
 from ._prologue import filled_kv_tiles
 from ._sparse_tiles import csr_tile_mask
-from ._splits import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS
 from ._task import sweep_geometry
 from ._tiles import (
     KEY_BLOCK_ROWS,
@@ -169,7 +169,7 @@ def from_stored_keys(local, Lq):
     """Whether the pair products of a full key tile read keys and values as stored
     against the pair's rows transposed (:func:`~attnnb.cpu._tiles.tile_logits_keys`):
     with the local tiles and ``ROWS`` or more query rows, where
-    :data:`~attnnb.cpu._splits.LOGITS_FROM_KEYS`.  The same bits as the transposed
+    :data:`~attnnb.cpu._decoding.LOGITS_FROM_KEYS`.  The same bits as the transposed
     tiles, so a top-k selection held fixed may take it too."""
     return LOGITS_FROM_KEYS and local and Lq >= ROWS
 
@@ -181,7 +181,7 @@ def pair_tiles(k, v, kt, vt, k_ok, local, by_rows, by_keys, own, b, g, t):
     whether the key tile is all finite.
 
     From the filled buffers ``kt``, ``vt``, ``k_ok``; or, ``local`` (few query
-    rows, :data:`~attnnb.cpu._splits.LOCAL_TILE_ROWS`: the host filled none),
+    rows, :data:`~attnnb.cpu._decoding.LOCAL_TILE_ROWS`: the host filled none),
     transposed and checked here, into ``own = (k tile, v tile)`` of shapes ``(1,
     D, TILE_K)`` and ``(1, Dv, TILE_K)``, which stay in cache for the pair.  The
     same tiles either way, so the same bits.  With ``by_rows`` (:func:`few_rows`)
@@ -611,7 +611,7 @@ def tiled_vjp(problem, out, lse, dout, dlse, need_bias, pattern=None, selection=
         selected=selection is not None, thr=thr, cut=cut, dropout=kernel_dropout(problem),
         keep_scale=dt.type(keep_scale(problem.dropout_p)))
     # few query rows: each key tile serves one query tile, so a task transposes it itself
-    # instead of a prologue pass over all of k and v (the forward's rule, _splits)
+    # instead of a prologue pass over all of k and v (the forward's rule, _decoding)
     local = Lq <= LOCAL_TILE_ROWS
     mods = mods_argument(problem)
     mod_grads = group_gradients(problem, mods, B * Hk * (1 if one_sweep else n_kt))

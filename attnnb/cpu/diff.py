@@ -29,7 +29,7 @@ from ._host import run_sweep
 from ._jit import inner, kernel, wide_vectors
 from ._mod_hooks import mask_tile, score_tile
 from ._mods import mod_kernel, mods_argument
-from ._streams import finish_weighted_rows, rectified_weights
+from ._normalised_maps import finish_weighted_rows, rectified_weights
 from ._task import sweep_geometry
 from ._tiles import (
     SWEEP_TILE_Q,

@@ -29,11 +29,11 @@ from numba import prange
 
 from .._codes import NORMALIZER_CODES, RELU_EXPM1
 from .._dropout import keep_scale
+from ._decoding import SPLIT_TASKS
 from ._dropout import keep_factors, kernel_dropout
 from ._exp import exp_shifted
 from ._host import kernel_sinks, run_sweep
 from ._jit import kernel, wide_vectors
-from ._splits import SPLIT_TASKS
 from ._task import sweep_geometry
 from ._tiles import (
     TILE_K,
@@ -155,7 +155,7 @@ def stats_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks
 
 def splits(B: int, Hq: int, Lq: int) -> int:
     """Runs of query tiles per (batch, head): enough tasks for the threads
-    (:data:`~attnnb.cpu._splits.SPLIT_TASKS`), each a run of at least one tile."""
+    (:data:`~attnnb.cpu._decoding.SPLIT_TASKS`), each a run of at least one tile."""
     n_qt = -(-Lq // TILE_Q)
     if B * Hq == 0 or n_qt == 0:
         return 1

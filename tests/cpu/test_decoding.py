@@ -1,4 +1,4 @@
-"""Decoding: few queries against many keys (attnnb/cpu/_splits.py).
+"""Decoding: few queries against many keys (attnnb/cpu/_decoding.py).
 
 With at most 16 queries the cpu kernel transposes its key tiles itself (or,
 below 4 rows, takes dot products with the keys as stored; from 4 rows, on AVX2
@@ -17,7 +17,7 @@ import pytest
 
 import attnnb
 from attnnb.cpu._blocks import ROWS
-from attnnb.cpu._splits import LOCAL_TILE_ROWS, key_splits
+from attnnb.cpu._decoding import LOCAL_TILE_ROWS, key_splits
 
 from ..helpers import qkv
 from ..test_attention import compare_backends
