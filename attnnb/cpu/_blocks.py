@@ -35,7 +35,7 @@ COLS = 64
 PASS_COLS = COLS if WIDE_REGISTERS else 16
 # the column widths of the register blocks, widest first (:func:`block_width`)
 BLOCK_WIDTHS = (64, 16)
-U = np.uint64
+u64 = np.uint64
 
 
 @blocks
@@ -65,50 +65,50 @@ def gemm_block(a, a0, lda, a_step, n, b, b0, ldb, blk, c0, width, rows):
     q``).  Callers pass the 1 as a constant, so it folds away.
     """
     wide_vectors()
-    w = U(width)
+    w = u64(width)
     # columns accumulated in one pass over the reduction (see PASS_COLS)
-    part = U(min(width, PASS_COLS))
+    part = u64(min(width, PASS_COLS))
     eight = rows == 2 * ROWS
     zero = blk.dtype.type(0.0)
-    ul = U(lda)
-    ubl = U(ldb)
+    ul = u64(lda)
+    ubl = u64(ldb)
     for p in range(w // part):
-        o = U(c0) + U(p) * part
+        o = u64(c0) + u64(p) * part
         for c in range(part):
             blk[o + c] = 0.0
             blk[o + w + c] = 0.0
-            blk[o + U(2) * w + c] = 0.0
-            blk[o + U(3) * w + c] = 0.0
+            blk[o + u64(2) * w + c] = 0.0
+            blk[o + u64(3) * w + c] = 0.0
             if eight:
-                blk[o + U(4) * w + c] = 0.0
-                blk[o + U(5) * w + c] = 0.0
-                blk[o + U(6) * w + c] = 0.0
-                blk[o + U(7) * w + c] = 0.0
-        ub = U(b0) + U(p) * part
-        for e in range(U(n)):
-            ua = U(a0) + e * U(a_step)
+                blk[o + u64(4) * w + c] = 0.0
+                blk[o + u64(5) * w + c] = 0.0
+                blk[o + u64(6) * w + c] = 0.0
+                blk[o + u64(7) * w + c] = 0.0
+        ub = u64(b0) + u64(p) * part
+        for e in range(u64(n)):
+            ua = u64(a0) + e * u64(a_step)
             x0 = a[ua]
             x1 = a[ua + ul]
-            x2 = a[ua + U(2) * ul]
-            x3 = a[ua + U(3) * ul]
+            x2 = a[ua + u64(2) * ul]
+            x3 = a[ua + u64(3) * ul]
             bo = ub + e * ubl
             x4 = x5 = x6 = x7 = zero
             if eight:
-                x4 = a[ua + U(4) * ul]
-                x5 = a[ua + U(5) * ul]
-                x6 = a[ua + U(6) * ul]
-                x7 = a[ua + U(7) * ul]
+                x4 = a[ua + u64(4) * ul]
+                x5 = a[ua + u64(5) * ul]
+                x6 = a[ua + u64(6) * ul]
+                x7 = a[ua + u64(7) * ul]
             for c in range(part):
                 y = b[bo + c]
                 blk[o + c] += x0 * y
                 blk[o + w + c] += x1 * y
-                blk[o + U(2) * w + c] += x2 * y
-                blk[o + U(3) * w + c] += x3 * y
+                blk[o + u64(2) * w + c] += x2 * y
+                blk[o + u64(3) * w + c] += x3 * y
                 if eight:
-                    blk[o + U(4) * w + c] += x4 * y
-                    blk[o + U(5) * w + c] += x5 * y
-                    blk[o + U(6) * w + c] += x6 * y
-                    blk[o + U(7) * w + c] += x7 * y
+                    blk[o + u64(4) * w + c] += x4 * y
+                    blk[o + u64(5) * w + c] += x5 * y
+                    blk[o + u64(6) * w + c] += x6 * y
+                    blk[o + u64(7) * w + c] += x7 * y
 
 
 @blocks
@@ -122,14 +122,14 @@ def add_block(dst, d0, ldd, blk, width, rows, r_from, c_from):
     ``+0.0`` leaves every value as it was.
     """
     wide_vectors()
-    w = U(width)
-    ud = U(d0)
-    udl = U(ldd)
+    w = u64(width)
+    ud = u64(d0)
+    udl = u64(ldd)
     zero = blk.dtype.type(0.0)
-    for r in range(U(rows)):
+    for r in range(u64(rows)):
         for c in range(w):
             x = blk[r * w + c]
-            if r < U(r_from) or c < U(c_from):
+            if r < u64(r_from) or c < u64(c_from):
                 x = zero
             dst[ud + r * udl + c] += x
 
@@ -211,15 +211,15 @@ def gemm_row(a, a0, a_step, n, b, b0, ldb, blk, c0, width):
     """One row: ``blk[c0 + c] = sum_e a[a0 + e * a_step] * b[b0 + e * ldb + c]`` for
     ``c < width`` (``a_step`` as in :func:`gemm_block`)."""
     wide_vectors()
-    o = U(c0)
-    uw = U(width)
+    o = u64(c0)
+    uw = u64(width)
     for c in range(uw):
         blk[o + c] = 0.0
-    ua = U(a0)
-    ub = U(b0)
-    ubl = U(ldb)
-    for e in range(U(n)):
-        x0 = a[ua + e * U(a_step)]
+    ua = u64(a0)
+    ub = u64(b0)
+    ubl = u64(ldb)
+    for e in range(u64(n)):
+        x0 = a[ua + e * u64(a_step)]
         bo = ub + e * ubl
         for c in range(uw):
             blk[o + c] += x0 * b[bo + c]

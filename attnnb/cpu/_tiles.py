@@ -40,13 +40,13 @@ from .._codes import RELU_EXPM1, SIGMOID, SOFTMAX1, SOFTPICK
 from ._blocks import (
     COLS,
     ROWS,
-    U,
     block_product,
     block_product_add,
     block_rows,
     block_width,
     gemm_row,
     padded_width,
+    u64,
 )
 from ._dropout import drop_tile
 from ._exp import (
@@ -154,17 +154,17 @@ def tile_logits_t(qs, kth, j0, nk, S_flat):
     by row.
     """
     nq, d = qs.shape
-    a = flat(qs)
-    b = flat(kth[j0 // TILE_K])
+    queries = flat(qs)
+    keys_t = flat(kth[j0 // TILE_K])
     if nq < ROWS:
         for r in range(nq):
-            gemm_row(a, r * d, 1, d, b, 0, TILE_K, S_flat, r * nk, nk)
+            gemm_row(queries, r * d, 1, d, keys_t, 0, TILE_K, S_flat, r * nk, nk)
         return view2d(S_flat, nq, nk)
     w = padded_width(nk)
     r0 = 0
     while r0 < nq:
         rs = min(r0, nq - ROWS)
-        block_product(a, rs * d, d, d, b, 0, TILE_K, S_flat, rs * w, w)
+        block_product(queries, rs * d, d, d, keys_t, 0, TILE_K, S_flat, rs * w, w)
         r0 = rs + ROWS
     if w != nk:  # pack rows of w columns to nk, front to back (each moves left)
         for r in range(1, nq):
@@ -178,9 +178,9 @@ def _dot(a, a0, b, b0, n):
     """``sum_e a[a0 + e] * b[b0 + e]`` for ``e < n``, vectorised over ``e``."""
     wide_vectors()
     acc = a.dtype.type(0.0)  # in the arrays' dtype (a float64 literal would promote it)
-    ua = U(a0)
-    ub = U(b0)
-    for e in range(U(n)):
+    ua = u64(a0)
+    ub = u64(b0)
+    for e in range(u64(n)):
         acc += a[ua + e] * b[ub + e]
     return acc
 
@@ -196,11 +196,11 @@ def tile_logits_rows(qs, kh, j0, nk, S_flat):
     ``kh (Lk, D)`` and ``qs (nq, D)`` C-contiguous.
     """
     nq, d = qs.shape
-    a = flat(qs)
-    b = flat(kh)
+    queries = flat(qs)
+    keys = flat(kh)
     for r in range(nq):
         for c in range(nk):
-            S_flat[r * nk + c] = _dot(a, r * d, b, (j0 + c) * d, d)
+            S_flat[r * nk + c] = _dot(queries, r * d, keys, (j0 + c) * d, d)
     return view2d(S_flat, nq, nk)
 
 
@@ -328,7 +328,7 @@ def weighted_rows(p, row_step, step, nq, nk, vh, j0, acc, T_flat):
     """
     dv = acc.shape[1]
     v = flat(vh)
-    a = flat(acc)
+    acc_flat = flat(acc)
     if dv >= 16 and nq >= ROWS:
         kc = key_run(nk, dv * v.itemsize)
         e0 = 0  # keys added so far
@@ -346,8 +346,8 @@ def weighted_rows(p, row_step, step, nq, nk, vh, j0, acc, T_flat):
                 while r0 < nq:
                     rs = min(r0, nq - rows)
                     block_product_add(p, rs * row_step + e0 * step, row_step, step, ne, v,
-                                      (j0 + e0) * dv + cs, dv, T_flat, a, rs * dv + cs, dv, w,
-                                      rows, r0 - rs, c0 - cs)
+                                      (j0 + e0) * dv + cs, dv, T_flat, acc_flat, rs * dv + cs,
+                                      dv, w, rows, r0 - rs, c0 - cs)
                     r0 = rs + rows
                 c0 = cs + w
             e0 += ne
@@ -361,7 +361,7 @@ def weighted_rows(p, row_step, step, nq, nk, vh, j0, acc, T_flat):
             else:
                 gemm_row(p, r * row_step, step, nk, v, j0 * dv + c0, dv, T_flat, 0, w)
             for c in range(w):
-                a[r * dv + c0 + c] += T_flat[c]
+                acc_flat[r * dv + c0 + c] += T_flat[c]
             c0 += w
 
 
@@ -437,13 +437,13 @@ def row_max(x, x0, n):
     caller (a NaN logit makes the row's sum of weights NaN).
     """
     wide_vectors()
-    o = U(x0)
+    o = u64(x0)
     mx = x[o]
     if n == COLS:  # a full tile: a constant trip count
-        for c in range(U(COLS)):
+        for c in range(u64(COLS)):
             mx = maxnum(mx, x[o + c])
         return mx
-    for c in range(U(n)):
+    for c in range(u64(n)):
         mx = maxnum(mx, x[o + c])
     return mx
 
@@ -791,10 +791,10 @@ def tile_is_finite(vh, j0):
     """
     n_rows, width = vh.shape
     values = flat(vh)
-    start = U(j0 * width)
+    start = u64(j0 * width)
     zero = values.dtype.type(0.0)
     acc = zero
-    for e in range(U((min(j0 + TILE_K, n_rows) - j0) * width)):
+    for e in range(u64((min(j0 + TILE_K, n_rows) - j0) * width)):
         acc += values[start + e] * zero
     return acc == 0.0
 

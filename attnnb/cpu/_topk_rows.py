@@ -48,7 +48,7 @@ from ._exp import exp_shifted_sum_at, maxnum
 from ._jit import blocks, inner, wide_vectors
 from ._views import flat
 
-U = np.uint64
+u64 = np.uint64
 CHUNK = 64  # values per vectorised step (four 512-bit vectors of float32)
 
 # Keys per strided group: at most MAX_GROUP, and at least GROUPS_PER_K * top_k groups
@@ -91,13 +91,13 @@ def has_nan(row, n):
     """True when ``row[:n]`` holds a NaN (vectorised)."""
     wide_vectors()
     nans = np.int32(0)
-    nb = U(n // CHUNK)
-    w = U(CHUNK)
+    nb = u64(n // CHUNK)
+    w = u64(CHUNK)
     for b in range(nb):
         o = b * w
         for i in range(w):
             nans += np.int32(row[o + i] != row[o + i])
-    for j in range(nb * w, U(n)):
+    for j in range(nb * w, u64(n)):
         nans += np.int32(row[j] != row[j])
     return nans > 0
 
@@ -107,8 +107,8 @@ def count_at_least(a, nb, t):
     """How many of the ``nb`` chunks of ``a`` are ``>= t``."""
     wide_vectors()
     c = np.int32(0)
-    w = U(CHUNK)
-    for b in range(U(nb)):
+    w = u64(CHUNK)
+    for b in range(u64(nb)):
         o = b * w
         for i in range(w):
             c += np.int32(a[o + i] >= t)
@@ -120,8 +120,8 @@ def largest(a, nb):
     """The largest of the ``nb`` chunks of ``a`` (NaN ignored)."""
     wide_vectors()
     mx = a[0]
-    w = U(CHUNK)
-    for b in range(U(nb)):
+    w = u64(CHUNK)
+    for b in range(u64(nb)):
         o = b * w
         for i in range(w):
             mx = maxnum(mx, a[o + i])
@@ -135,8 +135,8 @@ def least_at_least(a, nb, t):
     wide_vectors()
     ninf = a.dtype.type(-np.inf)
     nmn = ninf
-    w = U(CHUNK)
-    for b in range(U(nb)):
+    w = u64(CHUNK)
+    for b in range(u64(nb)):
         o = b * w
         for i in range(w):
             x = a[o + i]
@@ -168,13 +168,13 @@ def kth_largest(a, n, k, lo, hi, members, bucket, hist):
     if not (span < np.inf and scale < np.inf):
         # a span that overflows, or is subnormal: the bucket index could meet inf * 0
         # (the compiler may also reorder its arithmetic): a quickselect over all
-        for x in range(U(n)):
+        for x in range(u64(n)):
             members[x] = a[x]
         return kth_smallest(members, np.int64(n), np.int64(n) - k)
     for b in range(BUCKETS):
         hist[b] = 0
     top = BUCKETS - 1
-    for x in range(U(n)):
+    for x in range(u64(n)):
         # monotone in a[x] however the compiler arranges it, with a finite span
         y = (a[x] - lo) * scale
         b = min(np.int64(y), top) if y < BUCKETS else top
@@ -185,10 +185,10 @@ def kth_largest(a, n, k, lo, hi, members, bucket, hist):
     while above + hist[b] < k:
         above += hist[b]
         b -= 1
-    cnt = U(0)
-    for x in range(U(n)):  # the members of bucket b
+    cnt = u64(0)
+    for x in range(u64(n)):  # the members of bucket b
         members[cnt] = a[x]
-        cnt += U(bucket[x] == b)
+        cnt += u64(bucket[x] == b)
     c = np.int64(cnt)
     return kth_smallest(members, c, c - (k - above))
 
@@ -202,10 +202,10 @@ def group_maxima(row, g, m, gmax):
     ``row`` must hold no NaN.  With no maximum above ``-inf`` the least is ``+inf``.
     """
     wide_vectors()
-    um = U(m)
+    um = u64(m)
     for c in range(um):
         gmax[c] = row[c]
-    for i in range(U(1), U(g)):
+    for i in range(u64(1), u64(g)):
         o = i * um
         for c in range(um):
             gmax[c] = maxnum(gmax[c], row[o + c])
@@ -274,34 +274,34 @@ def select_row(row, n, top_k, gmax, cval, cidx, ftmp, itmp, hist):
         if finite >= top_k:
             bounded = True
             lower = group_bound(gmax, mb, top_k, lo, hi, ftmp)
-    cnt = U(0)
+    cnt = u64(0)
     if bounded:
-        um = U(m)
-        ng = U(0)
+        um = u64(m)
+        ng = u64(0)
         for c in range(um):  # the groups holding candidates, compacted without a branch
             itmp[ng] = c
-            ng += U(gmax[c] >= lower)
+            ng += u64(gmax[c] >= lower)
         for t in range(ng):
-            c = U(itmp[t])
-            for i in range(U(g)):
+            c = u64(itmp[t])
+            for i in range(u64(g)):
                 j = c + i * um
                 x = row[j]
                 cval[cnt] = x
                 cidx[cnt] = j
-                cnt += U(x >= lower)
-        for j in range(U(g) * um, U(n)):  # the keys no group holds
+                cnt += u64(x >= lower)
+        for j in range(u64(g) * um, u64(n)):  # the keys no group holds
             x = row[j]
             cval[cnt] = x
             cidx[cnt] = j
-            cnt += U(x >= lower)
+            cnt += u64(x >= lower)
             hi = max(hi, x)
     else:  # every allowed key is a candidate
         lower = -ninf
-        for j in range(U(n)):
+        for j in range(u64(n)):
             x = row[j]
             cval[cnt] = x
             cidx[cnt] = j
-            cnt += U(x > ninf)
+            cnt += u64(x > ninf)
             lower = min(lower, x) if x > ninf else lower
             hi = max(hi, x)
         if np.int64(cnt) <= top_k:
@@ -309,19 +309,19 @@ def select_row(row, n, top_k, gmax, cval, cidx, ftmp, itmp, hist):
     # cnt >= top_k: the bound's groups hold top_k distinct candidates, all >= lower
     thr = kth_largest(cval, cnt, top_k, lower, hi, ftmp, itmp, hist)
     need = np.int64(top_k)  # minus the keys above the threshold: kept at the threshold
-    ties = U(0)
+    ties = u64(0)
     for x in range(cnt):  # the indices at the threshold; usually exactly one
         itmp[ties] = cidx[x]
-        ties += U(cval[x] == thr)
+        ties += u64(cval[x] == thr)
         need -= np.int64(cval[x] > thr)
-    cut = itmp[0] if ties == U(1) else kth_smallest(itmp, np.int64(ties), need - 1)
-    kept = U(0)
+    cut = itmp[0] if ties == u64(1) else kth_smallest(itmp, np.int64(ties), need - 1)
+    kept = u64(0)
     for x in range(cnt):  # compact the candidates to the kept keys
         s = cval[x]
         j = cidx[x]
         cval[kept] = s
         cidx[kept] = j
-        kept += U((s > thr) | ((s == thr) & (j <= cut)))
+        kept += u64((s > thr) | ((s == thr) & (j <= cut)))
     return thr, cut, np.int64(kept)
 
 
@@ -334,14 +334,14 @@ def _weighted_rows(p, cnt, vflat, idx, dv, c0, blk):
     ``noalias`` flag: ``blk`` overlaps neither input).
     """
     wide_vectors()
-    w = U(COLS)
+    w = u64(COLS)
     for c in range(w):
         blk[c] = 0.0
-    udv = U(dv)
-    uc0 = U(c0)
-    for x in range(U(cnt)):
+    udv = u64(dv)
+    uc0 = u64(c0)
+    for x in range(u64(cnt)):
         px = p[x]
-        o = U(idx[x]) * udv + uc0
+        o = u64(idx[x]) * udv + uc0
         for c in range(w):
             blk[c] += px * vflat[o + c]
 
@@ -374,15 +374,15 @@ def gather_row(r, cval, cidx, cnt, vh, m, l, acc, pbuf, blk, dropout, key):
     m[r] = mx
     # the padding's weights are exactly 0 and add nothing to the sum
     l[r] = exp_shifted_sum_at(cval, 0, pbuf, 0, mx, cb * CHUNK)
-    n = U(cnt)
+    n = u64(cnt)
     tiny = pbuf.dtype.type(np.finfo(pbuf.dtype).tiny)
     dropped = drop_listed(pbuf, cidx, cnt, dropout, key)
     if dropped or count_at_least(pbuf, cb, tiny) < cnt:  # weights that are 0 (or subnormal)
-        n = U(0)
-        for x in range(U(cnt)):
+        n = u64(0)
+        for x in range(u64(cnt)):
             pbuf[n] = pbuf[x]
             cidx[n] = cidx[x]
-            n += U(pbuf[x] != 0.0)
+            n += u64(pbuf[x] != 0.0)
     a = acc[r]
     dv = a.shape[0]
     vflat = flat(vh)
