@@ -38,8 +38,8 @@ def build_sparse(dtype, tiling, dropout=False, mods=None):
     """
     f = micro_functions(np.dtype(dtype), tiling, mods)
     BQ, BK = f.BQ, f.BK
-    t_ = device_functions(np.dtype(dtype))
-    ONE, CAST, index = t_.CAST(1), t_.CAST, t_.index
+    dtype_fns = device_functions(np.dtype(dtype))
+    ONE, CAST, index = dtype_fns.CAST(1), dtype_fns.CAST, dtype_fns.index
     block_tile, begin_tile, stage_transposed = f.block_tile, f.begin_tile, f.stage_transposed
     tile_scores, modify_tile = f.tile_scores, f.modify_tile
     online_tile, finish_tile = f.online_tile, f.finish_tile

@@ -50,9 +50,9 @@ def build_topk(dtype, tiling, dropout=False, mods=None):
     """
     f = micro_functions(np.dtype(dtype), tiling, mods)
     nt, TM, TN, BQ, BK = f.nt, f.TM, f.TN, f.BQ, f.BK
-    t_ = device_functions(np.dtype(dtype))
-    ONE, NINF, tiles_seen = t_.CAST(1), t_.NINF, t_.tiles_seen
-    CAST, index = t_.CAST, t_.index
+    dtype_fns = device_functions(np.dtype(dtype))
+    ONE, NINF, tiles_seen = dtype_fns.CAST(1), dtype_fns.NINF, dtype_fns.tiles_seen
+    CAST, index = dtype_fns.CAST, dtype_fns.index
     PINF = np.dtype(dtype).type(np.inf)
     block_tile, begin_tile, stage_transposed = f.block_tile, f.begin_tile, f.stage_transposed
     tile_scores, modify_tile = f.tile_scores, f.modify_tile
