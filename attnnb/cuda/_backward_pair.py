@@ -1,0 +1,241 @@
+"""The backward's device functions: the weights and logit gradients of one tile pair.
+
+Both backward kernels (:mod:`attnnb.cuda._backward_kernels`) form, for each
+(query tile, key tile) pair, the thread's micro-tile of weights and logit
+gradients with what :func:`pair_functions` builds.  Nothing ``(Lq, Lk)`` is
+stored: the forward's ``out`` and ``lse`` recompute every weight tile, with
+the math of the cpu backward (:mod:`attnnb.cpu.backward`): for one stream,
+with ``r`` the row factor (1, or ``sigmoid(lse)`` for ``softmax1``) and ``F``
+the ``relu_expm1`` factor of the modified logit ``s'``
+(:func:`~attnnb.cuda._micro` ``modify_value``)::
+
+    p = r exp(s' - lse)     w = p F     dp = dO V^T     g = dp - delta
+    ds = p g                delta = dO . O - dlse / r   (per row)
+    dV += w^T dO    dK += scale ds^T Q    dQ += scale ds K
+    dbias = ds      d log key_size += w g
+
+and for differential attention's two streams (both modes; ``A_c = exp(s_c
+- lse_c)``, ``W = A1 - lam A2``, clipped at 0 with ``G = 0`` there when
+rectified, else ``G = dp``)::
+
+    d1 = rowsum(G A1)   e = rowsum(G A2)   dlam = -e
+    ds1 = A1 (G - d1)   ds2 = -lam A2 (G - e)   dV += W^T dO
+
+(in ``"difference"`` mode ``d1 = dO . o1`` and ``e = dO . o2``; summing
+them over the keys needs no second forward output).  The two-stream path
+(``Tiling.streams = 2``) forms both at once; one stream of a pair
+(:func:`pair_stream`) runs the one-stream path with row ratio ``r = 1`` or
+``r = -lam`` (stream 1's ``p = -lam A2``, so ``ds2`` and ``W``'s second term
+come out of it).  The rectified mode's streams ("clipped") gate every
+weight by its clip bit, which the differential forward's clip build writes
+(one bit a (query, key) pair): where the bit is clear ``w = 0`` and ``g =
+-delta``, so ``ds_c = -A_c delta_c`` as above with ``G = 0``.
+
+Dropout (builds of their own, ``dropout=True``, so that the other kernels
+carry none of it): each thread forms its rows' keys per tile
+(:mod:`attnnb.cuda._dropout`) and the one-stream path scales ``dp`` by the
+factor ``z`` (``1 / (1 - p)`` kept, 0 dropped) before ``g = z dp - delta``
+and the weights that reach ``dV`` to ``z w``; the key sizes' term stays
+``w g``.
+
+Invariants: the functions are built per (dtype, tiling, dropout, mods); the
+rows' terms (``row_terms``, three values a row for one stream, five for
+two) are laid out as the host's row kernels write them
+(:func:`attnnb.cuda._backward_kernels.build_row_terms`, ``build_pair_rows``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from .._codes import RELU_EXPM1, SOFTMAX
+from ._backward_tiling import round_up4
+from ._dropout import column_word, kept, row_key
+from ._micro import I64, U32, Tiling, micro_functions
+from ._tiles import device_functions
+
+PAIR_VARIANTS = ("stream0", "stream1", "clipped0", "clipped1")
+
+
+def pair_stream(streams: int, variant: str) -> tuple[int, int, bool]:
+    """``(head step, head offset, one stream of a pair)`` of a kernel build: stream ``c``
+    of score stream pair ``h`` is query head ``2h + c`` (key head ``2g + c``).
+    ``"clipped0"`` / ``"clipped1"``: the same streams of the rectified mode, each weight
+    gated by the forward's clip bits (:func:`pair_functions`)."""
+    if variant in PAIR_VARIANTS:
+        return 2, int(variant[-1]), True
+    return streams, 0, False
+
+
+def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
+    """Device functions shared by both backward kernels: the weights and logit
+    gradients of one (query tile, key tile) pair in the thread's micro-tile
+    (with ``dropout``, under the forward's keep decisions; with ``mods``, a problem's
+    mask and score functions, :func:`attnnb.cuda._micro.micro_functions`)."""
+    micro = micro_functions(np.dtype(dtype), tiling, mods)
+    base = device_functions(np.dtype(dtype))
+    ZERO, NINF, ONE = base.ZERO, base.NINF, base.CAST(1)
+    TM, TN, STREAMS, nt, N_S = tiling.tm, tiling.tn, tiling.streams, micro.nt, micro.N_S
+    DROPOUT = dropout
+    N_TERMS = 3 if STREAMS == 1 else 5  # values a row: lse, r, delta / lse1, lse2, d1, e, lam
+    N_TERM_REGS = N_TERMS * TM  # (local array sizes must be plain constants)
+    modify_tile, tile_scores = micro.modify_tile, micro.tile_scores
+    apply_tile_mask = micro.apply_tile_mask
+    # key tiles start at multiples of BK: with BK dividing 32, a tile's keys share a clip word
+    ONE_WORD = 32 % tiling.bk == 0
+    SCORE_FN = micro.SCORE_FN
+    dscores = micro.scores_product(round_up4(tiling.dv))
+
+    @cuda.jit(device=True)
+    def single(S, F, dP, terms, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
+               clipped, clip_row, words, keys, threshold, keep):
+        """One stream: ``S`` becomes ``ds``, ``dP`` becomes ``w g`` (a key size's term;
+        0 where the weight is), ``F`` the weights that reach the values.  With dropout
+        (``keys``: the rows' keys, ``threshold``, ``keep = 1 / (1 - p)``) the factor
+        ``z`` (``keep`` or 0) scales ``dP`` before ``g = z dP - delta`` and the weights
+        in ``F`` (``z w``).  ``terms``: the rows' ``lse, r, delta``; ``thr``, ``cutr``: the
+        top-k selection when ``selected``.  Rows past ``nq`` get zeros.  ``S``, ``F``:
+        the modified logits and their factors.  ``clipped``: a rectified pair's stream,
+        ``clip[b, h, i, j // 32]`` bit ``j % 32`` the clip of weight ``(i, j)``; where it
+        is clear the weight is 0 and ``g = -delta`` (the clip has derivative 0, the
+        stream's softmax still moves the weight's logit); ``clip`` flat, row ``i`` of the
+        tile ``clip_row + i`` (``(b * H + h) * Lq + i0``), ``words`` a row."""
+        for r in range(TM):
+            lse = terms[r]
+            ratio = terms[TM + r]
+            delta = terms[2 * TM + r]
+            live = row0 + r < nq and lse != NINF
+            bits = U32(0)
+            if clipped and live and ONE_WORD:  # the tile's keys lie in one word of the row
+                bits = clip[(clip_row + U32(row0 + r)) * words + U32(j0 >> 5)] >> U32(
+                    (j0 & 31) + key0)
+            for c in range(TN):
+                x = r * TN + c
+                s = S[x]
+                if selected and not (s > thr[r] or s != s
+                                     or (s == thr[r] and j0 + key0 + c <= cutr[r])):
+                    s = NINF
+                w = ZERO
+                ds = ZERO
+                g = ZERO
+                z = ONE
+                if live:
+                    p = ratio * math.exp(s - lse)
+                    if p != ZERO:  # a key the row does not weigh: its value never reaches it
+                        if DROPOUT and not kept(keys[r], column_word(I64(j0 + key0 + c)),
+                                                threshold):
+                            z = ZERO
+                        elif DROPOUT:
+                            z = keep
+                        g = (dP[x] * z if DROPOUT else dP[x]) - delta
+                        w = p * F[x] if normalizer == RELU_EXPM1 else p
+                        if clipped:
+                            if not ONE_WORD:  # the bit to the position of bit c
+                                j = j0 + key0 + c
+                                word = clip[(clip_row + U32(row0 + r)) * words + U32(j >> 5)]
+                                bits = (word >> U32(j & 31)) << U32(c)
+                            if not (bits >> U32(c)) & U32(1):
+                                g = -delta
+                                w = ZERO
+                        ds = p * g
+                S[x] = ds
+                F[x] = w * z if DROPOUT else w
+                dP[x] = w * g
+
+    @cuda.jit(device=True)
+    def pair(S1, S2, dP, W, terms, rectified, part1, part2, row0, nq):
+        """Two streams: ``S1``, ``S2`` become ``ds1``, ``ds2``, ``dP`` becomes ``G``, ``W``
+        (the factors' scratch) the combined weights; ``part1[r] += sum G A1``,
+        ``part2[r] += sum G A2``.  ``terms``:
+        the rows' ``lse1, lse2, d1, e, lam``; ``S1``, ``S2``: the modified logits."""
+        for r in range(TM):
+            l1 = terms[r]
+            l2 = terms[TM + r]
+            d1 = terms[2 * TM + r]
+            e = terms[3 * TM + r]
+            lam = terms[4 * TM + r]
+            valid = row0 + r < nq
+            t1 = ZERO
+            t2 = ZERO
+            for c in range(TN):
+                x = r * TN + c
+                a1 = ZERO if not valid or l1 == NINF else math.exp(S1[x] - l1)
+                a2 = ZERO if not valid or l2 == NINF else math.exp(S2[x] - l2)
+                w = a1 - lam * a2
+                g = dP[x]
+                # outside both maps nothing flows (a NaN value there stays out); the clip
+                # at 0 has derivative 0
+                if (a1 == ZERO and a2 == ZERO) or (rectified and not w > ZERO):
+                    w = ZERO
+                    g = ZERO
+                t1 += g * a1
+                t2 += g * a2
+                S1[x] = a1 * (g - d1)
+                S2[x] = -lam * a2 * (g - e)
+                W[x] = w
+                dP[x] = g
+            part1[r] += t1
+            part2[r] += t2
+
+    @cuda.jit(device=True)
+    def pair_registers():
+        """The thread's register arrays of a pair: ``S1, S2, F, dP`` (micro-tiles),
+        ``terms`` (three or five values a row), ``thr``, ``cutr`` (the top-k selection)."""
+        return (cuda.local.array(N_S, nt), cuda.local.array(N_S, nt),
+                cuda.local.array(N_S, nt), cuda.local.array(N_S, nt),
+                cuda.local.array(N_TERM_REGS, nt), cuda.local.array(TM, nt),
+                cuda.local.array(TM, np.int64))
+
+    @cuda.jit(device=True)
+    def load_rows(row_terms, b, h, i0, row0, Lq, terms, thr_a, cut_a, selected, thr, cutr):
+        """``terms[k * TM + r] = row_terms[b, h, k, row i0 + row0 + r]`` (rows past ``Lq``: the
+        last) and, when ``selected``, the rows' top-k threshold and tie cut."""
+        for r in range(TM):
+            ii = min(i0 + row0 + r, Lq - 1)
+            for k in range(N_TERMS):
+                terms[k * TM + r] = row_terms[b, h, k, ii]
+            thr[r] = thr_a[0, 0, 0]
+            cutr[r] = 0
+            if selected:
+                thr[r] = thr_a[b, h, ii]
+                cutr[r] = cut_a[b, h, ii]
+
+    @cuda.jit(device=True)
+    def tile_gradients(Q1, Q2, K1, K2, Ot, Vt, Mt, partial, S1, S2, F, dP, terms, thr, cutr,
+                       selected, rectified, clip, clipped, clip_row, words, part1, part2, i0,
+                       row0, j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask, has_mask,
+                       logks, has_ks, normalizer, keys, drop, mods, R):
+        """The logits (``Q K^T`` per stream), ``dP = dO V^T`` and the pair's weights and
+        logit gradients (:func:`single` or :func:`pair`; the weights in ``F``) from the
+        staged transposed tiles; ``Mt``: a partial tile's mask (``partial``); ``clip``,
+        ``clipped``: as :func:`single`; ``drop``: the dropout's ``(seed_lo, seed_hi,
+        batch0, head0, threshold, keep)``, read by a ``dropout`` build, which forms the
+        rows' keys in ``keys``; ``mods``: the mods' arrays, a score function's build
+        keeping the raw logits in ``R`` (for ``slope_tile``)."""
+        if DROPOUT:
+            for r in range(TM):
+                keys[r] = row_key(drop[0], drop[1], I64(drop[2] + b), I64(drop[3] + h),
+                                  I64(i0 + row0 + r))
+        tile_scores(Q1, K1, row0, key0, S1)
+        if STREAMS == 2:
+            tile_scores(Q2, K2, row0, key0, S2)
+        dscores(Ot, Vt, row0, key0, dP)
+        if SCORE_FN:
+            for x in range(N_S):
+                R[x] = S1[x]
+        modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                    has_mask, logks, has_ks, normalizer if STREAMS == 1 else SOFTMAX, mods)
+        if partial:  # after the score function, which may map -inf to a number
+            apply_tile_mask(S1, Mt, row0, key0)
+        if STREAMS == 1:
+            single(S1, F, dP, terms, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
+                   clipped, clip_row, words, keys, drop[4], drop[5])
+        else:
+            modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                        has_mask, logks, has_ks, SOFTMAX, mods)
+            pair(S1, S2, dP, F, terms, rectified, part1, part2, row0, nq)
+
+    return pair_registers, load_rows, tile_gradients
