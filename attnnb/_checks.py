@@ -67,6 +67,26 @@ def _user_full_shape(batch_shape, squeeze, Hq, Lq, Lk):
     return batch_shape + ((Lq, Lk) if squeeze else (Hq, Lq, Lk))
 
 
+
+def _reshaped_view(x: np.ndarray, shape: tuple) -> np.ndarray:
+    """``x`` reshaped to ``shape`` as a view; ``ValueError`` where that needs a copy.
+
+    ``np.reshape(..., copy=False)`` says so from NumPy 2.1; before, a view with
+    the new shape set in place does (an ``AttributeError``).
+    """
+    if _RESHAPE_HAS_COPY:
+        return np.reshape(x, shape, copy=False)
+    view = x.view()
+    try:
+        view.shape = shape
+    except AttributeError as err:
+        raise ValueError(str(err)) from None
+    return view
+
+
+_RESHAPE_HAS_COPY = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
+
+
 def broadcast_pairwise(name, x, batch_shape, squeeze, B, Hq, Lq, Lk, dtype):
     """Broadcast a mask or bias to the canonical ``(B, Hq, Lq, Lk)`` as a view.
 
@@ -99,7 +119,7 @@ def broadcast_pairwise(name, x, batch_shape, squeeze, B, Hq, Lq, Lk, dtype):
     if not view.size:
         return np.zeros((B, Hq, Lq, Lk), arr.dtype)
     try:
-        return np.reshape(view, (B, Hq, Lq, Lk), copy=False)
+        return _reshaped_view(view, (B, Hq, Lq, Lk))
     except ValueError:  # the batch axes do not merge as a view: copy them alone
         padded = arr.reshape((1,) * (len(full) - arr.ndim) + arr.shape)
         tail = padded.shape[-3:]  # the user's heads, rows, keys (1 where broadcast)
