@@ -100,6 +100,11 @@ class Summary:
     compilations : int
         Compilations done, over all processes: the kernels not loaded from
         the cache, unless two processes compiled one.
+    counted : bool
+        Whether kernels were recorded: False where the Numba patches are off
+        (:mod:`attnnb.cpu._numba_patches`), and then :attr:`kernels` is empty.
+    cases : int
+        Cases run.
     """
 
     kernels: list[Kernel]
@@ -108,6 +113,8 @@ class Summary:
     jobs: int
     unreached: list[str] = dataclasses.field(default_factory=list)
     compilations: int = 0
+    counted: bool = True
+    cases: int = 0
 
     @property
     def loaded(self) -> int:
@@ -117,6 +124,9 @@ class Summary:
     def line(self) -> str:
         """The closing line: ``warmup: compiled X kernels (Y loaded from cache) in Z s ...``."""
         noun = "process" if self.jobs == 1 else "processes"
+        if not self.counted:
+            return (f"warmup: ran {self.cases} cases in {self.seconds:.1f} s with {self.jobs} "
+                    f"{noun} (Numba patches off: kernels not counted)")
         return (f"warmup: compiled {len(self.kernels)} kernels ({self.loaded} loaded from "
                 f"cache) in {self.seconds:.1f} s with {self.jobs} {noun}")
 
@@ -221,47 +231,42 @@ class _Hooks:
         self.claims = claims
         self.records: list[Kernel] = []
         self._local = threading.local()
-        self._saved = None
+        self._restore = None
 
-    def install(self) -> None:
-        from numba.core import sigutils
-        from numba.core.caching import Cache
-        from numba.core.dispatcher import Dispatcher
+    def install(self) -> bool:
+        """Start recording; False where the Numba patches are off (nothing recorded)."""
+        from .cpu._numba_patches import compile_hooks
 
-        from .cpu._compile import compiled_in_child
-
-        compile_, save = Dispatcher.compile, Cache.save_overload
         hooks = self
 
-        def compile(self, sig):
+        def compile(compile_, dispatcher, sig):
             depth = getattr(hooks._local, "depth", 0)
-            py_func = getattr(self, "py_func", None)
-            args = tuple(sigutils.normalize_signature(sig)[0])
+            py_func = getattr(dispatcher, "py_func", None)
+            args = compile_hooks.argument_types(sig)
             if (depth or py_func is None or not py_func.__module__.startswith(KERNEL_PACKAGE)
-                    or args in self.overloads):
-                return hooks._nested(compile_, self, sig)
+                    or args in dispatcher.overloads):
+                return hooks._nested(compile_, dispatcher, sig)
             name = f"{py_func.__module__}.{py_func.__qualname__}"
             claim = (hooks.claims.compiling(f"{name}{args}") if hooks.claims
                      else contextlib.nullcontext())
             with claim:
-                hits = sum(self._cache_hits.values())
+                hits = compile_hooks.cache_hits(dispatcher)
                 start = time.perf_counter()
-                entry = hooks._nested(compile_, self, sig)
-                loaded = (sum(self._cache_hits.values()) > hits
-                          and not compiled_in_child(self, sig))
+                entry = hooks._nested(compile_, dispatcher, sig)
+                loaded = compile_hooks.cache_hits(dispatcher) > hits
                 hooks.records.append(Kernel(name, str(args), time.perf_counter() - start,
                                             loaded))
             return entry
 
-        def save_overload(self, sig, data):
-            index = getattr(getattr(self, "_cache_file", None), "_index_path", None)
+        def save_overload(save, cache, sig, data):
+            index = compile_hooks.index_path(cache)
             if hooks.claims is None or index is None:
-                return save(self, sig, data)
+                return save(cache, sig, data)
             with hooks.claims.saving(index):
-                return save(self, sig, data)
+                return save(cache, sig, data)
 
-        self._saved = (Dispatcher, compile_, Cache, save)
-        Dispatcher.compile, Cache.save_overload = compile, save_overload
+        self._restore = compile_hooks.wrap(compile, save_overload)
+        return self._restore is not None
 
     def _nested(self, fn, *args):
         self._local.depth = getattr(self._local, "depth", 0) + 1
@@ -271,10 +276,9 @@ class _Hooks:
             self._local.depth -= 1
 
     def uninstall(self) -> None:
-        if self._saved is not None:
-            dispatcher, compile_, cache, save = self._saved
-            dispatcher.compile, cache.save_overload = compile_, save
-            self._saved = None
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
 
 
 def kernel_functions() -> list[str]:
@@ -311,10 +315,6 @@ _worker_cases: dict[str, dict] = {}  # module -> {case name: run}
 
 def _worker_init(claims_root: str) -> None:
     global _worker_hooks
-    from .cpu._compile import COMPILE_HERE
-
-    # A worker compiles and keeps nothing; the processes that run the kernels load them.
-    os.environ[COMPILE_HERE] = "1"
     _worker_hooks = _Hooks(_Claims(claims_root))
     _worker_hooks.install()
 
@@ -374,6 +374,10 @@ def run(cases: Sequence[Case] | None = None, *, jobs: int | None = None,
     everything = cases is None
     cases = _order(discover_cases() if cases is None else cases)
     jobs = max(1, min(default_jobs() if jobs is None else int(jobs), len(cases)))
+    from .cpu._numba_patches import ACTIVE as counted
+
+    if not counted:
+        jobs = 1  # without the compile hooks' claims, two workers could compile one kernel
     progress_bar = progress(len(cases), desc="warmup") if bar and cases else None
     kernels: dict[tuple[str, str], Kernel] = {}
     failures: list[tuple[str, str]] = []
@@ -409,8 +413,9 @@ def run(cases: Sequence[Case] | None = None, *, jobs: int | None = None,
         if progress_bar is not None:
             progress_bar.close()
     reached = {k.name for k in kernels.values()}
+    unreached = [name for name in known if name not in reached] if counted else []
     return Summary(list(kernels.values()), failures, time.perf_counter() - start, jobs,
-                   [name for name in known if name not in reached], compilations)
+                   unreached, compilations, counted, len(cases))
 
 
 def _run_pool(cases, jobs, finished, everything) -> list[str]:

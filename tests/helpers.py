@@ -52,7 +52,7 @@ def from_jit(fn):
     """``fn`` (a shared loop of the cpu backend) called through a ``numba.njit`` function.
 
     Shared loops are compiled only to be inlined into kernels and have no entry point
-    from Python (:mod:`attnnb.cpu._linking`); the caller is compiled from their IR, as
+    from Python (:mod:`attnnb.cpu._numba_patches.linking`); the caller is compiled from their IR, as
     a kernel is.  One caller per function, compiled for each new argument types.
     """
     caller = _JIT_CALLERS.get(fn)

@@ -14,9 +14,8 @@ and the composition), so Numba's on-disk cache keeps it in files of its own,
 and a later process finds it there without compiling: Numba's index key
 holds the code and the signature, not the globals, so copies of one kernel
 must differ by name.  Each copy gets the package-wide source stamp
-(:mod:`attnnb.cpu._cache`), so that an edit to the backend recompiles them
-as it recompiles the originals.  A copy is not an attribute of any module, so
-its first compile runs in this process (:mod:`attnnb.cpu._compile`).
+(:mod:`attnnb.cpu._numba_patches.source_stamp`), so that an edit to the backend
+recompiles them as it recompiles the originals.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ import dis
 import threading
 import types
 
-from ._cache import restamp
 from ._jit import REMAKE
+from ._numba_patches.source_stamp import restamp
 
 _copies: dict = {}
 _lock = threading.Lock()

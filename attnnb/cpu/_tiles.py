@@ -58,16 +58,17 @@ from ._exp import (
     sum_at,
 )
 from ._jit import blocks, inner, wide_vectors
+from ._numba_patches.views import flat, rows_of
 from ._vector_ir import prefetch_line, row_max_64, transpose_16
-from ._views import flat, rows_of
 
 TILE_Q = 64
 TILE_K = COLS  # 64: the register blocks' width
 
 # Query rows per task of the kernels that sweep a contiguous range of key
 # tiles (dense, differential): twice TILE_Q halves the key and value tiles
-# streamed per query (a 128-row task's scratch still fits in L2); measured
-# ~5 % faster at N = 2048-4096, the same at 1024.  The sparse and top-k
+# streamed per query (a 128-row task's scratch still fits in L2), which was faster
+# at N = 2048-4096 (docs/performance.md, "Figures moved out of the code's comments").
+# The sparse and top-k
 # kernels keep TILE_Q: a pattern's tiles are chosen per 64 query rows, and
 # wider tasks would visit the union of two rows' tile lists.
 SWEEP_TILE_Q = 128
@@ -141,8 +142,8 @@ def tile_logits_t(qs, kth, j0, nk, S_flat):
     holds at least ``nq * TILE_K`` elements.  Each key tile is one contiguous
     ``D x TILE_K`` block: with the keys transposed as a whole, ``(D, Lk)``,
     the tile's rows lie ``4 Lk`` bytes apart, a power of two for the usual
-    lengths, so they compete for the same few L1 sets (measured: 15-20 %
-    slower at Lk = 2048 and 4096).
+    lengths, so they compete for the same few L1 sets (docs/performance.md,
+    "Figures moved out of the code's comments").
 
     Register-blocked (:mod:`attnnb.cpu._blocks`), no BLAS, in 4-row blocks
     (the last block reaches back over rows already done, which it writes
@@ -191,8 +192,8 @@ def tile_logits_rows(qs, kh, j0, nk, S_flat):
     as stored: one dot product per (query, key).
 
     For fewer than 4 query rows (decoding), where transposing a key tile for
-    :func:`tile_logits_t` costs more than the dot products (measured: 1.5 us a
-    64 x 64 float32 tile, against ~0.3 us for one row of dot products).
+    :func:`tile_logits_t` costs more than the dot products (docs/performance.md,
+    "Figures moved out of the code's comments").
     ``kh (Lk, D)`` and ``qs (nq, D)`` C-contiguous.
     """
     nq, d = qs.shape
@@ -226,8 +227,8 @@ def tile_logits_keys(qt, kh, vh, j0, nq, St_flat, S_flat, fetch):
     prefetches the next tile of ``kh`` and ``vh``.
 
     Decoding's tasks would otherwise transpose each key tile for :func:`tile_logits_t`
-    and use it for 16 rows at most: on the Zen 1 type at ``Lq = 16, Lk = 4096``
-    (8 heads, ``D = 64``) leaving the transpose out took 21 % off the call.  Here
+    and use it for 16 rows at most, a transpose that costs more than it saves
+    (docs/performance.md, "Decoding from the keys as stored").  Here
     the keys are the broadcast operand of the register blocks (4 keys by 16 query
     columns of ``qt``, :func:`transposed_queries`), which gives ``S^T`` in
     ``St_flat`` (``TILE_K * 16``), transposed to ``S`` by four 16 x 16 copies (a
@@ -240,8 +241,8 @@ def tile_logits_keys(qt, kh, vh, j0, nq, St_flat, S_flat, fetch):
     second product, ``dout v^T``, passes the values as ``kh`` and no ``fetch``),
     when that tile is whole (:func:`~attnnb.cpu._vector_ir.prefetch_line`):
     spread over the products, the memory traffic of a call that reads every key
-    and value once overlaps the FMAs.  (Prefetching a whole tile at the tile's
-    start measured no gain.)  ``kh (Lk, D)``, ``vh (Lk, Dv)``
+    and value once overlaps the FMAs (prefetching a whole tile at the tile's
+    start did not).  ``kh (Lk, D)``, ``vh (Lk, Dv)``
     C-contiguous; ``qt (D, 16)``.  Used by the decoding forward and backward.
     """
     d, dv = kh.shape[1], vh.shape[1]
@@ -278,8 +279,8 @@ def values_product(P, vh, j0, acc, T_flat):
 def transposed_values_product(Pt, vh, j0, acc, T_flat):
     """``acc += Pt.T @ vh[j0:j0+n]`` for ``Pt (n, m)`` C-contiguous: the backward's
     ``W^T @ dout`` and ``dS^T @ q``, read from the weight tile as it is
-    (:func:`weighted_rows`).  A transposed copy of the tile took 1.65 us (64 x 64
-    float32), twice per (query tile, key tile) pair."""
+    (:func:`weighted_rows`): a transposed copy of the tile, twice per (query tile,
+    key tile) pair, cost more."""
     n, m = Pt.shape
     weighted_rows(flat(Pt), 1, m, m, n, vh, j0, acc, T_flat)
 
@@ -290,9 +291,9 @@ def key_run(nk, row_bytes):
 
     A 64-key column block of values whose rows are a multiple of 1 KiB apart falls
     on 16 or fewer of L1's 64 sets (4 KiB a way), more lines to a set than the 8-12
-    ways of the project's machines, so each row block read it again from L2: at
-    ``Dv = 256`` float32 the value product took 1.15x the time of ``Dv = 272``'s
-    (Xeon model 167).  Such widths take the keys in runs that fit: 32 keys at 1 KiB
+    ways of the project's machines, so each row block read it again from L2
+    (docs/performance.md, "Value rows 1 KiB apart, and the Xeon type's table").
+    Such widths take the keys in runs that fit: 32 keys at 1 KiB
     (or 3 KiB) periods, 16 at 2 KiB, 8 at 4 KiB; every other width all ``nk`` at once.
     """
     period = row_bytes % 4096
@@ -739,10 +740,10 @@ def transposed_copy(src, r0, nr, c0, nc, dst):
     In 16 x 16 blocks (:func:`attnnb.cpu._vector_ir.transpose_16`: row loads,
     shuffles, row stores), then the rows and columns that are left.  A plain
     double loop over the whole tile read or wrote with a stride in its inner
-    loop (gathers or scattered stores: 1.55 us a 64 x 64 float32 tile on the
-    Zen 4 machine type); 16 x 16 blocks as double loops still stored one
-    element at a time (1.0-1.1 us on the Zen 5 type); the vector-IR blocks
-    take 0.16 us.  The copy is exact: results do not change.
+    loop (gathers or scattered stores), and 16 x 16 blocks as double loops still
+    stored one element at a time; the vector-IR blocks take a tenth of the time
+    (docs/performance.md, "Figures moved out of the code's comments").  The copy
+    is exact: results do not change.
     """
     nr_blocks = nr - nr % 16
     nc_blocks = nc - nc % 16
@@ -786,8 +787,9 @@ def tile_is_finite(vh, j0):
     is 0 exactly when every element is finite.  The rows are one contiguous
     run of ``vh`` (C-contiguous), read as one flat loop in its own
     dtype: one vectorised reduction per tile.  Row by row, with a float64
-    zero, it was a reduction per row through float64 conversions, and took
-    30 % of a decoding call (``Lq = 1``, ``Lk = 4096``, one thread).
+    zero, it was a reduction per row through float64 conversions, a large part
+    of a decoding call (docs/performance.md, "Figures moved out of the code's
+    comments").
     """
     n_rows, width = vh.shape
     values = flat(vh)
@@ -815,7 +817,7 @@ def prepare_key_tile(k, v, kt, v_ok, task):
     kernel's two components per value head): key head ``g`` then checks value
     head ``g // r`` when ``g % r == 0``, so every value tile is checked once.
     Done by a parallel kernel rather than by host helpers: no host pass over
-    ``v`` (measured: 5 % of a small call).
+    ``v``, which shows in small calls.
     """
     Hk, n_kt = kt.shape[1], kt.shape[2]
     b, g, t = task // (Hk * n_kt), (task // n_kt) % Hk, task % n_kt

@@ -31,10 +31,9 @@ The vectorised passes over the group maxima run over whole chunks of
 :data:`CHUNK` values (padded with ``-inf``, which no pass counts): a loop
 with a run-time trip count ends in a scalar remainder of up to 63 values.
 
-Measured (one thread, float32, ``top_k = 64``, random logits, the row in
-cache): about 2 cycles a key at ``n = 4096``, 4 at ``n = 1024`` and ~2000
-cycles a row below; the two quickselects this replaces spent 6-20 cycles a
-key, most of it in mispredicted branches (``docs/performance.md``).
+It replaced two quickselects whose cost was mostly mispredicted branches
+(docs/performance.md, "Top-k selection" and "Figures moved out of the code's
+comments").
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ from ._blocks import COLS
 from ._dropout import drop_listed
 from ._exp import exp_shifted_sum_at, maxnum
 from ._jit import blocks, inner, wide_vectors
-from ._views import flat
+from ._numba_patches.views import flat
 
 u64 = np.uint64
 CHUNK = 64  # values per vectorised step (four 512-bit vectors of float32)
@@ -157,8 +156,8 @@ def kth_largest(a, n, k, lo, hi, members, bucket, hist):
     computed once and stored in ``bucket`` (recomputing it could round
     differently where the compiler fuses differently); ``members`` (``a``'s
     dtype) and ``bucket`` are scratch of ``n``, ``hist`` of ``BUCKETS``.
-    About 6 cycles a value, where a quickselect over all of them took ~15
-    (its branches mispredict).  Spans that overflow or are subnormal take
+    Cheaper than a quickselect over all of them, whose branches mispredict.
+    Spans that overflow or are subnormal take
     the quickselect over all values.
     """
     span = hi - lo

@@ -15,6 +15,7 @@ from ._jit import kernel, wide_vectors
 from ._mask_tiles import EMPTY, FULL, tile_class
 from ._mod_hooks import MASK_FN, mask_tile, score_tile
 from ._mods import mod_kernel, mods_argument, tile_map
+from ._numba_patches.views import keep_alive, unowned
 from ._task import query_task, sweep_geometry
 from ._tiles import (
     KEY_BLOCK_ROWS,
@@ -33,7 +34,6 @@ from ._tiles import (
     transpose_keys,
     transposed_queries,
 )
-from ._views import keep_alive, unowned
 
 
 @kernel
@@ -84,8 +84,8 @@ def attention_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, l
         St_flat = np.empty(TILE_K * KEY_BLOCK_ROWS if by_keys else 0, q.dtype)
         if by_keys:
             transposed_queries(qs, qt)
-        # the key loop works on ownerless aliases of the task's scratch: no reference
-        # counting on every tile (see attnnb.cpu._views); the owners live to the task's end
+        # the key loop works on ownerless aliases of the task's scratch, so no reference
+        # counting on every tile (_numba_patches.views); the owners live to the task's end
         keys = np.empty(nq, np.int64)
         words = np.empty(TILE_K, np.int64)
         row_keys(dropout, b, h, i0, nq, keys)

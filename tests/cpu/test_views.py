@@ -1,4 +1,5 @@
-"""The kernels' own views (attnnb/cpu/_views.py) against NumPy's reshapes and slices."""
+"""The kernels' own views (attnnb/cpu/_numba_patches/views.py) against NumPy's reshapes and
+slices; with the Numba patches off, their plain fallbacks."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numba
 import numpy as np
 import pytest
 
-from attnnb.cpu._views import flat, keep_alive, rows_of, unowned
+from attnnb.cpu._numba_patches.views import flat, keep_alive, rows_of, unowned
 
 
 @numba.njit(cache=False)

@@ -1,4 +1,4 @@
-"""The first cpu call's set-up (attnnb/cpu/_startup.py): no SciPy linear algebra.
+"""The first cpu call's set-up (attnnb/cpu/_numba_patches/startup.py): no SciPy linear algebra.
 
 Numba imports ``scipy.linalg`` on its first compile or cache load only to
 learn that a BLAS exists; the cpu backend imports that part of Numba without
@@ -10,6 +10,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+
+import pytest
+
+from attnnb.cpu._numba_patches import ACTIVE
 
 CODE = """
 import json, sys
@@ -27,6 +31,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.skipif(not ACTIVE, reason="the Numba patches are off")
 def test_first_cpu_call_imports_no_scipy_linalg_and_blas_still_works():
     proc = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True,
                           timeout=600)

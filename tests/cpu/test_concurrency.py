@@ -23,8 +23,8 @@ import pytest
 
 import attnnb
 
-# subprocesses import this module (as tests.test_concurrency) and the same attnnb
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# subprocesses import this module (as tests.cpu.test_concurrency) and the same attnnb
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHONPATH = os.pathsep.join([ROOT, os.path.dirname(os.path.dirname(attnnb.__file__))])
 TIMEOUT = 180  # seconds: a hang (e.g. a Pool after fork under OpenMP) fails, never blocks
 
@@ -87,7 +87,7 @@ SCRIPT = """
 import concurrent.futures as cf, json, multiprocessing as mp, sys
 import numpy as np
 import numba
-from tests.test_concurrency import TIMEOUT, work
+from tests.cpu.test_concurrency import TIMEOUT, work
 from attnnb.cpu._threading import TBB_PRELOADED, in_forked_child
 
 def child(seed):
@@ -149,14 +149,12 @@ def test_other_layers_fall_back_safely(layer):
 CACHE_SCRIPT = """
 import sys
 import numpy as np
-from attnnb.cpu._compile import compiled_in_child
 from attnnb.cpu.attention import attention_kernel
-from tests.test_concurrency import work
+from tests.cpu.test_concurrency import work
 np.save(sys.argv[1], work(3)[0])
-made = [compiled_in_child(attention_kernel, sig) for sig in attention_kernel.signatures]
-print("attention_kernel compiled by a child process:", made)
+print("attention_kernel compiled here:", sum(attention_kernel.stats.cache_misses.values()) > 0)
 """
-COMPILED_BY_CHILD = "attention_kernel compiled by a child process: [True]"
+COMPILED_HERE = "attention_kernel compiled here: True"
 
 
 def start_cached_run(out_file, env_extra):
@@ -188,14 +186,17 @@ def test_kernel_cache_loads_in_a_new_process(tmp_path):
 
 def test_cache_stamp_covers_the_whole_package():
     """Every cached dispatcher of attnnb.cpu carries one stamp of all its modules."""
-    from attnnb.cpu import _cache, _tiles
+    from attnnb.cpu import _tiles
+    from attnnb.cpu._numba_patches import ACTIVE, source_stamp
     from attnnb.cpu.attention import attention_kernel
 
+    if not ACTIVE:
+        pytest.skip("the Numba patches are off: Numba's own stamps")
     work(0)
-    stamp = _cache.package_stamp()
-    names = {os.path.basename(path) for path in _cache.package_sources()}
-    assert names >= {"attention.py", "_tiles.py", "_exp.py", "_codes.py", "_selection.py",
-                     "_dropout.py", "_mod_compile.py", "mods.py"}
+    stamp = source_stamp.package_stamp()
+    names = {os.path.basename(path) for path in source_stamp.package_sources()}
+    assert names >= {"attention.py", "_tiles.py", "_exp.py", "views.py", "_codes.py",
+                     "_selection.py", "_dropout.py", "_mod_compile.py", "mods.py"}
     for fn in (attention_kernel, _tiles.finish_rows):
         assert fn._cache._cache_file._source_stamp == stamp
 
@@ -204,11 +205,15 @@ def test_cache_stamp_covers_the_whole_package():
 def test_cache_after_an_edit_with_concurrent_writers(tmp_path):
     """Numba alone would load a stale kernel after an edit to _tiles.py (the kernel lives
     in attention.py); the package-wide stamp makes the next processes recompile.  Two of
-    them start at once on the same cache (concurrent writers: each compiles through a
-    child process, attnnb/cpu/_compile.py, whose save it then loads, unless the other's
-    child saved the kernel first, which a busy machine makes likely), then a third
-    loads what they saved: every result equals this process's."""
+    them start at once on the same cache (concurrent writers: each compiles, unless the
+    other saved the kernel first), then a third loads what they saved: every result
+    equals this process's."""
     import shutil
+
+    from attnnb.cpu._numba_patches import ACTIVE
+
+    if not ACTIVE:
+        pytest.skip("the Numba patches are off: Numba's own stamps")
 
     want, _ = work(3)  # the package's own cache is now warm for this signature
     shutil.copytree(os.path.dirname(attnnb.__file__), tmp_path / "attnnb")  # mtimes kept
@@ -224,13 +229,11 @@ def test_cache_after_an_edit_with_concurrent_writers(tmp_path):
     with open(tmp_path / "attnnb" / "cpu" / "_tiles.py", "a") as f:
         f.write("\n# an edit to a shared module\n")
     writers = [start(f"writer{i}.npy") for i in range(2)]
-    errors: list = []  # a child compile that failed says why there (a RuntimeWarning)
+    errors: list = []
     logs = [kernel_cache_log(p, errors) for p in writers]
-    # not the stale kernel: a child compiled it, then it was loaded
-    assert any(COMPILED_BY_CHILD in log for log in logs), (logs, errors)
-    for log, err in zip(logs, errors, strict=True):
-        assert any("data loaded from" in x for x in log), (log, err)
+    # not the stale kernel: at least one of them compiled it
+    assert any(COMPILED_HERE in log for log in logs), (logs, errors)
     log = kernel_cache_log(start("loader.npy"))
-    assert any("data loaded from" in x for x in log) and COMPILED_BY_CHILD not in log, log
+    assert any("data loaded from" in x for x in log) and COMPILED_HERE not in log, log
     for name in ("before", "writer0", "writer1", "loader"):
         np.testing.assert_array_equal(np.load(tmp_path / f"{name}.npy"), want, err_msg=name)

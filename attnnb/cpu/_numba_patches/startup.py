@@ -4,9 +4,9 @@ The first compile or cache load of any function makes Numba's CPU target
 import its lowering modules (``CPUContext.load_additional_registries``).
 One of them, ``numba.np.arraymath``, runs ``_check_blas()`` when imported:
 ``import scipy.linalg.cython_blas``, only to learn whether a BLAS is there,
-and that imports all of ``scipy.linalg`` (0.12-0.15 s of a first call's
-0.55-0.8 s on the project's 2-core machine).  No kernel of this package
-calls a BLAS function.
+and that imports all of ``scipy.linalg`` (a fifth of a first call's time:
+docs/performance.md, "Numba's internals behind one gate").  No kernel of this
+package calls a BLAS function.
 
 :func:`import_arraymath` imports that module first, with Numba's
 ``ensure_blas`` replaced for the duration of the import by a check that
@@ -14,14 +14,17 @@ SciPy can be found; SciPy is a dependency of attnnb, so Numba's
 ``_HAVE_BLAS`` comes out as it would.  ``ensure_blas`` is restored at once:
 a function that does use BLAS still imports SciPy's when it is compiled,
 and Numba's C helpers import ``scipy.linalg.cython_blas`` themselves when
-such a function first runs.  Where the module was imported already, or
-Numba has moved these names, nothing changes.
+such a function first runs.  Where the gate (:mod:`attnnb.cpu._numba_patches`)
+is closed, the module was imported already, or Numba has moved these names,
+nothing changes.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+
+from . import ACTIVE
 
 
 def _scipy_found() -> None:
@@ -49,4 +52,5 @@ def import_arraymath() -> bool:
     return True
 
 
-import_arraymath()
+if ACTIVE:
+    import_arraymath()

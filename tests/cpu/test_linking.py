@@ -1,5 +1,5 @@
 """A parallel kernel's loop bodies are optimised and compiled once, in its own library
-(:mod:`attnnb.cpu._linking`); other Numba functions compile as Numba does."""
+(:mod:`attnnb.cpu._numba_patches.linking`); other Numba functions compile as Numba does."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import numba
 import numpy as np
 import pytest
 
-from attnnb.cpu import _linking
+from attnnb.cpu._numba_patches import linking as _linking
 
-pytestmark = pytest.mark.skipif(not _linking.ENABLED, reason="Numba internals not found")
+pytestmark = pytest.mark.skipif(not _linking.ENABLED, reason="the Numba patches are off")
 
 
 def _row_sums(x, out):
@@ -112,7 +112,7 @@ def test_the_loop_body_environment_is_set_once_the_kernel_defines_it(monkeypatch
 def test_a_shared_loop_has_no_entry_point_from_python_and_runs_inside_jitted_code():
     from attnnb.cpu._tiles import transposed_copy
 
-    from .helpers import from_jit
+    from ..helpers import from_jit
 
     src = np.arange(30, dtype=np.float32).reshape(5, 6)
     dst = np.zeros((6, 5), np.float32)
@@ -138,7 +138,7 @@ def test_only_the_products_are_optimised_alone_before_kernels_inline_them(decora
 
     from attnnb.cpu import _jit
 
-    from .helpers import from_jit
+    from ..helpers import from_jit
 
     shared = getattr(_jit, decorator)(_scaled_sum)
     shared._cache = NullCache()  # compiled here, not loaded from an earlier run's cache
@@ -154,7 +154,7 @@ import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 from attnnb.cpu._tiles import transposed_copy
-from attnnb.cpu._linking import _LINK_ONLY
+from attnnb.cpu._numba_patches.linking import _LINK_ONLY
 from tests.helpers import from_jit
 src = np.arange(12, dtype=np.float64).reshape(3, 4)
 dst = np.zeros((4, 3))
@@ -173,7 +173,7 @@ def test_a_shared_loop_is_cached_as_ir_and_loads_from_the_cache(tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     runs = [json.loads(subprocess.run([sys.executable, "-c", _CACHED_SHARED_LOOP, root],
                                       cwd=root, env=env, capture_output=True, text=True,

@@ -9,13 +9,10 @@ Where a kernel's compile time went
     full module pipeline and compiled to machine code when it is finalised,
     so the loop body, which holds every inlined tile loop, was optimised four
     times and turned into machine code four times.  The shared loops
-    (:func:`._jit.inner`, :func:`._jit.blocks`) are compiled stand-alone too,
+    (:func:`.._jit.inner`, :func:`.._jit.blocks`) are compiled stand-alone too,
     each a library of its own, and their machine code never runs: kernels
     inline them.  Only the kernel's own library runs from the on-disk cache.
-    Measured on the 2-core Xeon (model 167), one ``python -m attnnb warmup``
-    on an empty cache: 104 s of CPU time, of which 10 s was the shared
-    loops' machine code; the first compile of the float32 dense kernel spent
-    4.3 s of its 15.2 s in the loop body's four libraries.
+    (Figures: docs/performance.md, "Compile time: each loop body optimised once".)
 
 What this module changes
     * While an attnnb kernel compiles (:func:`link_parfors_once` marks its
@@ -29,44 +26,29 @@ What this module changes
       cached as IR (a cache entry of kind ``"attnnb-ir"``) instead of as
       machine code plus IR.  Its functions get the function-level passes;
       the library is optimised as a whole on its own only for the
-      register-blocked products (:func:`._jit.blocks`).  Kernels inline
-      every shared loop, and the kernel's module pipeline optimises the
-      inlined body with the kernel's constants, so for the other loops a
-      separate optimisation was work done twice.  The products keep it
-      because the kernels' speed was measured to depend on it: without it
-      the differential kernel was 3 % slower (its other kernels the same).
-      Such a function cannot be called from Python: its entry point raises
+      register-blocked products (:func:`.._jit.blocks`), whose speed depends on
+      it.  Kernels inline every shared loop, and the kernel's module pipeline
+      optimises the inlined body with the kernel's constants, so for the other
+      loops a separate optimisation would be work done twice.  Such a function
+      cannot be called from Python: its entry point raises
       ``TypeError`` (tests call shared loops through a small ``numba.njit``
       caller).
-    Measured (Xeon model 167, 2 processes, empty cache): ``warmup`` 109 s ->
-    59-68 s from the first change, then 57.0 -> 54.1 s (CPU time 106.5 ->
-    100.4 s, two runs each, alternating) from the second.  The dense
-    kernel's outputs are bit-identical to before at D = 16, 40, 64 and 160
-    and its speed the same (the same FMAs, a few instructions fewer); after
-    the second change the kernels link the same IR as before, and 30 outputs
-    of every kernel, forward and backward, both dtypes, were bit-identical
-    (``tests/test_determinism.py``'s cases).  Not optimising the shared
-    loops but the products on their own then took ``warmup`` from 61.6 to
-    45.9-52.9 s (CPU time 99.9-100.1 -> 86.1-86.9 s); the outputs of every
-    kernel tried (forward and backward, both dtypes) stayed bit-identical
-    and their speed the same within noise (docs/performance.md).
-    Libraries
-    created outside these (a user's own ``guvectorize``, whose wrapper is
-    cached and must be compiled; any other Numba function) are not touched.
+    Kernels link the same IR as without this module, so their outputs are the
+    same bits (``tests/test_determinism.py``) and their speed the same
+    (docs/performance.md, "Shared loops optimised once").  Libraries created
+    outside these (a user's own ``guvectorize``, whose wrapper is cached and
+    must be compiled; any other Numba function) are not touched.
 
 A kernel's cache entry
     Numba caches a library as its machine code plus the bitcode of its
     whole linked module (for libraries that others link in), and a load
-    parses that bitcode only to learn which symbols the module defines: at
-    200-300 KB per kernel, 10-15 ms each (five kernels in a first
-    ``vjp`` call).  No library links a kernel's own, so a kernel's library
+    parses that bitcode only to learn which symbols the module defines.  No
+    library links a kernel's own, so a kernel's library
     (marked while :func:`link_parfors_once`'s dispatcher compiles) is cached
     as its machine code and the names of the symbols it defines (a cache
     entry of kind ``"attnnb-object"``), loaded as Numba loads machine code,
-    the engine told the names.  Measured (Xeon model 167): the first
-    ``vjp`` call in a new process, whole process, 0.554 -> 0.496 s; the
-    first ``attention`` call 0.489 -> 0.472 s (medians of 10 alternating
-    runs); the dense kernel's cache entry 381 -> 176 KB.
+    the engine told the names: half the size, and a faster first call
+    (docs/performance.md, "First calls without parsing the kernels' IR").
 
 Environments
     After compiling a function Numba points its environment global (the
@@ -76,13 +58,16 @@ Environments
     then (Numba itself would write through a null address).
 
 These are Numba internals (``CPUCodeLibrary`` and the CPU codegen of Numba
-0.68); where they are missing, nothing is patched and kernels compile as
-Numba does by default, more slowly but with the same results.
+0.68).  Where the gate (:mod:`attnnb.cpu._numba_patches`) is closed or they are
+missing, nothing is patched and kernels compile as Numba does by default, more
+slowly but with the same results.
 """
 
 from __future__ import annotations
 
 import threading
+
+from . import ACTIVE
 
 _PARFOR_LIBRARIES = (
     "__numba_parfor_gufunc_",  # the loop body (its function's qualname)
@@ -285,7 +270,7 @@ def _install() -> bool:
     return True
 
 
-ENABLED = _install()
+ENABLED = ACTIVE and _install()
 
 
 def link_parfors_once(dispatcher):

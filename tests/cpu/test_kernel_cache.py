@@ -1,17 +1,18 @@
-"""The on-disk kernel cache across installations (attnnb/cpu/_cache.py, docs/design.md).
+"""The on-disk kernel cache across installations (attnnb/cpu/_numba_patches/source_stamp.py,
+docs/design.md).
 
 * The package stamp is a hash of the files' contents: a reinstall of the
   same files (new modification times) keeps the cache, an edit does not.
 * A read-only installation caches in the user's cache directory.
 * A process that only loads kernels never refreshes Numba's target
-  (attnnb/cpu/_compile.py, ``load_cached``), and a function of its own still
+  (attnnb/cpu/_numba_patches/cache_lookup.py), and a function of its own still
   compiles there.
+* A cache written with the Numba patches on and one written with them off
+  never serve each other (their entries differ in kind).
 
 Each test installs a copy of the package in a temporary directory and runs
 one small kernel (ToMe's unmerge gather, compiled in about a second) in
-fresh processes, reading the dispatcher's cache statistics.  A process that
-finds no cached kernel has a child process compile it and then loads it
-(attnnb/cpu/_compile.py), so its statistics show a hit, with ``child`` set.
+fresh processes, reading the dispatcher's cache statistics.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 import pytest
 
 import attnnb
+from attnnb.cpu._numba_patches import ACTIVE
 
 PACKAGE = os.path.dirname(os.path.abspath(attnnb.__file__))
 TIMEOUT = 300
@@ -34,7 +36,7 @@ SCRIPT = """
 import json
 import numpy as np
 import attnnb
-from attnnb.cpu._compile import compiled_in_child
+from attnnb.cpu._numba_patches import ACTIVE
 from attnnb.cpu.tome import unmerge, unmerge_kernel
 from numba.core.registry import cpu_target
 out = unmerge(np.arange(12, dtype=np.float32).reshape(1, 4, 3), np.array([[0, 1, 1, 3, 2]]))
@@ -46,7 +48,7 @@ own = numba.njit(lambda x: np.sum(x * 2.0))(np.arange(4.0))  # a user's function
 print(json.dumps({"file": attnnb.__file__, "path": stats.cache_path, "out": out.tolist(),
                   "hits": sum(stats.cache_hits.values()),
                   "misses": sum(stats.cache_misses.values()),
-                  "child": compiled_in_child(unmerge_kernel, sig),
+                  "patched": ACTIVE,
                   "registries": registries, "own": own}))
 """
 
@@ -58,17 +60,17 @@ def install_copy(site):
     return site / "attnnb"
 
 
-COMPILED = {"hits": 1, "misses": 0, "child": True}  # by a child, then loaded
-LOADED = {"hits": 1, "misses": 0, "child": False}
+COMPILED = {"hits": 0, "misses": 1}
+LOADED = {"hits": 1, "misses": 0}
 
 
 def made(report):
-    return {key: report[key] for key in ("hits", "misses", "child")}
+    return {key: report[key] for key in ("hits", "misses")}
 
 
 def run_kernel(site, prefix=(), **env_extra):
     env = dict(os.environ, PYTHONPATH=str(site))
-    env.pop("ATTNNB_COMPILE_HERE", None)
+    env.pop("ATTNNB_NUMBA_PATCHES", None)
     env.update(env_extra)
     env.pop("NUMBA_CACHE_DIR", None)  # Numba's own choice of place, as for a user
     proc = subprocess.run([*prefix, sys.executable, "-c", SCRIPT], cwd=str(site), env=env,
@@ -86,6 +88,7 @@ def test_reinstalling_the_same_files_keeps_the_cache_and_an_edit_does_not(tmp_pa
     pkg = install_copy(site)
     first = run_kernel(site)
     assert made(first) == COMPILED
+    assert first["registries"] > 0  # the compile refreshed Numba's target itself
     assert first["path"].startswith(str(pkg))  # __pycache__ of the installation
     # a reinstall: every file written again, same bytes, later modification times
     for path in pkg.rglob("*.py"):
@@ -95,7 +98,7 @@ def test_reinstalling_the_same_files_keeps_the_cache_and_an_edit_does_not(tmp_pa
         os.utime(path, (st.st_atime + 100, st.st_mtime + 100))
     again = run_kernel(site)
     assert made(again) == LOADED
-    # a loaded kernel needs none of Numba's lowering registries (_compile.load_cached)
+    # a loaded kernel needs none of Numba's lowering registries (cache_lookup)
     assert again["registries"] == 0
     # an edit to a module the kernel does not even use still makes it stale
     with open(pkg / "cpu" / "_tiles.py", "a") as f:
@@ -104,15 +107,17 @@ def test_reinstalling_the_same_files_keeps_the_cache_and_an_edit_does_not(tmp_pa
     assert made(edited) == COMPILED
 
 
-def test_a_process_told_to_compile_here_does_so_and_saves_it(tmp_path):
-    """``ATTNNB_COMPILE_HERE=1`` (what warmup's workers set): no child; the kernel
-    compiles in the process, and the next process loads what it saved."""
+@pytest.mark.skipif(not ACTIVE, reason="the Numba patches are off in this process")
+def test_caches_written_with_and_without_the_numba_patches_never_serve_each_other(tmp_path):
+    """A kernel cached with the patches on is an entry plain Numba cannot read; with
+    them off the process finds it stale and compiles (and the other way round)."""
     site = tmp_path / "site"
     install_copy(site)
-    here = run_kernel(site, ATTNNB_COMPILE_HERE="1")
-    assert made(here) == {"hits": 0, "misses": 1, "child": False}
-    assert here["registries"] > 0  # the compile refreshed Numba's target itself
-    assert made(run_kernel(site)) == LOADED
+    assert made(run_kernel(site)) == COMPILED
+    off = run_kernel(site, ATTNNB_NUMBA_PATCHES="0")
+    assert not off["patched"] and made(off) == COMPILED
+    assert made(run_kernel(site, ATTNNB_NUMBA_PATCHES="0")) == LOADED
+    assert made(run_kernel(site)) == COMPILED
 
 
 def _read_only_prefix(path):

@@ -15,8 +15,11 @@ same files, which gives them new modification times, keeps the cache.  The
 stamp is computed once per process (about 20 small files).  It runs before
 each kernel launch and costs a length comparison when no module was
 imported since.  It relies on Numba's cache internals
-(``dispatcher._cache._cache_file._source_stamp``); where those are missing
-it does nothing, and the cache behaves as Numba's own.
+(``dispatcher._cache._cache_file._source_stamp``); where the gate
+(:mod:`attnnb.cpu._numba_patches`) is closed or those are missing it does
+nothing, and the cache behaves as Numba's own.  The stamp is never one Numba
+writes, so a cache written with the patches off is stale to a process with
+them on, and the other way round.
 
 Where the cache goes is Numba's choice, unchanged here: ``NUMBA_CACHE_DIR``
 when set, else ``__pycache__`` next to the sources when that is writable,
@@ -30,8 +33,11 @@ import hashlib
 import os
 import sys
 
-_PACKAGE = __name__.rpartition(".")[0]
-_DIR = os.path.dirname(os.path.abspath(__file__))
+from . import ACTIVE
+
+_PACKAGE = __name__.rpartition(".")[0].rpartition(".")[0]  # attnnb.cpu
+_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FENCE_DIR = os.path.dirname(os.path.abspath(__file__))
 _scanned: set[str] = set()
 _modules_seen = -1
 _stamp: tuple | None = None
@@ -43,11 +49,17 @@ _NEUTRAL = ("_codes.py", "_dropout.py", "_mod_compile.py", "_scalars.py", "_sele
 
 
 def package_sources() -> list[str]:
-    """Paths of the modules the stamp covers: every module of this package and the
-    neutral modules the kernels compile in (:data:`_NEUTRAL`), sorted by file name."""
-    paths = [os.path.join(_DIR, name) for name in os.listdir(_DIR) if name.endswith(".py")]
+    """Paths of the modules the stamp covers: every module of :mod:`attnnb.cpu` and of
+    this package, and the neutral modules the kernels compile in (:data:`_NEUTRAL`),
+    sorted by path relative to ``attnnb``."""
+    paths = [os.path.join(folder, name) for folder in (_DIR, _FENCE_DIR)
+             for name in os.listdir(folder) if name.endswith(".py")]
     paths += [os.path.join(os.path.dirname(_DIR), name) for name in _NEUTRAL]
-    return sorted(paths, key=os.path.basename)
+    return sorted(paths, key=_relative)
+
+
+def _relative(path: str) -> str:
+    return os.path.relpath(path, os.path.dirname(_DIR))
 
 
 def package_stamp() -> tuple:
@@ -61,7 +73,7 @@ def package_stamp() -> tuple:
         with open(path, "rb") as f:
             data = f.read()
         # name and length first, so that no two file sets hash the same bytes
-        digest.update(f"{os.path.basename(path)}\0{len(data)}\0".encode())
+        digest.update(f"{_relative(path)}\0{len(data)}\0".encode())
         digest.update(data)
     return ("sha256", digest.hexdigest())
 
@@ -69,6 +81,8 @@ def package_stamp() -> tuple:
 def restamp(dispatcher) -> bool:
     """Give ``dispatcher``'s cache the package-wide stamp; False if it has no disk cache."""
     global _stamp
+    if not ACTIVE:
+        return False
     cache_file = getattr(getattr(dispatcher, "_cache", None), "_cache_file", None)
     if cache_file is None or not hasattr(cache_file, "_source_stamp"):
         return False
@@ -81,7 +95,7 @@ def restamp(dispatcher) -> bool:
 def track_sources() -> None:
     """Restamp the cached dispatchers of every module of this package imported so far."""
     global _modules_seen
-    if len(sys.modules) == _modules_seen:
+    if not ACTIVE or len(sys.modules) == _modules_seen:
         return
     _modules_seen = len(sys.modules)
     for name, module in list(sys.modules.items()):

@@ -1,8 +1,8 @@
 """The register-blocked tile products and the private compiler options they rely on.
 
 ``noalias`` and the 512-bit vector attributes are not public Numba API
-(see ``attnnb/cpu/_jit.py``): these tests check that they still take effect
-on the installed Numba, and that the same loops give the same results
+(``attnnb/cpu/_numba_patches/``): these tests check that they still take
+effect on the installed Numba, and that the same loops give the same results
 without them.
 """
 
@@ -13,14 +13,21 @@ import numpy as np
 import pytest
 
 from attnnb.cpu import _blocks, _jit
+from attnnb.cpu._numba_patches import noalias as _noalias
 
-from .helpers import from_jit
+from ..helpers import from_jit
+
+
+def _with_noalias(opts):
+    if not _noalias.NOALIAS:
+        pytest.skip("the Numba patches are off: no noalias option")
+    opts[_noalias.OPTION] = True
 
 
 def _compile(fn, noalias, inline=False):
     opts = dict(fastmath=_jit.FASTMATH, nogil=True)  # no cache: inspection needs a fresh compile
     if noalias:
-        opts[_jit._NOALIAS_OPTION] = True
+        _with_noalias(opts)
     if inline:
         opts["forceinline"] = True
     return numba.njit(**opts)(fn.py_func)
@@ -36,7 +43,7 @@ def _constant_width_block(width, noalias=True, rows=_blocks.ROWS):
 
     opts = dict(fastmath=_jit.FASTMATH, nogil=True)
     if noalias:
-        opts[_jit._NOALIAS_OPTION] = True
+        _with_noalias(opts)
     return numba.njit(**opts)(call)
 
 
@@ -58,6 +65,7 @@ def _expected(a, b, n, a0, lda, b0, ldb, rows, cols):
     return A @ B
 
 
+@pytest.mark.skipif(not _noalias.ACTIVE, reason="the Numba patches are off")
 def test_noalias_option_is_registered():
     assert _jit.NOALIAS, "numba.core internals changed: the noalias flag is no longer available"
 

@@ -1,29 +1,36 @@
 """Array views for the kernels' inner loops that cost no call into Numba's runtime.
 
-Two costs of Numba's own views, paid on every key tile of a sweep, made
-themselves felt when decoding (``Lq = 1``, 8 heads, ``Lk = 4096``, 2 threads,
-whose tiles hold one query row each, so the per-tile costs are large next to
-the arithmetic):
+Two costs of Numba's own views, paid on every key tile of a sweep, show when
+decoding (one query row per tile, so the per-tile costs are large next to the
+arithmetic):
 
 * **Reference counts.**  Every array value Numba binds (a view, a slice, an
   argument of an inlined function) adds one to its owner's count and takes
-  one away after, each an atomic instruction: 18-27 % of the call's time, most
-  of it on the task's own scratch.  :func:`unowned` makes aliases without an
+  one away after, each an atomic instruction, most of them on the task's own
+  scratch.  :func:`unowned` makes aliases without an
   owner (Numba skips the count of those), :func:`keep_alive` keeps the owners
   alive for as long as the aliases are used.
 * **Reshapes.**  ``x.reshape(...)`` calls a helper of Numba's runtime that
-  checks whether the new shape needs a copy (4-5 % of that call).
+  checks whether the new shape needs a copy.
   :func:`flat` and :func:`rows_of` make the views the tiled core takes of
   C-contiguous arrays directly (every array they see is C-contiguous: a
   scratch buffer, or a head of a C-contiguous input).
+
+The cost figures are in docs/performance.md ("One sweep for the gradients, and
+what a tile's views cost").  Where the gate (:mod:`attnnb.cpu._numba_patches`) is
+closed, the four names are plain Numba functions with the same meaning: the
+array itself, nothing, ``x.reshape(x.size)`` and
+``x[:rows * cols].reshape((rows, cols))``.
 """
 
 from __future__ import annotations
 
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, register_jitable
 from numba.np.arrayobj import populate_array
+
+from . import ACTIVE
 
 
 def _alias(context, builder, typ, value):
@@ -45,7 +52,7 @@ def _alias(context, builder, typ, value):
 
 
 @intrinsic
-def unowned(typingctx, x):
+def _unowned(typingctx, x):
     """``x`` itself (an array, or a tuple holding arrays), every array in it made one
     that holds no reference to its owner (a null ``meminfo``), as are the views taken
     from it.  Valid only while the owners stay alive: keep them in a variable that is
@@ -60,7 +67,7 @@ def unowned(typingctx, x):
 
 
 @intrinsic
-def keep_alive(typingctx, x):
+def _keep_alive(typingctx, x):
     """Nothing, except that ``x`` is used here: Numba drops a variable's reference after
     its last use, so the arrays in ``x`` live at least until this point."""
 
@@ -88,7 +95,7 @@ def _c_view(context, builder, src_type, value, out_type, shape):
 
 
 @intrinsic
-def flat(typingctx, x):
+def _flat(typingctx, x):
     """All of a C-contiguous ``x``'s elements as a 1-D view: ``x.reshape(x.size)``."""
     if not (isinstance(x, types.Array) and x.layout == "C"):
         return None
@@ -102,7 +109,7 @@ def flat(typingctx, x):
 
 
 @intrinsic
-def rows_of(typingctx, x, rows, cols):
+def _rows_of(typingctx, x, rows, cols):
     """The first ``rows * cols`` elements of a 1-D C-contiguous ``x`` as a ``(rows,
     cols)`` C-contiguous view: ``x[:rows * cols].reshape((rows, cols))``, which it
     equals when ``rows * cols <= x.size`` (the caller's promise: not checked)."""
@@ -117,3 +124,29 @@ def rows_of(typingctx, x, rows, cols):
         return _c_view(context, builder, x, args[0], out, [n_rows, n_cols])
 
     return out(x, rows, cols), codegen
+
+
+@register_jitable
+def _same(x):
+    return x
+
+
+@register_jitable
+def _nothing(x):
+    return None
+
+
+@register_jitable
+def _reshaped_flat(x):
+    return x.reshape(x.size)
+
+
+@register_jitable
+def _reshaped_rows(x, rows, cols):
+    return x[:rows * cols].reshape((rows, cols))
+
+
+if ACTIVE:
+    unowned, keep_alive, flat, rows_of = _unowned, _keep_alive, _flat, _rows_of
+else:
+    unowned, keep_alive, flat, rows_of = _same, _nothing, _reshaped_flat, _reshaped_rows
