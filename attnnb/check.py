@@ -145,13 +145,14 @@ def compare(actual, expected) -> tuple[float, float]:
     return worst, tol
 
 
-def discover_cases(only: str | None = None) -> list[Case]:
+def discover_cases(only: str | Sequence[str] | None = None) -> list[Case]:
     """Every case of every module of :mod:`attnnb.checks`.
 
     Parameters
     ----------
-    only : str, optional
-        Keep the cases whose name contains ``only``, or whose module is named ``only``.
+    only : str or sequence of str, optional
+        Keep the cases whose name contains one of these texts, or whose module is
+        named one of them.
 
     Returns
     -------
@@ -160,13 +161,14 @@ def discover_cases(only: str | None = None) -> list[Case]:
     """
     import attnnb.checks as pkg
 
+    texts = [only] if isinstance(only, str) else only
     found = []
     for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
             continue
         module = importlib.import_module(f"{pkg.__name__}.{info.name}")
         for name, run in module.cases():
-            if only is None or only in name or only == info.name:
+            if texts is None or any(text in name or text == info.name for text in texts):
                 found.append((info.name, name, run))
     return found
 

@@ -157,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend", action="append", metavar="NAME",
         help="check only this backend (repeatable); default: all available")
     check_parser.add_argument(
-        "--only", metavar="TEXT",
-        help="run only cases whose name contains TEXT (or whose module is TEXT)")
+        "--only", action="append", metavar="TEXT",
+        help="run only cases whose name contains TEXT (or whose module is TEXT); repeatable")
     check_parser.add_argument(
         "--jobs", type=_positive_int, metavar="N",
         help="compile the cpu kernels first in N processes (default: one per CPU; "
@@ -171,8 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--jobs", type=_positive_int, metavar="N",
         help="processes compiling at once (default: one per CPU)")
     warmup_parser.add_argument(
-        "--only", metavar="TEXT",
-        help="only the check cases whose name contains TEXT (or whose module is TEXT)")
+        "--only", action="append", metavar="TEXT",
+        help="only the check cases whose name contains TEXT (or whose module is TEXT); "
+             "repeatable")
     warmup_parser.add_argument(
         "--list", action="store_true", help="list the cases that would run, compile nothing")
     warmup_parser.add_argument(

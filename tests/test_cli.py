@@ -34,6 +34,15 @@ def test_check_discovers_every_module():
     assert "attention" in names
 
 
+def test_only_may_be_given_more_than_once():
+    one = [name for _, name, _ in cli.discover_cases("plain GQA")]
+    both = [name for _, name, _ in cli.discover_cases(["plain GQA", "tome"])]
+    tome = [name for module, name, _ in cli.discover_cases() if module == "tome"]
+    assert one and tome and both == one + tome
+    args = cli.build_parser().parse_args(["check", "--only", "a", "--only", "b"])
+    assert args.only == ["a", "b"]
+
+
 def test_check_fails_on_a_wrong_result(monkeypatch, capsys):
     def run(backend):
         x = np.linspace(0, 1, 5, dtype=np.float32)
