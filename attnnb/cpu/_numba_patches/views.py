@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic, register_jitable
+from numba.extending import intrinsic, overload, register_jitable
 from numba.np.arrayobj import populate_array
 
 from . import ACTIVE
@@ -136,14 +136,26 @@ def _nothing(x):
     return None
 
 
-@register_jitable
 def _reshaped_flat(x):
-    return x.reshape(x.size)
+    """Plain Numba's :func:`flat`: refused at typing for all but C-contiguous arrays."""
 
 
-@register_jitable
 def _reshaped_rows(x, rows, cols):
-    return x[:rows * cols].reshape((rows, cols))
+    """Plain Numba's :func:`rows_of`: refused at typing for all but 1-D C arrays."""
+
+
+@overload(_reshaped_flat)
+def _reshaped_flat_typed(x):
+    if isinstance(x, types.Array) and x.layout == "C":
+        return lambda x: x.reshape(x.size)
+    return None
+
+
+@overload(_reshaped_rows)
+def _reshaped_rows_typed(x, rows, cols):
+    if isinstance(x, types.Array) and x.ndim == 1 and x.layout == "C":
+        return lambda x, rows, cols: x[:rows * cols].reshape((rows, cols))
+    return None
 
 
 if ACTIVE:
