@@ -41,7 +41,7 @@ def compare(fn, args, dtype, **kw):
 
 
 def test_sizes_cross_several_tiles():
-    from attnnb.cuda.backward import backward_tiling
+    from attnnb.cuda._backward_tiling import backward_tiling
 
     assert_several_tiles(LQ, LK, D, DV)
     if SIMULATOR:
