@@ -318,11 +318,15 @@ def diff_candidates(args, torch, n, d, causal):
     """``{label: callable}`` running differential attention forward + backward.
 
     attnnb: ``vjp`` of ``diff_attention`` and its pullback, the difference mode through
-    the pair streams (``attnnb-cuda``) and through the two-stream kernels
-    (``attnnb-cuda-two-streams``); torch: ``SDPA(q1, k1, v) - lam SDPA(q2, k2, v)``.
+    the pair streams (``attnnb-cuda``, the cuda backward's production route) and through
+    the two-stream kernels (``attnnb-cuda-two-streams``: its ``two_streams=True``);
+    torch: ``SDPA(q1, k1, v) - lam SDPA(q2, k2, v)``.
     """
+    import dataclasses
+    import functools
+
     import attnnb
-    from attnnb.cuda import backward
+    from attnnb.vjp import run as vjp_run
 
     dev = "cpu" if args.simulator_tiny else "cuda"
     g = torch.Generator(device=dev).manual_seed(n * 1000 + d + 2)
@@ -337,14 +341,13 @@ def diff_candidates(args, torch, n, d, causal):
     F = torch.nn.functional
 
     def ours(two_streams):
+        """``vjp`` and its pullback, the pullback's backward (the cuda backend's
+        ``diff_attention_vjp``) given ``two_streams`` (None: its production route)."""
         def run():
-            before, backward.DIFFERENCE_TWO_STREAMS = backward.DIFFERENCE_TWO_STREAMS, two_streams
-            try:
-                _, pullback = attnnb.vjp(attnnb.diff_attention, dq, dk, dv, lam,
-                                         causal=causal, backend="cuda")
-                return pullback(ddout)
-            finally:
-                backward.DIFFERENCE_TWO_STREAMS = before
+            _, saved, _ = vjp_run(attnnb.diff_attention, (dq, dk, dv, lam),
+                                  {"causal": causal, "backend": "cuda"})
+            backward = functools.partial(saved.backward, two_streams=two_streams)
+            return dataclasses.replace(saved, backward=backward).gradients(ddout, None)
         return run
 
     def theirs():
@@ -356,7 +359,7 @@ def diff_candidates(args, torch, n, d, causal):
         (o1 - lam * o2).backward(dout)
         return {name: x.grad for name, x in zip("qkv", leaves, strict=True)}
 
-    return {"attnnb-cuda": ours(False), "attnnb-cuda-two-streams": ours(True),
+    return {"attnnb-cuda": ours(None), "attnnb-cuda-two-streams": ours(True),
             "torch-sdpa": theirs}
 
 

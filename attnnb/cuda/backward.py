@@ -29,10 +29,11 @@ query-tile kernel first sweeping for its stream's ``delta`` (``d1``,
 ``e``), stream 1's key-tile kernel adding to stream 0's ``dV`` and bias
 gradient; the rectified mode's streams read the clip bits the
 differential forward's clip build writes.  These builds meet the
-register-tiling gate at ``d = 64, Dv = 128``; the two-stream ones, kept as
-the alternative (``DIFFERENCE_TWO_STREAMS``, ``RECTIFIED_TWO_STREAMS``, and
-the rectified route past ``2**32`` clip words), do not
-(``KNOWN_GATE_FAILURES``).
+register-tiling gate at ``d = 64, Dv = 128``; the two-stream ones do not
+(``KNOWN_GATE_FAILURES``).  They stay as the alternative of both modes,
+``diff_attention_vjp(..., two_streams=True)``, tested and timed against the
+pair streams (gpu/run.py), and take the rectified mode past ``2**32`` clip
+words.
 
 Invariants: the query-tile kernel runs before the key-tile kernel (with
 two streams it writes ``d1`` and ``e`` for it) and a pair's stream 0
@@ -68,14 +69,6 @@ from ._backward_tiling import backward_tiling
 from ._dropout import kernel_dropout
 from ._mods import device_mods, gradient_buffers, has_mods, parameter_gradients
 from ._tiles import key_tiles_seen
-
-# the difference mode through the two-stream kernels instead of two pair streams: the
-# other design, kept (and tested) so that a GPU run can time the two against each other
-# (gpu/run.py); the pair streams pass the register gate, the two-stream kernels do not
-DIFFERENCE_TWO_STREAMS = False
-# the rectified mode through the two-stream kernels (which form the clip themselves) instead
-# of two clipped pair streams: kept, tested and timed the same way
-RECTIFIED_TWO_STREAMS = False
 
 
 def sum_to(x, shape, dtype):
@@ -319,7 +312,7 @@ def topk_attention_vjp(problem, top_k, out, lse, dout, dlse=None):
     return _single(problem, out, lse, dout, dlse, None, top_k=top_k)
 
 
-def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
+def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None, two_streams=None):
     """Gradients of differential attention, both modes (module notes).
 
     Both streams' LSEs come from the differential forward kernel (run again;
@@ -333,6 +326,13 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     of the backward: the clip needs both streams' weights, which a
     one-stream kernel does not form).  A broadcast bias's gradient is formed
     as in :func:`attention_vjp`.
+
+    ``two_streams`` (an argument of this backend's only, not of :mod:`attnnb.vjp`'s
+    interface): True runs either mode through the two-stream kernels instead, the other
+    design, kept so that a GPU run can time the two against each other (gpu/run.py);
+    None, the production route, and False the pair streams.  Past ``2**32`` clip words
+    the rectified mode takes the two-stream kernels whatever it says, and mask and score
+    functions and dropout the pair streams (the two-stream kernels have neither).
     """
     if dbias_shape is not None:
         B, H2, _, Lq = problem.shape[:4]
@@ -340,17 +340,17 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
         mod_parts = []
 
         def piece(part, lam_c, *rest):
-            grads = _diff_piece(part, lam_c, mode, *rest)
+            grads = _diff_piece(part, lam_c, mode, *rest, two_streams=two_streams)
             mod_parts.extend(grads[6:])
             return grads[:6]
 
         chunked = _in_chunks(problem, (lam_rows, out, dout), dbias_shape, piece, streams=2)
         if chunked is not None:
             return chunked + ((sum_param_grads(mod_parts),) if mod_parts else ())
-    return _diff_piece(problem, lam, mode, out, dout, dbias_shape)
+    return _diff_piece(problem, lam, mode, out, dout, dbias_shape, two_streams)
 
 
-def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
+def _diff_piece(problem, lam, mode, out, dout, dbias_shape, two_streams=None):
     """:func:`diff_attention_vjp` with the bias gradient formed full size, in one piece."""
     from .._codes import DIFF_MODE_CODES, RECTIFIED
     from .diff import clip_words, diff_forward
@@ -373,7 +373,8 @@ def _diff_piece(problem, lam, mode, out, dout, dbias_shape):
     # (the kernels index the clip's words with 32 bits: past 2**32 words, 16 GiB, the
     # two-stream kernels, which form the clip themselves, take the problem)
     huge = B * H * Lq * -(-Lk // 32) >= 2**32
-    two_streams = (RECTIFIED_TWO_STREAMS or huge if rectified else DIFFERENCE_TWO_STREAMS)
+    # None: the production route, the pair streams (they meet the register-tiling gate)
+    two_streams = bool(two_streams) or (rectified and huge)
     if two_streams and (has_mods(problem) or problem.dropout_p):  # the pair streams' own
         if rectified and huge:
             raise NotImplementedError("mask and score functions or dropout in a rectified "

@@ -4,11 +4,15 @@ Sizes cross three or more query and key tiles of the backward kernels (the
 simulator's 4 x 6 tiles, 2 x 2 threads), with Lq != Lk, GQA, D != Dv.
 """
 
+from dataclasses import replace
+from functools import partial
+
 import numpy as np
 import pytest
 
 import attnnb
 from attnnb import patterns
+from attnnb.vjp import run as vjp_run
 
 from ..helpers import assert_close, qkv, randn
 from .common import SIMULATOR, assert_several_tiles, host, n, to_device
@@ -17,9 +21,19 @@ NORMALIZERS = ["softmax", "softmax1", "relu_expm1"]
 LQ, LK, D, DV = n(13), n(14), 5, 7
 
 
-def gradients(fn, args, kw, backend, rng_seed=7, dlse=True):
-    """``vjp`` of ``fn`` on ``backend`` with seeded cotangents; returns the gradients."""
-    result, pullback = attnnb.vjp(fn, *args, backend=backend, **kw)
+def gradients(fn, args, kw, backend, rng_seed=7, dlse=True, two_streams=None):
+    """``vjp`` of ``fn`` on ``backend`` with seeded cotangents; returns the gradients.
+
+    ``two_streams``: given to the cuda backward of :func:`attnnb.diff_attention` (True:
+    the two-stream kernels instead of the pair streams)."""
+    if two_streams is None:
+        result, pullback = attnnb.vjp(fn, *args, backend=backend, **kw)
+    else:  # vjp's pullback, its backward given two_streams
+        result, saved, _ = vjp_run(fn, args, dict(kw, backend=backend))
+        saved = replace(saved, backward=partial(saved.backward, two_streams=two_streams))
+
+        def pullback(dout, dlse=None):
+            return saved.gradients(dout, dlse)
     rng = np.random.default_rng(rng_seed)
     if isinstance(result, tuple):
         out, lse = (host(x) for x in result)
@@ -28,9 +42,10 @@ def gradients(fn, args, kw, backend, rng_seed=7, dlse=True):
     return pullback(rng.standard_normal(host(result).shape))
 
 
-def compare(fn, args, dtype, **kw):
-    """Every gradient of ``fn(*args, **kw)`` on cuda against the reference's."""
-    got = gradients(fn, args, kw, "cuda")
+def compare(fn, args, dtype, two_streams=None, **kw):
+    """Every gradient of ``fn(*args, **kw)`` on cuda against the reference's
+    (``two_streams``: :func:`gradients`')."""
+    got = gradients(fn, args, kw, "cuda", two_streams=two_streams)
     want = gradients(fn, args, kw, "reference")
     assert got.keys() == want.keys()
     for name in want:
@@ -118,20 +133,17 @@ def diff_inputs(rng, dtype):
 
 @pytest.mark.parametrize("mode", ["difference", "rectified", "difference-two-streams",
                                   "rectified-two-streams"])
-def test_diff_both_modes(monkeypatch, rng, mode):
+def test_diff_both_modes(rng, mode):
     """Both modes; each also through the two-stream kernels (the design the pair streams
     replaced, kept for timing them against each other on a GPU)."""
-    from attnnb.cuda import backward
-
-    if mode.endswith("-two-streams"):
-        mode = mode.split("-")[0]
-        monkeypatch.setattr(backward, f"{mode.upper()}_TWO_STREAMS", True)
+    two_streams = True if mode.endswith("-two-streams") else None
+    mode = mode.split("-")[0]
     q, k, v = diff_inputs(rng, np.float64)
     lam = rng.uniform(0.2, 0.9, (2, LQ))
     bias = rng.standard_normal((LQ, LK))
     key_size = rng.integers(1, 4, (LK,)).astype(np.float64)
-    compare(attnnb.diff_attention, (q, k, v, lam), np.float64, bias=bias, key_size=key_size,
-            causal=True, mode=mode)
+    compare(attnnb.diff_attention, (q, k, v, lam), np.float64, two_streams=two_streams,
+            bias=bias, key_size=key_size, causal=True, mode=mode)
 
 
 def test_diff_lam_zero_and_negative(rng):
