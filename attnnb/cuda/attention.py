@@ -40,8 +40,8 @@ def build_dense(dtype, tiling, dropout=False, mods=None):
     """
     f = micro_functions(np.dtype(dtype), tiling, mods)
     BQ, BK = f.BQ, f.BK
-    t_ = device_functions(np.dtype(dtype))
-    tiles_seen, CAST, index = t_.tiles_seen, t_.CAST, t_.index
+    dtype_fns = device_functions(np.dtype(dtype))
+    tiles_seen, CAST, index = dtype_fns.tiles_seen, dtype_fns.CAST, dtype_fns.index
     block_tile, begin_tile, key_tile_logits = f.block_tile, f.begin_tile, f.key_tile_logits
     online_tile, finish_tile = f.online_tile, f.finish_tile
     TM, DROPOUT = f.TM, dropout

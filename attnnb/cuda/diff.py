@@ -63,8 +63,9 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
     f = micro_functions(np.dtype(dtype), tiling, mods)
     nt, TM, TN, TO, N_S, N_O, BQ, BK = f.nt, f.TM, f.TN, f.TO, f.N_S, f.N_O, f.BQ, f.BK
     N_ALL, N_QS, N_KS, DV = f.N_ALL, f.N_QS, f.N_KS, f.DV
-    t_ = device_functions(np.dtype(dtype))
-    CAST, ZERO, NINF, NAN, tiles_seen = t_.CAST, t_.ZERO, t_.NINF, t_.NAN, t_.tiles_seen
+    dtype_fns = device_functions(np.dtype(dtype))
+    CAST, ZERO, NINF, NAN = dtype_fns.CAST, dtype_fns.ZERO, dtype_fns.NINF, dtype_fns.NAN
+    tiles_seen = dtype_fns.tiles_seen
     ONE = CAST(1)
     block_tile, shared_arrays, thread_place = f.block_tile, f.shared_arrays, f.thread_place
     stage_transposed, stage_values, tile_scores = (

@@ -47,8 +47,9 @@ def build_stats(dtype, tiling, dropout=False, mods=None):
     """
     f = micro_functions(np.dtype(dtype), tiling, mods)
     nt, TM, TN, BQ, BK = f.nt, f.TM, f.TN, f.BQ, f.BK
-    t_ = device_functions(np.dtype(dtype))
-    CAST, ZERO, NINF, tiles_seen = t_.CAST, t_.ZERO, t_.NINF, t_.tiles_seen
+    dtype_fns = device_functions(np.dtype(dtype))
+    CAST, ZERO, NINF = dtype_fns.CAST, dtype_fns.ZERO, dtype_fns.NINF
+    tiles_seen = dtype_fns.tiles_seen
     ONE = CAST(1)
     block_tile, begin_tile, key_tile_logits = f.block_tile, f.begin_tile, f.key_tile_logits
     key_allowed = f.key_allowed
