@@ -49,12 +49,14 @@ The gate
     :data:`ACTIVE` is True only on the Numba releases in :data:`TESTED_NUMBA`
     (the ones CI runs with the patches on) and when :data:`SWITCH` is not set to
     ``0``.  Otherwise every module above takes its fallback, together: the
-    kernels are the same code, compiled by plain Numba, and give the same results
-    within the contract's tolerances (float64 results of the process that
-    compiled a kernel may then differ by an ulp from those of a process that
-    loaded it, docs/contract.md §1.13).  Outside the tested releases a one-line
-    warning says so; set ``ATTNNB_NUMBA_PATCHES=0`` to bisect a wrong answer to
-    the patches, or ``=1`` to silence the warning and keep them off.
+    kernels are the same code, compiled by plain Numba, about twice as slow to
+    compile and to run (docs/performance.md, "Numba's internals behind one
+    gate"), and give the same results within the contract's tolerances (float64
+    results of the process that compiled a kernel may then differ by an ulp from
+    those of a process that loaded it, docs/contract.md §1.13).  Outside the
+    tested releases a one-line warning says so; set ``ATTNNB_NUMBA_PATCHES=0`` to
+    bisect a wrong answer to the patches, or ``=1`` to silence the warning (they
+    stay off there).
 
 A cache written with the patches on holds entries that plain Numba cannot
 read.  The two never meet: with the patches on, every cached kernel carries the
@@ -93,7 +95,7 @@ def _decide() -> tuple[bool, str]:
         if switch != "1":
             warnings.warn(f"attnnb: Numba {numba.__version__} is not a release its compile "
                           f"patches were tested with ({tested}); they are off, so cpu kernels "
-                          "compile more slowly (results within the same tolerances)",
+                          "compile and run about 2x slower (same results within tolerance)",
                           RuntimeWarning, stacklevel=2)
         return False, f"off: Numba {numba.__version__} is not a tested release ({tested})"
     return True, f"on: Numba {numba.__version__}"
