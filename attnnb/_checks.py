@@ -67,6 +67,8 @@ def _user_full_shape(batch_shape, squeeze, Hq, Lq, Lk):
     return batch_shape + ((Lq, Lk) if squeeze else (Hq, Lq, Lk))
 
 
+_RESHAPE_HAS_COPY = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
+
 
 def _reshaped_view(x: np.ndarray, shape: tuple) -> np.ndarray:
     """``x`` reshaped to ``shape`` as a view; ``ValueError`` where that needs a copy.
@@ -82,9 +84,6 @@ def _reshaped_view(x: np.ndarray, shape: tuple) -> np.ndarray:
     except AttributeError as err:
         raise ValueError(str(err)) from None
     return view
-
-
-_RESHAPE_HAS_COPY = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
 
 
 def broadcast_pairwise(name, x, batch_shape, squeeze, B, Hq, Lq, Lk, dtype):

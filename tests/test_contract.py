@@ -314,3 +314,20 @@ def test_huge_logits_stay_finite(rng, backend, normalizer, dtype):
     out = attnnb.attention(q, k, v, bias=np.full((70, 67), -1e4, dtype), backend=backend)
     if normalizer == "softmax":
         assert np.isfinite(out).all() and np.abs(out).max() > 0
+
+
+@pytest.mark.parametrize("has_copy_keyword", [True, False])
+def test_no_copy_reshape_of_a_broadcast_view_on_either_numpy(monkeypatch, has_copy_keyword):
+    """The canonical mask or bias is a view where the batch axes merge, and a named
+    ValueError where they do not, with and without NumPy 2.1's ``reshape(copy=)``."""
+    from attnnb import _checks
+
+    if has_copy_keyword and np.lib.NumpyVersion(np.__version__) < "2.1.0":
+        pytest.skip("NumPy before 2.1 has no reshape(copy=)")
+    monkeypatch.setattr(_checks, "_RESHAPE_HAS_COPY", has_copy_keyword)
+    full = np.ones((2, 5, 2, 3, 4))
+    view = _checks._reshaped_view(full, (10, 2, 3, 4))
+    assert np.shares_memory(view, full) and view.shape == (10, 2, 3, 4)
+    broadcast = np.broadcast_to(np.ones((2, 1, 1, 3, 4)), (2, 5, 2, 3, 4))
+    with pytest.raises(ValueError):
+        _checks._reshaped_view(broadcast, (10, 2, 3, 4))

@@ -164,7 +164,7 @@ FLOAT64_SCRIPT = textwrap.dedent("""
 def float64_dense():
     """Causal grouped-query float64 attention at three sizes, one kernel specialisation:
     the shapes where a kernel compiled in the calling process gave 1-2 ulp from a loaded
-    one (before :mod:`attnnb.cpu._compile`)."""
+    one (before :mod:`attnnb.cpu._numba_patches.linking`)."""
     rng = np.random.default_rng(5)
     outs = []
     for lq, lk, d, dv in ((64, 64, 64, 64), (200, 200, 16, 16), (128, 128, 24, 20)):
