@@ -36,12 +36,12 @@ FUNCTIONS = {f.__name__: f for f in (attention, sparse_attention, topk_attention
 
 # The array arguments of each function, and those of them with a gradient (when floating).
 ARRAYS = {
-    "attention": ("q", "k", "v", "mask", "bias", "key_size", "sinks"),
+    "attention": ("q", "k", "v", "mask", "bias", "key_size", "sinks", "sigmoid_bias"),
     "sparse_attention": ("q", "k", "v", "key_size", "sinks"),
     "topk_attention": ("q", "k", "v", "mask", "key_size", "sinks"),
     "diff_attention": ("q", "k", "v", "lam", "mask", "bias", "key_size"),
 }
-DIFFERENTIABLE = ("q", "k", "v", "bias", "key_size", "lam", "sinks")
+DIFFERENTIABLE = ("q", "k", "v", "bias", "key_size", "lam", "sinks", "sigmoid_bias")
 
 
 @dataclass(frozen=True)

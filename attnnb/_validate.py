@@ -141,6 +141,9 @@ class Problem:
         Learned sink logits (docs/contract.md §1.15), in the compute dtype; the
         problem's ``normalizer`` is then ``"softmax1"``, whose ``+1`` is the
         case of a sink of 0.
+    sigmoid_bias : array ``(B, Hq)`` or None
+        A learned ``sigmoid`` bias, one per query head (docs/contract.md §1.5), when
+        one was given as an array: already added to ``bias``; kept for its gradient.
     mask_mod, score_mod : :class:`attnnb.mods.MaskMod`, :class:`attnnb.mods.ScoreMod` or None
         Functions of ``(b, h, i, j)`` compiled into the kernels (docs/contract.md
         §2.10); ``dropout_origin`` is added to the ``b`` and ``h`` they get.
@@ -163,6 +166,7 @@ class Problem:
     seed: int = 0
     dropout_origin: tuple = (0, 0)
     sinks: Any = None
+    sigmoid_bias: Any = None
     mask_mod: Any = None
     score_mod: Any = None
 
@@ -341,21 +345,30 @@ def check_sinks(sinks, normalizer, batch_shape, squeeze, B, Hq, dtype):
     if normalizer != "softmax":
         raise ValueError("sinks add e^sink to softmax's denominator: pass "
                          f"normalizer='softmax' (softmax1 is a sink of 0); got {normalizer!r}")
+    return per_query_head("sinks", arr, batch_shape, squeeze, B, Hq, dtype)
+
+
+def per_query_head(name, arr, batch_shape, squeeze, B, Hq, dtype):
+    """A real array broadcastable to ``(*batch, Hq)`` (``(*batch,)`` for 2-D inputs), all
+    finite, as a ``(B, Hq)`` array in ``dtype``: one value per query head (``sinks``, a
+    learned ``sigmoid_bias``)."""
     full = batch_shape + (() if squeeze else (Hq,))
     try:
         view = np.broadcast_to(arr, full)
     except ValueError:
-        raise ValueError(f"sinks of shape {arr.shape} cannot be broadcast to {full} "
+        raise ValueError(f"{name} of shape {arr.shape} cannot be broadcast to {full} "
                          "(batch..., query heads)") from None
     if not np.isfinite(view).all():
-        raise ValueError("sinks must be finite")
+        raise ValueError(f"{name} must be finite")
     return np.ascontiguousarray(view.astype(dtype).reshape(B, Hq))
 
 
-def sigmoid_offset(sigmoid_bias, normalizer: str, Lk: int) -> float:
+def sigmoid_offset(sigmoid_bias, normalizer: str, Lk: int, arrays: bool = False):
     """The bias ``b`` of ``normalizer="sigmoid"`` (``w = sigmoid(s + b)``): ``sigmoid_bias``
     (a real number) or by default ``-log(Lk)`` (0 without keys); 0 for the other
-    normalizers, which take no ``sigmoid_bias``."""
+    normalizers, which take no ``sigmoid_bias``.  With ``arrays`` an array of any other
+    shape (one bias per query head, :func:`per_query_head` checks its shape) is
+    returned as a real NumPy array, not yet broadcast; without, it is refused."""
     if normalizer != "sigmoid":
         if sigmoid_bias is not None:
             raise ValueError("sigmoid_bias belongs to normalizer='sigmoid'; got normalizer="
@@ -364,10 +377,18 @@ def sigmoid_offset(sigmoid_bias, normalizer: str, Lk: int) -> float:
     if sigmoid_bias is None:
         return -math.log(Lk) if Lk else 0.0
     refuse_unreadable_tensor("sigmoid_bias", sigmoid_bias)
+    if is_device_array(sigmoid_bias):  # (a value per head: small, read on the host)
+        raise TypeError("sigmoid_bias must be a number or a host array (NumPy), even with "
+                        "device q, k, v; got a device array")
     arr = np.asarray(sigmoid_bias)
-    if isinstance(sigmoid_bias, (bool, np.bool_)) or arr.ndim or arr.dtype.kind not in "fiu":
-        raise TypeError("sigmoid_bias must be a real number (one bias for every head; a "
-                        f"learned array is not supported yet); got {sigmoid_bias!r}")
+    if isinstance(sigmoid_bias, (bool, np.bool_)) or arr.dtype.kind not in "fiu":
+        raise TypeError("sigmoid_bias must be a real number or a real array (one bias per "
+                        f"query head); got {sigmoid_bias!r}")
+    if arr.ndim:
+        if not arrays:
+            raise TypeError("sigmoid_bias must be a real number here (one bias for every "
+                            f"head); got an array of shape {arr.shape}")
+        return arr
     b = float(sigmoid_bias)
     if not math.isfinite(b):
         raise ValueError(f"sigmoid_bias must be finite; got {b}")
@@ -442,9 +463,13 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
                             "pass all of them on the same side")
     prob.mask = broadcast_pairwise("mask", mask, batch, squeeze, B, Hq, Lq, Lk, np.bool_)
     prob.bias = broadcast_pairwise("bias", bias, batch, squeeze, B, Hq, Lq, Lk, comp)
-    offset = sigmoid_offset(sigmoid_bias, normalizer, Lk)
-    if offset:  # added to the bias as given (its own broadcast shape), or alone
-        shifted = np.full((), offset, comp) if bias is None else np.asarray(bias) + offset
+    offset = sigmoid_offset(sigmoid_bias, normalizer, Lk, arrays=True)
+    per_head = isinstance(offset, np.ndarray)
+    if per_head:  # one per query head: (*batch, Hq, 1, 1) against the bias
+        prob.sigmoid_bias = per_query_head("sigmoid_bias", offset, batch, squeeze, B, Hq, comp)
+        offset = prob.sigmoid_bias.reshape(batch + (() if squeeze else (Hq,)) + (1, 1))
+    if per_head or offset:  # added to the bias as given (its own broadcast shape), or alone
+        shifted = np.asarray(offset, comp) if bias is None else np.asarray(bias) + offset
         prob.bias = broadcast_pairwise("bias", shifted, batch, squeeze, B, Hq, Lq, Lk, comp)
     prob.log_key_size = log_key_sizes(key_size, batch, squeeze, B, Lk, comp)
     return prob

@@ -58,10 +58,11 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         head in the denominator only, ``w_j = e^{s_j} / (e^{sink} + sum_k
         e^{s_k})``, with ``normalizer="softmax"`` (``softmax1`` is the sink 0).
         ``lse`` excludes the sink; :func:`attnnb.vjp` gives its gradient.
-    sigmoid_bias : float, optional
-        ``normalizer="sigmoid"``'s ``b``, one for every head; default
-        ``-log(Lk)`` (the keys' count, masked or not: FlashSigmoid's
-        ``-log(n)``).  A constant: it gets no gradient.
+    sigmoid_bias : float or real array broadcastable to ``(*batch, Hq)``, optional
+        ``normalizer="sigmoid"``'s ``b``; default ``-log(Lk)`` (the keys' count,
+        masked or not: FlashSigmoid's ``-log(n)``).  A number is one constant
+        ``b`` for every head; an array (one or more axes) is a learned bias per
+        query head, to which :func:`attnnb.vjp` gives a gradient.
     mask_mod : :class:`attnnb.mods.MaskMod` or function ``(b, h, i, j) -> bool``, optional
         Key ``j`` is allowed for query ``i`` only where it returns True (and
         ``mask`` and ``causal`` allow it); compiled into the kernels, never

@@ -103,10 +103,10 @@ _VMAP_METHOD = "expand_dims"
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
-              normalizer="softmax", return_lse=False, sinks=None, mask_mod=None,
-              score_mod=None, dropout_p=0.0, seed=None, backend=None):
+              normalizer="softmax", return_lse=False, sinks=None, sigmoid_bias=None,
+              mask_mod=None, score_mod=None, dropout_p=0.0, seed=None, backend=None):
     """:func:`attnnb.attention` on JAX arrays, differentiable in q, k, v, bias, key_size,
-    sinks.
+    sinks and a learned sigmoid_bias.
 
     Parameters
     ----------
@@ -118,9 +118,11 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     key_size : positive JAX array broadcastable to ``(*batch, Lk)``, optional
     sinks : JAX array broadcastable to ``(*batch, Hq)``, optional
         Learned sink logits (``normalizer="softmax"``), with a gradient.
+    sigmoid_bias : float, or JAX array broadcastable to ``(*batch, Hq)``, optional
+        ``normalizer="sigmoid"``'s bias: a number is static (no gradient); an array
+        of one or more axes is one learned bias per query head, with a gradient.
     causal, scale, normalizer, return_lse, backend
-        Static, as in :func:`attnnb.attention` (every normalizer; ``sigmoid``
-        with its default bias).
+        Static, as in :func:`attnnb.attention` (every normalizer).
     dropout_p : float, optional
         Static: attention dropout (:func:`attnnb.attention`'s, module notes).
     seed : int or integer JAX array, optional
@@ -136,11 +138,15 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     lse : JAX array ``(*batch, Hq, Lq)``, only with ``return_lse=True``
         Differentiable too: its cotangent reaches the backward pass.
     """
-    return _call("attention", dict(q=q, k=k, v=v, mask=mask, bias=bias, key_size=key_size,
-                                   sinks=sinks),
-                 dict(causal=causal, scale=scale, normalizer=normalizer,
-                      return_lse=return_lse, backend=backend, **_mods(mask_mod, score_mod)),
-                 dropout_p, seed)
+    learned = np.ndim(sigmoid_bias) > 0  # an array of one bias per head: traced
+    arrays = dict(q=q, k=k, v=v, mask=mask, bias=bias, key_size=key_size, sinks=sinks,
+                  sigmoid_bias=sigmoid_bias if learned else None)
+    static = dict(causal=causal, scale=scale, normalizer=normalizer, return_lse=return_lse,
+                  backend=backend, **_mods(mask_mod, score_mod))
+    if not learned and sigmoid_bias is not None:  # a number: static (a 0-d array read once)
+        static["sigmoid_bias"] = (sigmoid_bias.item() if hasattr(sigmoid_bias, "item")
+                                  else sigmoid_bias)
+    return _call("attention", arrays, static, dropout_p, seed)
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",
@@ -305,7 +311,7 @@ def _full_rank(arrays) -> dict:
     q = arrays["q"].shape
     nb = max(len(q) - 3, 0)  # batch axes (2-D input: none, and a head axis is added)
     rank = {"q": 3, "k": 3, "v": 3, "mask": nb + 3, "bias": nb + 3, "key_size": nb + 1,
-            "lam": nb + 2, "sinks": nb + 1, "seed": 0}
+            "lam": nb + 2, "sinks": nb + 1, "sigmoid_bias": nb + 1, "seed": 0}
     return {a: (1,) * max(rank[a] - x.ndim, 0) + tuple(x.shape) for a, x in arrays.items()}
 
 

@@ -35,8 +35,9 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
         as dense attention with the pattern as a mask and the same seed.
     sinks : real array broadcastable to ``(*batch, Hq)``, optional
         Learned attention sinks, as in :func:`attnnb.attention`.
-    sigmoid_bias : float, optional
-        As in :func:`attnnb.attention` (default ``-log(Lk)``).
+    sigmoid_bias : float or real array broadcastable to ``(*batch, Hq)``, optional
+        As in :func:`attnnb.attention` (default ``-log(Lk)``); :func:`attnnb.vjp`
+        refuses an array here (no gradient for it yet).
     mask_mod, score_mod : optional
         As in :func:`attnnb.attention` (:mod:`attnnb.mods`): the mask function
         is intersected with the pattern.

@@ -86,7 +86,10 @@ __all__ = ["attention", "diff_attention", "scaled_dot_product_attention", "spars
            "topk_attention"]
 
 _NAMESPACE = "attnnb"
-_DIFFERENTIABLE = ("q", "k", "v", "bias", "key_size", "lam", "sinks")
+_DIFFERENTIABLE = ("q", "k", "v", "bias", "key_size", "lam", "sinks", "sigmoid_bias_heads")
+# An operator input whose gradient the bridge returns under another name: a learned
+# sigmoid bias is a tensor input of its own beside the constant's ``float?``.
+_GRADIENT_OF = {"sigmoid_bias_heads": "sigmoid_bias"}
 
 
 # ---------------------------------------------------------------------------
@@ -162,6 +165,9 @@ class _Function:
     def numpy_call(self, values: dict) -> dict:
         """The NumPy function's keyword arguments for the operator inputs ``values``."""
         kwargs = {n: (_array(x) if isinstance(x, torch.Tensor) else x) for n, x in values.items()}
+        heads = kwargs.pop("sigmoid_bias_heads", None)
+        if heads is not None:
+            kwargs["sigmoid_bias"] = heads
         if "pattern_indptr" in kwargs:
             q, k = values["q"], values["k"]
             kwargs["pattern"] = Pattern(kwargs.pop("pattern_indptr"),
@@ -191,7 +197,7 @@ _FUNCTIONS = {
                    ("bias", "Tensor?"), ("key_size", "Tensor?"), ("causal", "bool"),
                    *_STATIC_TAIL, ("normalizer", "str"), ("dropout_p", "float"),
                    ("seed", "int"), ("sinks", "Tensor?"), ("sigmoid_bias", "float?"),
-                   ("backend", "str?")),
+                   ("sigmoid_bias_heads", "Tensor?"), ("backend", "str?")),
                   True),
         _Function("sparse_attention", _np_sparse_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"),
@@ -264,7 +270,8 @@ def _backward(fn: _Function, *inputs):
     with _on_stream(device):
         grads = _bridge.backward(fn.name, arrays, static, residuals, _array(dout),
                                  None if dlse is None else _array(dlse))
-    return [_tensor(grads[n], device).to(values[n].dtype) for n in fn.differentiable(values)]
+    return [_tensor(grads[_GRADIENT_OF.get(n, n)], device).to(values[n].dtype)
+            for n in fn.differentiable(values)]
 
 
 def _backward_fake(fn: _Function, *inputs):
@@ -371,8 +378,9 @@ def _scale(scale):
 
 def _sigmoid_bias(sigmoid_bias):
     """``sigmoid_bias`` for the operator's ``float?``: None, or a real number (a 0-d
-    tensor is read once: the bias is a constant)."""
-    if isinstance(sigmoid_bias, torch.Tensor) and sigmoid_bias.dim() == 0:
+    tensor that needs no gradient is read once: the bias is a constant)."""
+    if isinstance(sigmoid_bias, torch.Tensor) and sigmoid_bias.dim() == 0 \
+            and not sigmoid_bias.requires_grad:
         sigmoid_bias = sigmoid_bias.item()
     if sigmoid_bias is None:
         return None
@@ -380,6 +388,20 @@ def _sigmoid_bias(sigmoid_bias):
         raise TypeError("sigmoid_bias must be a real number (one bias for every head); got "
                         f"{type(sigmoid_bias).__name__} {sigmoid_bias!r}")
     return float(sigmoid_bias)
+
+
+def _sigmoid_biases(sigmoid_bias, device) -> tuple:
+    """``(number, tensor)`` for the operator's ``sigmoid_bias`` and ``sigmoid_bias_heads``:
+    an array or a tensor of one or more axes (or a 0-d tensor that needs a gradient, as
+    one of shape ``(1,)``) is a learned bias, one per query head; the rest
+    :func:`_sigmoid_bias`."""
+    learned = (isinstance(sigmoid_bias, torch.Tensor)
+               and (sigmoid_bias.dim() or sigmoid_bias.requires_grad)) or \
+        (isinstance(sigmoid_bias, np.ndarray) and sigmoid_bias.ndim)
+    if not learned:
+        return _sigmoid_bias(sigmoid_bias), None
+    heads = _optional("sigmoid_bias", sigmoid_bias, device, floating=True)
+    return None, heads.reshape(1) if heads.dim() == 0 else heads
 
 
 def _chosen(backend):
@@ -442,18 +464,20 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     bias = _optional("bias", bias, q.device, floating=True)
     key_size = _optional("key_size", key_size, q.device, floating=True)
     sinks = _optional("sinks", sinks, q.device, floating=True)
+    constant_bias, learned_bias = _sigmoid_biases(sigmoid_bias, q.device)
     if mask_mod is not None or score_mod is not None:
-        out, lse = _with_mods(_np_attention, lambda a: (a["q"], a["k"], a["v"]),
-                              dict(q=q, k=k, v=v, mask=mask, bias=bias, key_size=key_size,
-                                   sinks=sinks),
-                              dict(causal=check_bool("causal", causal), scale=_scale(scale),
-                                   normalizer=normalizer, dropout_p=dropout_p, seed=seed,
-                                   sigmoid_bias=_sigmoid_bias(sigmoid_bias),
-                                   backend=_chosen(backend)), mask_mod, score_mod)
+        named = dict(q=q, k=k, v=v, mask=mask, bias=bias, key_size=key_size, sinks=sinks)
+        static = dict(causal=check_bool("causal", causal), scale=_scale(scale),
+                      normalizer=normalizer, dropout_p=dropout_p, seed=seed,
+                      backend=_chosen(backend))
+        (named if learned_bias is not None else static)["sigmoid_bias"] = \
+            learned_bias if learned_bias is not None else constant_bias
+        out, lse = _with_mods(_np_attention, lambda a: (a["q"], a["k"], a["v"]), named, static,
+                              mask_mod, score_mod)
         return _finish(out, lse, result, check_bool("return_lse", return_lse))
     out, lse = _OPS["attention"](
         q, k, v, mask, bias, key_size, check_bool("causal", causal), _scale(scale), normalizer,
-        dropout_p, seed, sinks, _sigmoid_bias(sigmoid_bias), _chosen(backend))
+        dropout_p, seed, sinks, constant_bias, learned_bias, _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 

@@ -333,6 +333,33 @@ class _Pairwise:
 
 
 @dataclass(frozen=True)
+class _SigmoidBias:
+    """A learned ``sigmoid`` bias (one per query head) as the user gave it.
+
+    The forward adds it to the bias (:func:`attnnb._validate.attention_problem`), so its
+    gradient is the bias gradient summed over each head's logits: the backward returns
+    the bias gradient in a shape that holds both (:func:`_dbias_tail`), and this sums
+    it as it would a bias of the user's shape with two trailing axes of 1.
+    """
+
+    pairwise: _Pairwise
+    shape: tuple
+
+    @classmethod
+    def of(cls, sigmoid_bias, problem):
+        shape = tuple(np.shape(sigmoid_bias))
+        stand_in = np.broadcast_to(np.zeros((), np.asarray(sigmoid_bias).dtype), shape + (1, 1))
+        return cls(_Pairwise.of(stand_in, problem, problem.shape[1]), shape)
+
+    @property
+    def canonical(self) -> tuple:
+        return self.pairwise.canonical
+
+    def restore(self, g):
+        return self.pairwise.restore(g).reshape(self.shape)
+
+
+@dataclass(frozen=True)
 class _KeySizes:
     """Key sizes as the user gave them: ``d key_size = d log key_size / key_size``."""
 
@@ -475,7 +502,7 @@ class _Saved:
                                                            dout, dlse, *self.tail)
             dlam = None
         raw = {"q": dq, "k": dk, "v": dv, "bias": dbias, "key_size": dlks, "lam": dlam,
-               "score_mod": dmod[0] if dmod else None}
+               "sigmoid_bias": dbias, "score_mod": dmod[0] if dmod else None}
         if "sinks" in self.args:
             raw["sinks"] = _Sinks.gradient(p, self.out, self.lse, dout)
         return {name: arg.restore(raw[name]) for name, arg in self.args.items()}
@@ -520,6 +547,8 @@ def _extra_args(a, problem, H, **given) -> dict:
         args["key_size"] = _KeySizes.of(given["key_size"], problem)
     if given.get("sinks") is not None:
         args["sinks"] = _Sinks.of(given["sinks"], problem)
+    if getattr(problem, "sigmoid_bias", None) is not None:
+        args["sigmoid_bias"] = _SigmoidBias.of(a["sigmoid_bias"], problem)
     if getattr(problem, "score_mod", None) is not None:
         args["score_mod"] = _ModArrays()
     return args
@@ -551,10 +580,15 @@ def _check_mod_gradients(problem) -> None:
 
 
 def _dbias_tail(name, args) -> tuple:
-    """The trailing ``dbias_shape`` argument of the backward operations that take one."""
+    """The trailing ``dbias_shape`` argument of the backward operations that take one: the
+    bias's canonical shape, or the smallest that holds both it and a learned sigmoid
+    bias's ``(B or 1, Hq or 1, 1, 1)`` (each axis 1 or full, so the larger of the two)."""
     if name not in ("attention", "diff_attention"):
         return ()
-    return (args["bias"].canonical if "bias" in args else None,)
+    shapes = [args[n].canonical for n in ("bias", "sigmoid_bias") if n in args]
+    if not shapes:
+        return (None,)
+    return (tuple(max(axis) for axis in zip(*shapes)),)
 
 
 def _lse_function(name, a, forward, problem, extras, return_lse, bias=None, sinks=None):
@@ -590,6 +624,10 @@ def _sparse_attention(a, forward):
                                 sigmoid_bias=a["sigmoid_bias"], mask_mod=a["mask_mod"],
                                 score_mod=a["score_mod"])
     _check_mod_gradients(problem)
+    if problem.sigmoid_bias is not None:  # its kernels return no bias gradient
+        raise NotImplementedError("vjp: sparse_attention with a learned sigmoid_bias (an "
+                                  "array) has no gradient for it yet; pass a number, or use "
+                                  "attention with the pattern as its mask")
     _, Hq, _, Lq, Lk, _, _ = problem.shape
     pattern = check_pattern(a["pattern"], Lq, Lk, Hq)
     return _lse_function("sparse_attention", a, forward, problem, (pattern,), return_lse,

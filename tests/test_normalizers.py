@@ -212,12 +212,68 @@ def test_sigmoid_bias_refusals_name_the_argument():
     q = np.zeros((2, 3, 4))
     with pytest.raises(ValueError, match="sigmoid_bias belongs to normalizer='sigmoid'"):
         attnnb.attention(q, q, q, sigmoid_bias=0.5)
-    with pytest.raises(TypeError, match="sigmoid_bias must be a real number"):
-        attnnb.attention(q, q, q, normalizer="sigmoid", sigmoid_bias=np.zeros(2))
+    with pytest.raises(ValueError, match=r"sigmoid_bias of shape \(3,\) cannot be broadcast"):
+        attnnb.attention(q, q, q, normalizer="sigmoid", sigmoid_bias=np.zeros(3))
+    with pytest.raises(TypeError, match="sigmoid_bias must be a real number or a real array"):
+        attnnb.attention(q, q, q, normalizer="sigmoid", sigmoid_bias=np.zeros(2, complex))
+    with pytest.raises(ValueError, match="sigmoid_bias must be finite"):
+        attnnb.attention(q, q, q, normalizer="sigmoid", sigmoid_bias=np.array([0, np.nan]))
     with pytest.raises(ValueError, match="sigmoid_bias must be finite"):
         attnnb.attention(q, q, q, normalizer="sigmoid", sigmoid_bias=np.inf)
     with pytest.raises(ValueError, match="normalizer='softmax'"):
         attnnb.attention(q, q, q, normalizer="sigmoid", sinks=np.zeros(2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(2,), (3, 1), (3, 2)])
+def test_a_learned_sigmoid_bias_is_each_heads_own(backend, shape):
+    """An array ``sigmoid_bias`` (broadcastable to ``(*batch, Hq)``) is one ``b`` per
+    query head: the same as each head computed alone with its number."""
+    rng = np.random.default_rng(8)
+    q, k, v = _qkv(rng, B=3, Hq=2, Hk=1, Lq=6, Lk=9)
+    sb = rng.standard_normal(shape)
+    bias = rng.standard_normal((6, 9))
+    out, lse = attnnb.attention(q, k, v, bias=bias, normalizer="sigmoid", sigmoid_bias=sb,
+                                return_lse=True, backend=backend)
+    per_head = np.broadcast_to(sb, (3, 2))
+    for b in range(3):
+        for h in range(2):
+            o, lo = attnnb.attention(q[b, h], k[b, 0], v[b, 0], bias=bias, normalizer="sigmoid",
+                                     sigmoid_bias=per_head[b, h], return_lse=True,
+                                     backend=backend)
+            np.testing.assert_allclose(out[b, h], o, rtol=1e-12)
+            np.testing.assert_allclose(lse[b, h], lo, rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(2,), (1, 2), (1, 1)])
+def test_a_learned_sigmoid_bias_gradient(backend, shape):
+    """``attnnb.vjp`` gives an array ``sigmoid_bias`` a gradient (the bias gradient summed
+    over each head's logits), with and without a bias of its own and key sizes."""
+    rng = np.random.default_rng(9)
+    q, k, v = _qkv(rng, B=1, Hq=2, Hk=1, Lq=5, Lk=7, D=3, Dv=2, scale=2.0)
+    inputs = dict(q=q, k=k, v=v, sigmoid_bias=rng.standard_normal(shape))
+    assert_gradients_near_fd(attnnb.attention, inputs, rng, lse=True, points=3,
+                             normalizer="sigmoid", causal=True, backend=backend)
+    inputs.update(bias=rng.standard_normal((5, 7)), key_size=rng.uniform(0.5, 2.0, 7))
+    assert_gradients_near_fd(attnnb.attention, inputs, rng, lse=True, points=3,
+                             normalizer="sigmoid", backend=backend)
+
+
+def test_a_learned_sigmoid_bias_on_sparse_attention():
+    """The forward takes it; the gradient is refused by name (sparse kernels return no
+    bias gradient), never left out."""
+    rng = np.random.default_rng(10)
+    q, k, v = _qkv(rng, B=1, Hq=2, Hk=2, Lq=6, Lk=6)
+    pattern = attnnb.patterns.local(6, window=2)
+    sb = np.array([0.5, -1.0])
+    out = attnnb.sparse_attention(q, k, v, pattern, normalizer="sigmoid", sigmoid_bias=sb)
+    ref = attnnb.attention(q, k, v, mask=pattern.to_mask(), normalizer="sigmoid",
+                           sigmoid_bias=sb, backend="reference")
+    np.testing.assert_allclose(out, ref, rtol=1e-12)
+    with pytest.raises(NotImplementedError, match="learned sigmoid_bias"):
+        attnnb.vjp(attnnb.sparse_attention, q, k, v, pattern, normalizer="sigmoid",
+                   sigmoid_bias=sb)
 
 
 # ---------------------------------------------------------------------------

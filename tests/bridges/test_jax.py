@@ -60,6 +60,10 @@ def _case(name, rng):
     if name == "attention-sinks":  # learned sinks, with a gradient
         return (ajax.attention, attnnb.attention, dict(q=q, k=k, v=v, sinks=randn(rng, 2)),
                 dict(causal=True, return_lse=True, backend=REF))
+    if name == "attention-sigmoid-bias":  # a learned sigmoid bias per query head
+        return (ajax.attention, attnnb.attention,
+                dict(q=q, k=k, v=v, sigmoid_bias=randn(rng, 2)),
+                dict(normalizer="sigmoid", mask=mask, return_lse=True, backend=REF))
     if name == "attention-softpick":
         return (ajax.attention, attnnb.attention, dict(q=q, k=k, v=v, bias=randn(rng, Lq, Lk)),
                 dict(normalizer="softpick", mask=mask))
@@ -83,8 +87,8 @@ def _case(name, rng):
             dict(mode="rectified", causal=True, backend=REF))
 
 
-CASES = ["attention", "attention-key_size", "attention-sinks", "attention-softpick", "sparse",
-         "topk", "diff", "diff-rectified"]
+CASES = ["attention", "attention-key_size", "attention-sinks", "attention-sigmoid-bias",
+         "attention-softpick", "sparse", "topk", "diff", "diff-rectified"]
 
 
 def _as_positional(jfn, names, kwargs):

@@ -143,10 +143,13 @@ def _op_cases():
     return {
         "attention": (ops.attention.default,
                       (q, k, v, None, bias, None, True, None, "softmax", 0.3, 11, sinks,
-                       None, "cpu")),
+                       None, None, "cpu")),
         "attention sigmoid": (ops.attention.default,
                               (q, k, v, None, bias, None, True, None, "sigmoid", 0.3, 11, None,
-                               -1.5, "cpu")),
+                               -1.5, None, "cpu")),
+        "attention learned sigmoid bias": (ops.attention.default,
+                                           (q, k, v, None, bias, None, True, None, "sigmoid",
+                                            0.3, 11, None, None, sinks, "cpu")),
         "sparse_attention": (ops.sparse_attention.default,
                              (q, k, v, ip, ix, nh, None, None, "softmax", 0.2, 3, sinks,
                               None, "cpu")),
@@ -158,14 +161,16 @@ def _op_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["attention", "attention sigmoid", "sparse_attention",
+@pytest.mark.parametrize("name", ["attention", "attention sigmoid",
+                                  "attention learned sigmoid bias", "sparse_attention",
                                   "topk_attention", "diff_attention"])
 def test_opcheck(name):
     op, args = _op_cases()[name]
     torch.library.opcheck(op, args)  # raises on any failed check
 
 
-@pytest.mark.parametrize("name", ["attention", "attention sigmoid", "sparse_attention",
+@pytest.mark.parametrize("name", ["attention", "attention sigmoid",
+                                  "attention learned sigmoid bias", "sparse_attention",
                                   "topk_attention", "diff_attention"])
 def test_opcheck_backward_operators(name):
     op, args = _op_cases()[name]
@@ -556,6 +561,20 @@ def test_drop_in_dropout_keys_whole_call_rows():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     assert all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+@pytest.mark.parametrize("shape", [(2,), (1, 2), ()])
+def test_gradcheck_of_a_learned_sigmoid_bias(shape):
+    """A tensor ``sigmoid_bias`` with a gradient is learned, one per query head (a 0-d
+    one shared by all); a number or a 0-d tensor without one stays a constant."""
+    rng = np.random.default_rng(22)
+    q, k, v = _qkv(rng, hq=2, hk=1, d=3)
+    _gradcheck(lambda q, sb: at.attention(q, k, v, causal=True, normalizer="sigmoid",
+                                          sigmoid_bias=sb, backend="cpu"),
+               (q, torch.tensor(rng.standard_normal(shape), requires_grad=True)))
+    constant = at.attention(q, k, v, normalizer="sigmoid", sigmoid_bias=torch.tensor(0.25))
+    torch.testing.assert_close(constant, at.attention(q, k, v, normalizer="sigmoid",
+                                                      sigmoid_bias=0.25), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("normalizer", ["sigmoid", "softpick"])
