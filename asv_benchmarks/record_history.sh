@@ -65,6 +65,14 @@ if ! grep -q "\"$MACHINE\"" "$HOME/.asv-machine.json" 2>/dev/null; then
     exit 2
 fi
 
+# A busy core doubles a parallel kernel's time (docs/performance.md, "The sparse point
+# that doubled"): say so before recording.
+load="$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo 0)"
+if awk -v l="$load" 'BEGIN { exit !(l > 0.5) }'; then
+    echo "record_history: load average $load: other work is running, and the points will" \
+         "show it; record on a quiet machine" >&2
+fi
+
 list="$(mktemp)"
 trap 'rm -f "$list"' EXIT
 
