@@ -88,7 +88,15 @@ def chunk_problem(problem, b0, b1, g0, g1, streams=1):
         q=part(problem.q, (streams * h0, streams * h1)),
         k=part(problem.k, (streams * g0, streams * g1)), v=part(problem.v, (g0, g1)),
         mask=part(problem.mask, (h0, h1)), bias=part(problem.bias, (h0, h1)),
-        log_key_size=part(problem.log_key_size, None))
+        log_key_size=part(problem.log_key_size, None),
+        # (B, query heads): a sink per query head, a learned sigmoid bias per head
+        sinks=per_head(problem.sinks, b0, b1, streams * h0, streams * h1),
+        sigmoid_bias=per_head(problem.sigmoid_bias, b0, b1, h0, h1))
+
+
+def per_head(x, b0, b1, h0, h1):
+    """``x[b0:b1, h0:h1]`` of a ``(B, heads)`` array, or None."""
+    return None if x is None else x[b0:b1, h0:h1]
 
 
 def sum_to_shape(g, shape):

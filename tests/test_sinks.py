@@ -113,6 +113,26 @@ def test_sink_gradient_against_finite_differences(backend):
             assert abs(fd - grads[name][idx]) <= 1e-6 * (1 + abs(fd)), (name, idx)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk", ["batch", "heads"])
+def test_sinks_with_a_bias_gradient_in_chunks(backend, chunk, monkeypatch):
+    """A broadcast bias's gradient formed chunk by chunk (docs/contract.md §5.4): each
+    chunk reads its own batch elements' and heads' sinks."""
+    from attnnb import _bias_chunks
+
+    rng = np.random.default_rng(13)
+    q, k, v = _qkv(rng, B=3 if chunk == "batch" else 1, Hq=4, Hk=2, Lq=9, Lk=9)
+    kw = dict(bias=rng.standard_normal((9, 9)), sinks=rng.standard_normal(q.shape[:2]),
+              backend=backend)
+    out, pb = attnnb.vjp(attnnb.attention, q, k, v, **kw)
+    dout = rng.standard_normal(out.shape)
+    whole = pb(dout)
+    monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", 1)
+    out, pb = attnnb.vjp(attnnb.attention, q, k, v, **kw)
+    for name, g in pb(dout).items():
+        np.testing.assert_allclose(g, whole[name], rtol=1e-12, atol=1e-14, err_msg=name)
+
+
 def test_sinks_refusals():
     q = np.zeros((2, 3, 4))
     with pytest.raises(ValueError, match="normalizer='softmax'"):
