@@ -39,7 +39,7 @@ ARRAYS = {
     "attention": ("q", "k", "v", "mask", "bias", "key_size", "sinks", "sigmoid_bias"),
     "sparse_attention": ("q", "k", "v", "key_size", "sinks"),
     "topk_attention": ("q", "k", "v", "mask", "key_size", "sinks"),
-    "diff_attention": ("q", "k", "v", "lam", "mask", "bias", "key_size"),
+    "diff_attention": ("q", "k", "v", "lam", "mask", "bias", "key_size", "sinks"),
 }
 DIFFERENTIABLE = ("q", "k", "v", "bias", "key_size", "lam", "sinks", "sigmoid_bias")
 

@@ -63,13 +63,13 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
 
 
 def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
-                   scale=None, mode="difference", dropout_p=0.0, seed=None, mask_mod=None,
-                   score_mod=None, backend=None):
+                   scale=None, mode="difference", dropout_p=0.0, seed=None, sinks=None,
+                   mask_mod=None, score_mod=None, backend=None):
     """:func:`attnnb.diff_attention` of in-memory arrays."""
     check_mode(mode)
     problem = attention_problem(q, k, v, mask=mask, bias=bias, key_size=key_size,
                                 causal=causal, scale=scale, head_pairs=True,
-                                dropout_p=dropout_p, seed=seed, mask_mod=mask_mod,
+                                dropout_p=dropout_p, seed=seed, sinks=sinks, mask_mod=mask_mod,
                                 score_mod=score_mod)
     check_head_axis(problem.squeeze_head, np.shape(problem.q)[2:])
     B, H2, _, Lq, _, _, Dv = problem.shape

@@ -447,8 +447,11 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
         if is_device_array(sinks):  # (a logit per head: small, checked on the host)
             raise TypeError("sinks must be a host array (NumPy), even with device q, k, v; "
                             "got a device array")
-        prob.sinks = check_sinks(sinks, normalizer, batch, squeeze, B, Hq, comp)
-        prob.normalizer = "softmax1"
+        # differential attention: a sink per component map, i.e. per query head of q
+        prob.sinks = check_sinks(sinks, normalizer, batch, squeeze, B,
+                                 2 * Hq if head_pairs else Hq, comp)
+        if not head_pairs:  # (the differential maps stay softmax, each with its sink)
+            prob.normalizer = "softmax1"
     if mask_mod is not None or score_mod is not None:
         prob.mask_mod, prob.score_mod = check_mods(mask_mod, score_mod, on_dev, Lq, Lk, comp)
     if on_dev:  # host or device mask / bias / key_size: see attnnb/_device.py

@@ -32,8 +32,8 @@ __all__ = ["diff_attention", "lambda_init", "reparam_lambda", "subln", "MODES"]
 
 
 def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
-                   scale=None, mode="difference", dropout_p=0.0, seed=None, mask_mod=None,
-                   score_mod=None, backend=None):
+                   scale=None, mode="difference", dropout_p=0.0, seed=None, sinks=None,
+                   mask_mod=None, score_mod=None, backend=None):
     """Differential attention: ``(A1 - lam * A2) @ v`` for every head pair.
 
     Parameters
@@ -87,6 +87,12 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         and the same seed (not on the cuda backend yet).
     seed : int in ``[0, 2**64)``, optional
         Required when ``dropout_p > 0``.
+    sinks : real array broadcastable to ``(*batch, 2H)``, optional
+        Learned attention sinks, one per *component map*: query head ``2h + c``'s
+        sink enters the denominator of map ``c`` of pair ``h``, ``A_c =
+        e^s / (e^sink + sum e^s)`` (:func:`attnnb.attention`'s ``sinks``), in
+        every mode; :func:`attnnb.vjp` gives its gradient.  Not on the cuda
+        backend or with Dask arrays yet.
     mask_mod, score_mod : optional
         As in :func:`attnnb.attention` (:mod:`attnnb.mods`), for both maps of
         a pair; ``h`` is the pair's index.
@@ -116,13 +122,16 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         if mode == "heaviside":  # its gate needs both maps' global normalisers at once
             raise NotImplementedError("diff_attention(mode='heaviside') with Dask arrays: not "
                                       "yet; compute the arrays first")
+        if sinks is not None:
+            raise NotImplementedError("diff_attention(sinks=...) with Dask arrays: not yet; "
+                                      "compute the arrays first")
         return lazy(q, k, v, lam, mask=mask, bias=bias, key_size=key_size, causal=causal,
                     scale=scale, mode=mode, mask_mod=mask_mod, score_mod=score_mod,
                     backend=backend)
     return _eager.diff_attention(q, k, v, lam, mask=mask, bias=bias, key_size=key_size,
                                  causal=causal, scale=scale, mode=mode, dropout_p=dropout_p,
-                                 seed=seed, mask_mod=mask_mod, score_mod=score_mod,
-                                 backend=backend)
+                                 seed=seed, sinks=sinks, mask_mod=mask_mod,
+                                 score_mod=score_mod, backend=backend)
 
 
 def _real(name, x):

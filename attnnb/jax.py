@@ -209,9 +209,10 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
 
 
 def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
-                   scale=None, mode="difference", mask_mod=None, score_mod=None, dropout_p=0.0,
-                   seed=None, backend=None):
-    """:func:`attnnb.diff_attention` on JAX arrays, differentiable in q, k, v, lam, bias, key_size.
+                   scale=None, mode="difference", sinks=None, mask_mod=None, score_mod=None,
+                   dropout_p=0.0, seed=None, backend=None):
+    """:func:`attnnb.diff_attention` on JAX arrays, differentiable in q, k, v, lam, bias,
+    key_size, sinks.
 
     Parameters
     ----------
@@ -221,6 +222,8 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
     mask : bool JAX array broadcastable to ``(*batch, H, Lq, Lk)``, optional
     bias : JAX array broadcastable to ``(*batch, H, Lq, Lk)``, optional
     key_size : positive JAX array broadcastable to ``(*batch, Lk)``, optional
+    sinks : JAX array broadcastable to ``(*batch, 2H)``, optional
+        A learned sink per component map (query head), with a gradient.
     causal, scale, mode, backend
         Static, as in :func:`attnnb.diff_attention` (``mode="rectified"``:
         the clip at 0 has derivative 0; ``"heaviside"``: the gate is held
@@ -233,7 +236,7 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
     out : JAX array ``(*batch, H, Lq, Dv)``
     """
     return _call("diff_attention", dict(q=q, k=k, v=v, lam=lam, mask=mask, bias=bias,
-                                        key_size=key_size),
+                                        key_size=key_size, sinks=sinks),
                  dict(causal=causal, scale=scale, mode=mode, backend=backend,
                       **_mods(mask_mod, score_mod)), dropout_p, seed)
 

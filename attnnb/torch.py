@@ -216,7 +216,7 @@ _FUNCTIONS = {
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("lam", "Tensor"),
                    ("mask", "Tensor?"), ("bias", "Tensor?"), ("key_size", "Tensor?"),
                    ("causal", "bool"), *_STATIC_TAIL, ("mode", "str"), ("dropout_p", "float"),
-                   ("seed", "int"), ("backend", "str?")),
+                   ("seed", "int"), ("sinks", "Tensor?"), ("backend", "str?")),
                   False),
     )
 }
@@ -568,9 +568,10 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
 
 
 def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
-                   scale=None, mode="difference", dropout_p=0.0, seed=None, mask_mod=None,
-                   score_mod=None, backend=None):
-    """:func:`attnnb.diff_attention` on tensors, differentiable in q, k, v, lam, bias, key_size.
+                   scale=None, mode="difference", dropout_p=0.0, seed=None, sinks=None,
+                   mask_mod=None, score_mod=None, backend=None):
+    """:func:`attnnb.diff_attention` on tensors, differentiable in q, k, v, lam, bias, key_size,
+    sinks.
 
     ``lam`` may be a number (no gradient) or a tensor broadcastable to
     ``(*batch, H, Lq)``, e.g. the learned ``lambda_full`` of the Diff
@@ -583,16 +584,18 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
     mask = _optional("mask", mask, q.device, floating=False)
     bias = _optional("bias", bias, q.device, floating=True)
     key_size = _optional("key_size", key_size, q.device, floating=True)
+    sinks = _optional("sinks", sinks, q.device, floating=True)
     if mask_mod is not None or score_mod is not None:
         out = _with_mods(_np_diff_attention, lambda a: (a["q"], a["k"], a["v"], a["lam"]),
-                         dict(q=q, k=k, v=v, lam=lam, mask=mask, bias=bias, key_size=key_size),
+                         dict(q=q, k=k, v=v, lam=lam, mask=mask, bias=bias, key_size=key_size,
+                              sinks=sinks),
                          dict(causal=check_bool("causal", causal), scale=_scale(scale),
                               mode=mode, dropout_p=dropout_p, seed=seed,
                               backend=_chosen(backend)), mask_mod, score_mod, lse=False)
         return out.to(result)
     out = _OPS["diff_attention"](
         q, k, v, lam, mask, bias, key_size, check_bool("causal", causal), _scale(scale), mode,
-        dropout_p, seed, _chosen(backend))
+        dropout_p, seed, sinks, _chosen(backend))
     return out.to(result)
 
 

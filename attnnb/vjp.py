@@ -84,7 +84,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -432,6 +432,44 @@ class _Sinks:
         return _sum_to_shape(g, self.shape).astype(self.dtype, copy=False)
 
 
+def _stream_lses(problem, backend) -> tuple:
+    """Each component map's LSE ``(B, H, Lq)`` of a differential problem, without its
+    sink: the backend's attention over the stream's queries and keys, with values of
+    width zero (only the sums), no dropout and no sinks."""
+    forward = _operations("attention", backend, problem)[0]
+    lses = []
+    for c in range(2):
+        stream = replace(problem, q=np.ascontiguousarray(problem.q[:, c::2]),
+                         k=np.ascontiguousarray(problem.k[:, c::2]),
+                         v=np.ascontiguousarray(problem.v[..., :0]), dropout_p=0.0,
+                         sinks=None, normalizer="softmax")
+        lses.append(np.asarray(forward(stream)[1], np.float64))
+    return tuple(lses)
+
+
+def _diff_sink_gradient(problem, lses, lam, mode, out, dout, dlam) -> np.ndarray:
+    """``d sink (B, 2H)`` of differential attention with sinks (docs/contract.md §2.4).
+
+    A sink scales its map by ``r = sigmoid(lse - sink)``, so ``d sink = -sum_i (1 -
+    r_i) t_i`` with ``t_i = sum_j A_ij dA_ij`` the map's share of the row.  The output
+    is linear in ``A1`` and in ``lam`` times what ``lam`` multiplies (every gate held),
+    so ``t1 = dout . out - lam dlam`` and ``t2 = lam dlam`` (0 in the Heaviside mode,
+    whose second map gets no gradient), from any backend's results.
+    """
+    lam = np.asarray(lam, np.float64)
+    dlam = np.asarray(dlam, np.float64)
+    share1 = np.einsum("bhid,bhid->bhi", np.asarray(dout, np.float64),
+                       np.asarray(out, np.float64)) - lam * dlam
+    shares = (share1, np.zeros_like(share1) if mode == "heaviside" else lam * dlam)
+    sinks = np.asarray(problem.sinks, np.float64)
+    grad = np.empty(sinks.shape)
+    for c in range(2):
+        with np.errstate(over="ignore"):
+            rest = 1.0 / (1.0 + np.exp(lses[c] - sinks[:, c::2, None]))  # 1 - r
+        grad[:, c::2] = -np.sum(rest * shares[c], axis=-1)
+    return grad
+
+
 def _cotangent(name, x, shape, canonical, dtype, of, on_device=False):
     """Check a cotangent against its primal's shape; return it canonical.
 
@@ -484,6 +522,7 @@ class _Saved:
     out_shape: tuple
     args: dict  # name -> _Arg / _Pairwise / _KeySizes / _Lam
     tail: tuple  # (dbias_shape,) for the functions that take a bias, else ()
+    stream_lses: tuple = ()  # diff_attention with sinks: each map's LSE (_stream_lses)
 
     def gradients(self, dout, dlse):
         p = self.problem
@@ -503,7 +542,10 @@ class _Saved:
             dlam = None
         raw = {"q": dq, "k": dk, "v": dv, "bias": dbias, "key_size": dlks, "lam": dlam,
                "sigmoid_bias": dbias, "score_mod": dmod[0] if dmod else None}
-        if "sinks" in self.args:
+        if "sinks" in self.args and self.lse is None:
+            raw["sinks"] = _diff_sink_gradient(p, self.stream_lses, *self.extras, self.out,
+                                               dout, dlam)
+        elif "sinks" in self.args:
             raw["sinks"] = _Sinks.gradient(p, self.out, self.lse, dout)
         return {name: arg.restore(raw[name]) for name, arg in self.args.items()}
 
@@ -652,7 +694,8 @@ def _diff_attention(a, forward):
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"], bias=a["bias"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
                                 head_pairs=True, dropout_p=a["dropout_p"], seed=a["seed"],
-                                mask_mod=a["mask_mod"], score_mod=a["score_mod"])
+                                sinks=a["sinks"], mask_mod=a["mask_mod"],
+                                score_mod=a["score_mod"])
     _check_mod_gradients(problem)
     if problem.squeeze_head:  # the refusal of diff_attention, word for word
         raise ValueError(
@@ -668,11 +711,13 @@ def _diff_attention(a, forward):
     out = out_c.reshape(problem.batch_shape + (H, Lq, Dv))
     if not problem.on_device:
         out = out.astype(problem.out_dtype, copy=False)
-    args = _extra_args(a, problem, H, bias=a["bias"], key_size=a["key_size"])
+    args = _extra_args(a, problem, H, bias=a["bias"], key_size=a["key_size"],
+                       sinks=a["sinks"])
     args["lam"] = _Lam(tuple(np.shape(a["lam"])), _grad_dtype(a["lam"], problem.out_dtype),
                        problem.batch_shape)
+    lses = () if problem.sinks is None else _stream_lses(problem, a["backend"])
     saved = _Saved("diff_attention_vjp", backward, problem, (lam_b, mode), out_c, None,
-                   out.shape, args, _dbias_tail("diff_attention", args))
+                   out.shape, args, _dbias_tail("diff_attention", args), lses)
     return out, saved, False
 
 

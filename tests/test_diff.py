@@ -10,17 +10,18 @@ from hypothesis import strategies as st
 import attnnb
 from attnnb.diff import diff_attention, lambda_init, reparam_lambda, subln
 
-from .helpers import HOST_BACKENDS, assert_close, randn
+from .helpers import HOST_BACKENDS, assert_close, assert_gradients_near_fd, randn
 
 MODES = ("difference", "rectified", "heaviside")
 
 
 def formula(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
-            mode="difference"):
+            mode="difference", sinks=None):
     """The paper's definition written out directly in float64, from the user's arrays.
 
     Pair ``h`` = query heads ``2h, 2h+1`` meets key heads ``2g, 2g+1`` and value
-    head ``g = h // (H // Hk)``, component with component.
+    head ``g = h // (H // Hk)``, component with component; ``sinks`` (broadcastable to
+    ``(*batch, 2H)``) add ``e^sink`` to map ``c``'s denominator, query head ``2h + c``'s.
     """
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     H, Hk = q.shape[-3] // 2, k.shape[-3] // 2
@@ -45,6 +46,8 @@ def formula(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False, 
         m = np.where(np.isfinite(m), m, 0.0)
         e = np.exp(s - m)
         z = e.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            z = z + np.exp(np.broadcast_to(sinks, q.shape[:-2])[..., c::2, None, None] - m)
         maps.append(np.where(z > 0, e / np.where(z > 0, z, 1.0), 0.0))
     lam = np.asarray(lam, np.float64)[..., None]
     w = maps[0] - lam * maps[1]
@@ -377,3 +380,56 @@ def test_concurrent_calls_from_threads(rng):
                                                              backend="cpu")), MODES * 4))
     for m, out in results:
         np.testing.assert_array_equal(out, lone[m])
+
+
+# ---------------------------------------------------------------------------
+# learned sinks, one per component map
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mode", MODES)
+def test_sinks_match_the_formula(rng, backend, dtype, mode):
+    """A learned sink per component map (query head), every mode, GQA, an empty row."""
+    q, k, v = packed(rng, lq=37, lk=70, dtype=dtype)
+    lam = rng.uniform(0.2, 0.8, (2, 1))
+    sinks = randn(rng, (2, 4))
+    mask = rng.random((37, 70)) > 0.2
+    mask[5] = False
+    got = diff_attention(q, k, v, lam, mask=mask, causal=True, mode=mode, sinks=sinks,
+                         backend=backend)
+    want = formula(q, k, v, lam, mask=mask, causal=True, mode=mode, sinks=sinks)
+    assert_close(got, want, dtype)
+    assert not got[:, :, 5].any()
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_difference_with_sinks_is_two_attention_calls_with_sinks(rng, backend):
+    q, k, v = packed(rng, batch=(), h=2, hk=2, lq=9, lk=11)
+    lam, sinks = 0.6, randn(rng, (4,))
+    got = diff_attention(q, k, v, lam, sinks=sinks, backend=backend)
+    maps = [attnnb.attention(q[c::2], k[c::2], v, sinks=sinks[c::2], backend=backend)
+            for c in range(2)]
+    np.testing.assert_allclose(got, maps[0] - lam * maps[1], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_sink_gradients_against_finite_differences(rng, backend, mode):
+    """The sinks' gradient (``attnnb.vjp``: from the output, ``dlam`` and each map's
+    LSE), and every other input's with sinks in the maps."""
+    q, k, v = packed(rng, batch=(1,), h=2, hk=1, lq=5, lk=7, d=3, dv=2)
+    inputs = dict(q=q, k=k, v=v, lam=rng.uniform(0.2, 0.8, (2, 5)), sinks=randn(rng, (4,)),
+                  bias=randn(rng, (5, 7)), key_size=rng.uniform(0.5, 2.0, 7))
+    assert_gradients_near_fd(diff_attention, inputs, rng, points=4, mode=mode, causal=True,
+                             backend=backend)
+
+
+def test_sinks_refusals(rng):
+    q, k, v = packed(rng, batch=(), h=2, hk=1, lq=4, lk=4)
+    with pytest.raises(ValueError, match=r"sinks of shape \(2,\) cannot be broadcast to \(4,\)"):
+        diff_attention(q, k, v, 0.5, sinks=np.zeros(2))
+    da = pytest.importorskip("dask.array")
+    lazy = [da.from_array(x) for x in (q, k, v)]
+    with pytest.raises(NotImplementedError, match="sinks=.*Dask"):
+        diff_attention(*lazy, 0.5, sinks=np.zeros(4))

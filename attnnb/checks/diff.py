@@ -57,4 +57,7 @@ def cases():
             ]
         out.append((f"diff heaviside causal mask {tag}",
                     _case(15, dtype, causal=True, mask=(4, 70, 131), mode="heaviside")))
+        out.append((f"diff rectified sinks per map {tag}",
+                    _case(16, dtype, causal=True, mode="rectified",
+                          sinks=np.linspace(-1.0, 2.0, 8).astype(dtype))))
     return out

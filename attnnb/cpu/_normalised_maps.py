@@ -8,12 +8,16 @@ adds ``P @ v_tile`` to the output directly:
 
 * :func:`rectified_weights` -- ``P = max(0, A1 - lam * A2)`` or ``A1 - lam H(A1 - lam
   A2)``, ``A_c = exp(S_c - lse_c)``
+* :func:`add_sink` -- ``lse = log(e^lse + e^sink)``: the normaliser of a map whose
+  denominator holds a learned sink
 * :func:`~attnnb.cpu._tiles.add_weighted_values` -- ``acc += P @ v_tile``, skipping
   zero weights when the value tile holds NaN or Inf (shared with the online update)
 * :func:`finish_weighted_rows` -- copy the accumulator out, NaN rows stay NaN
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -29,6 +33,17 @@ def _map_row(srow, prow, lse, nk):
         prow[:nk] = 0.0
     else:
         exp_shifted(srow, prow, lse, nk)
+
+
+@inner
+def add_sink(lse_rows, sink):
+    """``lse_rows = log(e^lse + e^sink)`` in place: ``exp(s - lse)`` then weighs as
+    ``e^s / (e^sink + sum e^s)``.  An empty row's normaliser becomes the sink (its
+    logits stay ``-inf``, its weights 0); NaN rows stay NaN."""
+    for r in range(lse_rows.shape[0]):
+        x = lse_rows[r]
+        top = max(x, sink) if x == x else x
+        lse_rows[r] = top + math.log(math.exp(x - top) + math.exp(sink - top))
 
 
 @inner

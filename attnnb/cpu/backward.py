@@ -663,6 +663,18 @@ def sparse_attention_vjp(problem, pattern, out, lse, dout, dlse):
     return grads + (g["score_mod"],) if "score_mod" in g else grads
 
 
+def map_problem(problem, c):
+    """Map ``c`` of every pair of a differential problem as attention: query heads and
+    key heads ``c::2``, the shared values, with its sinks (query head ``2h + c``'s) as
+    ``softmax1``'s when the pairs have sinks."""
+    sinks = problem.sinks
+    return dataclasses.replace(problem, q=np.ascontiguousarray(problem.q[:, c::2]),
+                               k=np.ascontiguousarray(problem.k[:, c::2]),
+                               sinks=None if sinks is None else np.ascontiguousarray(
+                                   sinks[:, c::2]),
+                               normalizer="softmax" if sinks is None else "softmax1")
+
+
 def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     """Gradients of :func:`attnnb.diff_attention` (``mode="difference"``).
 
@@ -681,8 +693,7 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     dout = np.ascontiguousarray(dout, dt)
     grads, o2 = [], None
     for c in range(2):
-        stream = dataclasses.replace(problem, q=np.ascontiguousarray(problem.q[:, c::2]),
-                                     k=np.ascontiguousarray(problem.k[:, c::2]))
+        stream = map_problem(problem, c)
         o_c, lse_c = attention_forward(stream)
         if c == 1:
             o2 = o_c

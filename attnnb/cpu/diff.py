@@ -23,13 +23,13 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .._codes import DIFF_MODE_CODES, DIFFERENCE, HEAVISIDE, SOFTMAX
+from .._codes import DIFF_MODE_CODES, DIFFERENCE, HEAVISIDE, SOFTMAX, SOFTMAX1
 from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
-from ._host import run_sweep
+from ._host import kernel_sinks, run_sweep
 from ._jit import inner, kernel, wide_vectors
 from ._mod_hooks import mask_tile, score_tile
 from ._mods import mod_kernel, mods_argument
-from ._normalised_maps import finish_weighted_rows, rectified_weights
+from ._normalised_maps import add_sink, finish_weighted_rows, rectified_weights
 from ._task import sweep_geometry
 from ._tiles import (
     SWEEP_TILE_Q,
@@ -91,13 +91,14 @@ def sweep_pair(qs, kh, vh, v_ok, b, h, i0, last, diag, bias_bh, has_bias, mask_b
 
 @kernel
 def diff_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                causal, lam, mode, dropout, mods, out, lse):
+                causal, lam, mode, dropout, has_sinks, sinks, mods, out, lse):
     """One task per (batch, head pair, query tile); see the module docstring.
 
     Leading arguments as every tiled kernel's (:mod:`attnnb.cpu._host`);
     ``lse`` is not written (differential attention has no single LSE);
     ``dropout`` as :func:`~attnnb.cpu._dropout.kernel_dropout`'s; ``mods`` as the dense
-    kernel's, for both maps of pair ``h``.
+    kernel's, for both maps of pair ``h``.  With ``has_sinks``, map ``c`` of pair ``h``
+    has the sink ``sinks[b, 2h + c]`` in its denominator (``(B, 2H)``).
     """
     # pairs of query heads share pairs of key heads: the group size is the same
     B, H2, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, SWEEP_TILE_Q, causal)
@@ -141,7 +142,10 @@ def diff_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
         pairs = ((acc1, m1, l1, lse1), (acc2, m2, l2, lse2))
         for c in range(2):
             acc_c, m_c, l_c, lse_c = pairs[c]
-            finish_rows(acc_c, m_c, l_c, SOFTMAX, 0.0, finished[c], lse_c)
+            finish_rows(acc_c, m_c, l_c, SOFTMAX1 if has_sinks else SOFTMAX,
+                        sinks[b, 2 * h + c], finished[c], lse_c)
+            if has_sinks and not difference:  # pass 2's maps: e^s / (e^sink + sum e^s)
+                add_sink(lse_c, sinks[b, 2 * h + c])
         if difference:
             for r in range(nq):  # empty rows of map 2 are zeros, and lam is finite
                 for c in range(Dv):
@@ -182,6 +186,7 @@ def diff_attention(problem, lam, mode="difference"):
     out : ``(B, H, Lq, Dv)`` in the compute dtype.
     """
     out, _ = run_sweep(mod_kernel(diff_kernel, problem), problem, lam, DIFF_MODE_CODES[mode],
-                       kernel_dropout(problem), mods_argument(problem),
+                       kernel_dropout(problem), problem.sinks is not None,
+                       kernel_sinks(problem), mods_argument(problem),
                        out_heads=problem.shape[1] // 2)
     return scale_kept(out, problem)

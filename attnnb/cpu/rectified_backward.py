@@ -273,7 +273,8 @@ def rect_dq_kernel(q, k, v, kt, vt, k_ok, v_ok, scale, bias, has_bias, mask, has
 
 
 def stream_lses(problem):
-    """Each stream's LSE ``(B, H, Lq)`` from the dense forward.
+    """Each stream's LSE ``(B, H, Lq)`` from the dense forward, with its map's sink when
+    the pairs have sinks (``log(e^sink + e^lse)``: what normalises the map).
 
     The forward runs on values of width zero: the same kernel (the same types),
     the same logits and so the same LSE bit for bit, without the value
@@ -286,8 +287,12 @@ def stream_lses(problem):
     for c in range(2):  # dropout leaves the LSEs as they are
         stream = dataclasses.replace(problem, q=np.ascontiguousarray(problem.q[:, c::2]),
                                      k=np.ascontiguousarray(problem.k[:, c::2]), v=no_values,
-                                     dropout_p=0.0)
-        lses.append(attention_forward(stream)[1])
+                                     dropout_p=0.0, sinks=None, normalizer="softmax")
+        lse = attention_forward(stream)[1]
+        if problem.sinks is not None:  # the maps' normalisers: e^sink + sum e^s
+            with np.errstate(invalid="ignore"):
+                lse = np.logaddexp(lse, problem.sinks[:, c::2, None]).astype(lse.dtype)
+        lses.append(np.ascontiguousarray(lse))
     return lses
 
 

@@ -302,6 +302,9 @@ def diff_attention(problem, lam, mode="difference"):
     out : ``(B, H, Lq, Dv)``: a device array in the result dtype for device
     problems, else a NumPy array in the compute dtype.
     """
+    if problem.sinks is not None:  # the kernels' maps have no sink term
+        raise NotImplementedError("diff_attention(sinks=...) on the cuda backend: not yet "
+                                  "(the reference and cpu backends have it)")
     a = device_problem(problem)
     return finish(a, diff_forward(problem, lam, mode, a)[0])[0]
 

@@ -59,7 +59,7 @@ from ._common import (
     softpick_terms,
 )
 from .attention import dropout_factors, sink_of
-from .diff import heaviside_gate, pair_dropout, pair_key_heads, stream_logits
+from .diff import heaviside_gate, map_normalizer, pair_dropout, pair_key_heads, stream_logits
 from .sparse import pattern_mask
 from .topk import topk_selection
 
@@ -378,8 +378,8 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     mod = problem.score_mod
     s, raw, slope = zip(*(stream_logits(problem, heads, c, mod is not None) for c in range(2)))
     # a NaN row's maps are NaN only on its allowed set, so its NaN reaches only what it read
-    maps = [np.where(allowed, normalize(s[c], allowed, lks, "softmax")[0], 0.0)
-            for c in range(2)]
+    maps = [np.where(allowed, normalize(s[c], allowed, lks, *map_normalizer(problem, c))[0],
+                     0.0) for c in range(2)]
     with np.errstate(invalid="ignore", over="ignore"):
         dw = np.where(allowed, np.matmul(dout, _t(v)), 0.0)
     factors = pair_dropout(problem)
@@ -409,7 +409,9 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     k = problem.k.astype(np.float64)
     mod_grads = []
     for c, stream_dw in enumerate((dw, dw2)):
-        _, ds, dlog_size = _softmax_backward(s[c], allowed, lks, "softmax", stream_dw, None)
+        normalizer, sink = map_normalizer(problem, c)
+        _, ds, dlog_size = _softmax_backward(s[c], allowed, lks, normalizer, stream_dw, None,
+                                             sink)
         ds_sum += ds
         dlog_sum += dlog_size
         if mod is not None:

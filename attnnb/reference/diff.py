@@ -34,9 +34,17 @@ def diff_maps(problem):
     maps = []
     for c in range(2):
         s = stream_logits(problem, heads, c)[0]
-        a, _ = normalize(s, allowed, problem.log_key_size, "softmax")
+        a, _ = normalize(s, allowed, problem.log_key_size, *map_normalizer(problem, c))
         maps.append(a)
     return maps[0], maps[1], allowed
+
+
+def map_normalizer(problem, c):
+    """``(normalizer, sink)`` of map ``c`` of every pair: softmax, or with learned sinks
+    softmax1 with query head ``2h + c``'s sink (float64 ``(B, H, 1, 1)``)."""
+    if problem.sinks is None:
+        return "softmax", 0.0
+    return "softmax1", np.asarray(problem.sinks, np.float64)[:, c::2, None, None]
 
 
 def stream_logits(problem, heads, c, with_slope=False):

@@ -80,6 +80,10 @@ def _case(name, rng):
         return (ajax.diff_attention, attnnb.diff_attention,
                 dict(q=qd, k=kd, v=vd, lam=rng.uniform(0.2, 0.6, (2, 1)),
                      bias=randn(rng, Lq, Lk)), dict(mask=mask))
+    if name == "diff-sinks":  # a learned sink per component map
+        return (ajax.diff_attention, attnnb.diff_attention,
+                dict(q=qd, k=kd, v=vd, lam=rng.uniform(0.2, 0.6, (2, 1)), sinks=randn(rng, 4)),
+                dict(mode="rectified", mask=mask, backend=REF))
     assert name == "diff-rectified"  # per-token lam, key sizes
     return (ajax.diff_attention, attnnb.diff_attention,
             dict(q=qd, k=kd, v=vd, lam=rng.uniform(0.2, 0.6, (1, 2, Lq)),
@@ -88,7 +92,7 @@ def _case(name, rng):
 
 
 CASES = ["attention", "attention-key_size", "attention-sinks", "attention-sigmoid-bias",
-         "attention-softpick", "sparse", "topk", "diff", "diff-rectified"]
+         "attention-softpick", "sparse", "topk", "diff", "diff-sinks", "diff-rectified"]
 
 
 def _as_positional(jfn, names, kwargs):

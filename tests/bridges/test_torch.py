@@ -96,6 +96,17 @@ def test_diff_attention_gradcheck_learned_lambda(mode):
                (q, k, v, lam, bias))
 
 
+@pytest.mark.parametrize("mode", ["difference", "rectified", "heaviside"])
+def test_diff_attention_gradcheck_learned_sinks(mode):
+    rng = np.random.default_rng(6)
+    q, k, _ = _qkv(rng, hq=4, hk=2, d=3)
+    v = _t(rng, (1, 1, 6, 4))
+    sinks = _t(rng, (4,))  # one per component map: query head 2h + c
+    _gradcheck(lambda q, sinks: at.diff_attention(q, k, v, 0.4, sinks=sinks, mode=mode,
+                                                  causal=True, backend="cpu"),
+               (q, sinks))
+
+
 def test_gradients_equal_numpy_vjp():
     rng = np.random.default_rng(5)
     q, k, v = _qkv(rng, hq=2, lq=9, lk=11, d=8, dv=8, dtype=torch.float32)
@@ -157,7 +168,7 @@ def _op_cases():
                            (q, k, v, 2, None, False, None, 0.7, 0.0, 0, sinks, "cpu")),
         "diff_attention": (ops.diff_attention.default,
                            (q4, k4, v, lam, None, None, None, True, None, "difference", 0.25, 5,
-                            "cpu")),
+                            None, "cpu")),
     }
 
 
