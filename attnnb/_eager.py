@@ -49,13 +49,14 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, dropout_p=0.0, seed=None, sinks=None, mask_mod=None,
-                   score_mod=None, backend=None):
+                   normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None,
+                   sinks=None, sigmoid_bias=None, mask_mod=None, score_mod=None, backend=None):
     """:func:`attnnb.topk_attention` of in-memory arrays."""
     return_lse = check_bool("return_lse", return_lse)
     top_k = check_top_k(top_k)
     problem = attention_problem(q, k, v, mask=mask, key_size=key_size, causal=causal,
-                                scale=scale, dropout_p=dropout_p, seed=seed, sinks=sinks,
+                                scale=scale, normalizer=normalizer, dropout_p=dropout_p,
+                                seed=seed, sinks=sinks, sigmoid_bias=sigmoid_bias,
                                 mask_mod=mask_mod, score_mod=score_mod)
     out, lse = _dispatch.call("topk_attention", backend, problem.on_device, problem, top_k)
     out, lse = problem.restore(out, lse)

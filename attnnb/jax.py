@@ -179,8 +179,8 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, sinks=None, mask_mod=None, score_mod=None,
-                   dropout_p=0.0, seed=None, backend=None):
+                   normalizer="softmax", return_lse=False, sinks=None, sigmoid_bias=None,
+                   mask_mod=None, score_mod=None, dropout_p=0.0, seed=None, backend=None):
     """:func:`attnnb.topk_attention` on JAX arrays, differentiable in q, k, v, key_size,
     sinks.
 
@@ -192,8 +192,8 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     mask : bool JAX array broadcastable to ``(*batch, Hq, Lq, Lk)``, optional
     key_size : positive JAX array broadcastable to ``(*batch, Lk)``, optional
     sinks : JAX array broadcastable to ``(*batch, Hq)``, optional
-    causal, scale, return_lse, backend
-        Static, as in :func:`attnnb.topk_attention`.
+    causal, scale, normalizer, return_lse, sigmoid_bias, backend
+        Static, as in :func:`attnnb.topk_attention` (``sigmoid_bias`` a number).
     dropout_p, seed, mask_mod, score_mod
         As in :func:`attention`.
 
@@ -202,10 +202,12 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     out : JAX array ``(*batch, Hq, Lq, Dv)``
     lse : JAX array ``(*batch, Hq, Lq)``, only with ``return_lse=True``
     """
+    static = dict(top_k=top_k, causal=causal, scale=scale, normalizer=normalizer,
+                  return_lse=return_lse, backend=backend, **_mods(mask_mod, score_mod))
+    if sigmoid_bias is not None:
+        static["sigmoid_bias"] = sigmoid_bias
     return _call("topk_attention", dict(q=q, k=k, v=v, mask=mask, key_size=key_size,
-                                        sinks=sinks),
-                 dict(top_k=top_k, causal=causal, scale=scale, return_lse=return_lse,
-                      backend=backend, **_mods(mask_mod, score_mod)), dropout_p, seed)
+                                        sinks=sinks), static, dropout_p, seed)
 
 
 def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,

@@ -82,14 +82,15 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, dropout_p=0.0, seed=None, sinks=None, mask_mod=None,
-                   score_mod=None, backend=None):
-    """Softmax attention over each query's ``top_k`` largest allowed weights.
+                   normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None,
+                   sinks=None, sigmoid_bias=None, mask_mod=None, score_mod=None, backend=None):
+    """Attention over each query's ``top_k`` largest allowed softmax weights.
 
     Query ``i`` ranks its allowed keys (``mask``, ``causal``) by
     ``key_size[j] * exp(s[i, j])``, keeps the ``top_k`` largest -- equal
     weights go to the lower key index, so exactly ``min(top_k, allowed)``
-    keys are kept -- and renormalises the softmax over them.
+    keys are kept -- and the normalizer weighs the kept ones (softmax: it is
+    renormalised over them).
 
     Parameters
     ----------
@@ -102,6 +103,9 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
         Bottom-right aligned, as :func:`attnnb.attention`.
     key_size : positive array broadcastable to ``(*batch, Lk)``, optional
     scale : float, optional
+    normalizer : {"softmax", "softmax1", "relu_expm1", "sigmoid", "softpick"}
+        As in :func:`attnnb.attention`, over the kept keys; the ranking is
+        softmax's for every normalizer (``sigmoid``'s bias takes no part in it).
     return_lse : bool
         LSE over the kept keys.
     dropout_p, seed
@@ -110,6 +114,9 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     sinks : real array broadcastable to ``(*batch, Hq)``, optional
         Learned attention sinks over the kept keys, as in :func:`attnnb.attention`
         (they take no part in the selection).
+    sigmoid_bias : float or real array broadcastable to ``(*batch, Hq)``, optional
+        As in :func:`attnnb.attention` (default ``-log(Lk)``, the keys' count
+        before the selection); :func:`attnnb.vjp` refuses an array here.
     mask_mod, score_mod : optional
         As in :func:`attnnb.attention` (:mod:`attnnb.mods`): keys are ranked by
         their modified logits, among those the mask function allows.
@@ -124,17 +131,22 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
     -----
     Keys whose weight is exactly zero (logit ``-inf``) are never kept. A
     query with a NaN among its allowed logits gets a NaN row (the NaN is
-    not ranked). Only ``"softmax"`` is offered: the ranking is by the
-    softmax weights.
+    not ranked). The ranking is by the softmax weights for every normalizer:
+    for ``relu_expm1``, ``softpick`` and ``sigmoid`` without key sizes it is
+    their own order too (each weight grows with its logit).
     """
     if any_dask(q, k, v):
         from ._dask.ops import topk_attention as lazy
 
         refuse_lazy_dropout(dropout_p)
+        if normalizer != "softmax" or sigmoid_bias is not None:
+            raise NotImplementedError("topk_attention with Dask arrays: normalizer='softmax' "
+                                      f"only for now; got normalizer={normalizer!r}")
         return lazy(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size, scale=scale,
                     return_lse=return_lse, sinks=sinks, mask_mod=mask_mod, score_mod=score_mod,
                     backend=backend)
     return _eager.topk_attention(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size,
-                                 scale=scale, return_lse=return_lse, dropout_p=dropout_p,
-                                 seed=seed, sinks=sinks, mask_mod=mask_mod, score_mod=score_mod,
-                                 backend=backend)
+                                 scale=scale, normalizer=normalizer, return_lse=return_lse,
+                                 dropout_p=dropout_p, seed=seed, sinks=sinks,
+                                 sigmoid_bias=sigmoid_bias, mask_mod=mask_mod,
+                                 score_mod=score_mod, backend=backend)

@@ -209,8 +209,8 @@ _FUNCTIONS = {
         _Function("topk_attention", _np_topk_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("top_k", "int"),
                    ("mask", "Tensor?"), ("causal", "bool"), ("key_size", "Tensor?"),
-                   *_STATIC_TAIL, ("dropout_p", "float"), ("seed", "int"), ("sinks", "Tensor?"),
-                   ("backend", "str?")),
+                   *_STATIC_TAIL, ("normalizer", "str"), ("dropout_p", "float"), ("seed", "int"),
+                   ("sinks", "Tensor?"), ("sigmoid_bias", "float?"), ("backend", "str?")),
                   True),
         _Function("diff_attention", _np_diff_attention,
                   (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("lam", "Tensor"),
@@ -538,8 +538,8 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, dropout_p=0.0, seed=None, sinks=None, mask_mod=None,
-                   score_mod=None, backend=None):
+                   normalizer="softmax", return_lse=False, dropout_p=0.0, seed=None,
+                   sinks=None, sigmoid_bias=None, mask_mod=None, score_mod=None, backend=None):
     """:func:`attnnb.topk_attention` on tensors, differentiable in q, k, v, key_size, sinks.
 
     The selection (each row's ``top_k`` keys) is a constant of the
@@ -558,12 +558,14 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
         out, lse = _with_mods(_np_topk_attention, lambda a: (a["q"], a["k"], a["v"], top_k),
                               dict(q=q, k=k, v=v, mask=mask, key_size=key_size, sinks=sinks),
                               dict(causal=check_bool("causal", causal), scale=_scale(scale),
-                                   dropout_p=dropout_p, seed=seed, backend=_chosen(backend)),
+                                   normalizer=normalizer, dropout_p=dropout_p, seed=seed,
+                                   sigmoid_bias=_sigmoid_bias(sigmoid_bias),
+                                   backend=_chosen(backend)),
                               mask_mod, score_mod)
         return _finish(out, lse, result, check_bool("return_lse", return_lse))
     out, lse = _OPS["topk_attention"](
-        q, k, v, top_k, mask, check_bool("causal", causal), key_size, _scale(scale), dropout_p,
-        seed, sinks, _chosen(backend))
+        q, k, v, top_k, mask, check_bool("causal", causal), key_size, _scale(scale), normalizer,
+        dropout_p, seed, sinks, _sigmoid_bias(sigmoid_bias), _chosen(backend))
     return _finish(out, lse, result, check_bool("return_lse", return_lse))
 
 

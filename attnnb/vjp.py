@@ -633,6 +633,15 @@ def _dbias_tail(name, args) -> tuple:
     return (tuple(max(axis) for axis in zip(*shapes)),)
 
 
+def _refuse_learned_sigmoid_bias(name, problem):
+    """Functions whose backward returns no bias gradient have none for an array
+    ``sigmoid_bias`` either: refused by name, never left out."""
+    if problem.sigmoid_bias is not None:
+        raise NotImplementedError(f"vjp: {name} with a learned sigmoid_bias (an array) has no "
+                                  "gradient for it yet; pass a number, or use attention with "
+                                  "a mask")
+
+
 def _lse_function(name, a, forward, problem, extras, return_lse, bias=None, sinks=None):
     """Shared tail of attention, sparse_attention and topk_attention."""
     forward, backward = _operations(name, a["backend"], problem, forward)
@@ -666,10 +675,7 @@ def _sparse_attention(a, forward):
                                 sigmoid_bias=a["sigmoid_bias"], mask_mod=a["mask_mod"],
                                 score_mod=a["score_mod"])
     _check_mod_gradients(problem)
-    if problem.sigmoid_bias is not None:  # its kernels return no bias gradient
-        raise NotImplementedError("vjp: sparse_attention with a learned sigmoid_bias (an "
-                                  "array) has no gradient for it yet; pass a number, or use "
-                                  "attention with the pattern as its mask")
+    _refuse_learned_sigmoid_bias("sparse_attention", problem)
     _, Hq, _, Lq, Lk, _, _ = problem.shape
     pattern = check_pattern(a["pattern"], Lq, Lk, Hq)
     return _lse_function("sparse_attention", a, forward, problem, (pattern,), return_lse,
@@ -681,9 +687,12 @@ def _topk_attention(a, forward):
     top_k = check_top_k(a["top_k"])
     problem = attention_problem(a["q"], a["k"], a["v"], mask=a["mask"],
                                 key_size=a["key_size"], causal=a["causal"], scale=a["scale"],
-                                dropout_p=a["dropout_p"], seed=a["seed"], sinks=a["sinks"],
-                                mask_mod=a["mask_mod"], score_mod=a["score_mod"])
+                                normalizer=a["normalizer"], dropout_p=a["dropout_p"],
+                                seed=a["seed"], sinks=a["sinks"],
+                                sigmoid_bias=a["sigmoid_bias"], mask_mod=a["mask_mod"],
+                                score_mod=a["score_mod"])
     _check_mod_gradients(problem)
+    _refuse_learned_sigmoid_bias("topk_attention", problem)
     return _lse_function("topk_attention", a, forward, problem, (top_k,), return_lse,
                          sinks=a["sinks"])
 

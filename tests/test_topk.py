@@ -324,3 +324,85 @@ def test_long_rows_gradients(rng, dtype, top_k):
     assert got.keys() == want.keys()
     for name in want:
         assert_close(got[name], want[name], dtype, rtol=GRAD_RTOL[dtype], what=name)
+
+
+# ---------------------------------------------------------------------------
+# the other normalizers over the kept keys
+
+
+NORMALIZERS = ("softmax1", "relu_expm1", "sigmoid", "softpick")
+
+
+def softmax_ranking(q, k, top_k, key_size=None, causal=False):
+    """bool ``(B, Hq, Lq, Lk)``: the keys each row keeps, ranked by ``s + log key_size``
+    decreasing, equal values by index (a lexicographic sort, row by row)."""
+    B, Hq, Lq, D = q.shape
+    Lk = k.shape[2]
+    group = Hq // k.shape[1]
+    s = np.einsum("bhid,bhjd->bhij", q, np.repeat(k, group, axis=1)) / np.sqrt(D)
+    if key_size is not None:
+        s = s + np.log(key_size)[:, None, None, :]
+    keep = np.zeros(s.shape, bool)
+    for b, h, i in np.ndindex(B, Hq, Lq):
+        allowed = np.arange(Lk) <= i + Lk - Lq if causal else np.ones(Lk, bool)
+        js = np.flatnonzero(allowed)
+        order = np.lexsort((js, -s[b, h, i, js]))
+        keep[b, h, i, js[order[:top_k]]] = True
+    return keep
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+@pytest.mark.parametrize("top_k", [3, 40])
+def test_normalizers_weigh_the_keys_softmax_ranks(rng, backend, normalizer, top_k):
+    """Every normalizer over the kept keys: attention with the softmax ranking's keys as
+    its mask (sigmoid's default bias counts every key, kept or not)."""
+    q, k, v = (rng.standard_normal(s) for s in ((2, 4, 33, 8), (2, 2, 70, 8), (2, 2, 70, 5)))
+    key_size = rng.uniform(0.5, 2.0, (2, 70))
+    kw = dict(normalizer=normalizer, key_size=key_size, return_lse=True)
+    out, lse = attnnb.topk_attention(q, k, v, top_k, causal=True, backend=backend, **kw)
+    keep = softmax_ranking(q, k, top_k, key_size, causal=True)
+    want, want_lse = attnnb.attention(q, k, v, mask=keep, backend="reference", **kw)
+    assert_close(out, want)
+    assert_close(lse, want_lse, what="lse")
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_normalizers_cpu_equals_the_reference_with_gradients(rng, normalizer, dtype):
+    q, k, v = (rng.standard_normal(s).astype(dtype)
+               for s in ((1, 4, 70, 16), (1, 2, 131, 16), (1, 2, 131, 12)))
+    kw = dict(normalizer=normalizer, causal=True, return_lse=True)
+    (out, lse), pb = attnnb.vjp(attnnb.topk_attention, q, k, v, 9, backend="cpu", **kw)
+    (ref, ref_lse), pb_ref = attnnb.vjp(attnnb.topk_attention, q, k, v, 9,
+                                        backend="reference", **kw)
+    assert_close(out, ref, dtype)
+    dout = rng.standard_normal(out.shape)
+    dlse = np.where(np.isfinite(ref_lse), rng.standard_normal(ref_lse.shape), 0.0)
+    got, want = pb(dout.astype(dtype), dlse.astype(dtype)), pb_ref(dout, dlse)
+    for name in want:
+        assert_close(got[name], want[name], rtol=GRAD_RTOL[dtype], what=name)
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.parametrize("normalizer", NORMALIZERS)
+def test_normalizers_gradients_against_finite_differences(rng, backend, normalizer):
+    from .helpers import assert_gradients_near_fd
+
+    q, k, v = (rng.standard_normal(s) for s in ((1, 2, 5, 3), (1, 1, 9, 3), (1, 1, 9, 2)))
+    inputs = dict(q=2 * q, k=k, v=v, key_size=rng.uniform(0.5, 2.0, 9))
+    assert_gradients_near_fd(attnnb.topk_attention, inputs, rng, lse=True, points=4,
+                             top_k=4, normalizer=normalizer, causal=True, backend=backend)
+
+
+def test_normalizers_refusals(rng):
+    q = np.zeros((2, 5, 4))
+    with pytest.raises(ValueError, match="normalizer"):
+        attnnb.topk_attention(q, q, q, 2, normalizer="softermax")
+    with pytest.raises(NotImplementedError, match="learned sigmoid_bias"):
+        attnnb.vjp(attnnb.topk_attention, q, q, q, 2, normalizer="sigmoid",
+                   sigmoid_bias=np.zeros(2))
+    da = pytest.importorskip("dask.array")
+    lazy = da.from_array(q)
+    with pytest.raises(NotImplementedError, match="normalizer='softmax' only"):
+        attnnb.topk_attention(lazy, lazy, lazy, 2, normalizer="sigmoid")

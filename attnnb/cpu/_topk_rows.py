@@ -398,9 +398,10 @@ def gather_row(r, cval, cidx, cnt, vh, m, l, acc, pbuf, blk, dropout, key):
 
 
 @inner
-def select_tile(R, j0, nk, thr, cut, S):
-    """Copy keys ``j0 .. j0 + nk - 1`` of the logit rows ``R`` into ``S``, ``-inf``
-    where :func:`select_row`'s ``(thr, cut)`` does not select them."""
+def select_tile(R, j0, nk, thr, cut, S, copy):
+    """``S = -inf`` on keys ``j0 .. j0 + nk - 1`` that :func:`select_row`'s ``(thr, cut)``
+    does not select among the ranked logit rows ``R``; on the selected ones ``S`` gets
+    ``R``'s logits (``copy``), or keeps its own (another normalizer's, formed anew)."""
     nq = S.shape[0]
     ninf = -np.inf
     for r in range(nq):
@@ -411,4 +412,4 @@ def select_tile(R, j0, nk, thr, cut, S):
         for x in range(nk):  # branch-free, so that it vectorises
             s = src[x]
             keep = (s > t) | (s != s) | ((s == t) & (x <= c))
-            dst[x] = s if keep else ninf
+            dst[x] = (s if copy else dst[x]) if keep else ninf

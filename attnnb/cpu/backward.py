@@ -252,17 +252,18 @@ def pair_gradients(pair, q, kth, vth, tile_j0, kh, vh, by_rows, by_keys, b, h, p
             start, stop = indptr[row0 + r], indptr[row0 + r + 1]
             cursor[r] = start + np.searchsorted(indices[start:stop], j0)
         csr_tile_mask(S, indptr, indices, row0, j0, cursor)
+    if pair.selected:  # the forward's rule, on its ranking logits: s + log key_size
+        logks_b = pair.logks[b]
+        for r in range(nq):
+            thr, cut = pair.thr[b, h, i0 + r], pair.cut[b, h, i0 + r]
+            for c in range(nk):
+                x = S[r, c] + logks_b[j0 + c] if pair.has_ks else S[r, c]
+                if not (x > thr or (x == thr and j0 + c <= cut) or x != x):
+                    S[r, c] = -np.inf  # (a key outside the mask: -inf below anyway)
     F = factor_tile(F_flat, S, normalizer)
     modify_logits(S, F, i0, j0, diag, pair.bias[b, h], pair.has_bias, pair.mask[b, h],
                   pair.has_mask, pair.logks[b], pair.has_ks, normalizer)
     mask_tile(S, b, h, i0, j0, True, mods)
-    if pair.selected:  # the forward's rule, on the same modified logits
-        for r in range(nq):
-            thr, cut = pair.thr[b, h, i0 + r], pair.cut[b, h, i0 + r]
-            for c in range(nk):
-                x = S[r, c]
-                if not (x > thr or (x == thr and j0 + c <= cut) or x != x):
-                    S[r, c] = -np.inf
     do = scaled_rows(pair.dout[b, h], i0, nq, 1.0, do_flat)
     if by_rows:
         dP = tile_logits_rows(do, vh, j0, nk, dP_flat)

@@ -12,6 +12,11 @@ otherwise it sweeps the same key tiles, masked down to the selected keys
 (:func:`~attnnb.cpu._topk_rows.select_tile`), through the shared online
 softmax.  Either way pass 2 reads the logits pass 1 stored, so the keys it
 keeps are exactly the ``top_k`` that pass 1 selected.
+
+The other normalizers rank the keys as softmax does (pass 1 is the same), then
+weigh the kept ones their own way: pass 2 always sweeps, forming each tile's
+logits again with the normalizer's modification (its bias, factors and key
+sizes) and masking them by pass 1's selection.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .._codes import NORMALIZER_CODES, SOFTMAX
+from .._codes import NORMALIZER_CODES, SOFTMAX, SOFTMAX1
 from ._dropout import kernel_dropout, row_keys, scale_kept
 from ._host import kernel_sinks, run_sweep
 from ._jit import kernel, wide_vectors
@@ -29,6 +34,7 @@ from ._task import query_task, sweep_geometry
 from ._tiles import (
     TILE_K,
     TILE_Q,
+    factor_tile,
     finish_rows,
     key_tiles_seen,
     modify_logits,
@@ -47,19 +53,20 @@ GATHER_BELOW = 2
 def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks, has_ks,
                 causal, top_k, dropout, normalizer, sinks, mods, thr_rows, cut_rows, out, lse):
     """One task per (batch, query head, query tile); leading arguments as every tiled
-    kernel's (:mod:`attnnb.cpu._host`), ``bias`` a placeholder (never read).
+    kernel's (:mod:`attnnb.cpu._host`), ``bias`` read only by the normalizers other than
+    softmax (``sigmoid``'s bias; the ranking takes none).
 
     ``thr_rows``, ``cut_rows`` ``(B, Hq, Lq)`` receive each row's selection
     (:func:`~attnnb.cpu._topk_rows.select_row`), which the backward pass
     holds fixed.  ``dropout`` as the dense kernel's: the kept keys' weights are
     dropped after the selection and the row's sum.  ``mods`` as the dense kernel's:
-    rows rank the keys by their modified logits.  ``normalizer``: ``SOFTMAX``, or
-    ``SOFTMAX1`` with the ``sinks (B, Hq)`` in the denominator.
+    rows rank the keys by their modified logits.  ``normalizer``: any code; ``SOFTMAX1``
+    and ``SOFTPICK`` with the ``sinks (B, Hq)`` in the denominator.
     """
     B, Hq, Lq, Lk, Dv, group, n_qt, n_kt, diag = sweep_geometry(q, k, v, TILE_Q, causal)
     for task in prange(B * Hq * n_qt):
         wide_vectors()
-        (b, h, g, _, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat, _,
+        (b, h, g, _, i0, nq, kth, vh, qs, m, l, acc, S_flat, P_flat, F_flat,
          T_flat) = query_task(task, q, kt, v, scale, TILE_Q, group, n_qt)
         R = view2d(np.empty(TILE_Q * Lk, q.dtype), nq, Lk)
         # the selection's scratch (select_row); at least one element each
@@ -84,7 +91,8 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
             mask_tile(S, b, h, i0, j0, True, mods)
             R[:, j0 : j0 + nk] = S
         # each row's selection; few keys kept per row: its softmax over its list at once
-        gather = GATHER_BELOW * top_k <= n_seen
+        ranked = normalizer == SOFTMAX or normalizer == SOFTMAX1  # pass 1's logits weigh
+        gather = ranked and GATHER_BELOW * top_k <= n_seen
         for r in range(nq):
             thr[r], cut[r], cnt = select_row(R[r], n_seen, top_k, gmax, cval, cidx, ftmp,
                                              itmp, hist)
@@ -92,15 +100,22 @@ def topk_kernel(q, k, v, kt, v_ok, scale, bias, has_bias, mask, has_mask, logks,
             if gather:
                 gather_row(r, cval, cidx, cnt, vh, m, l, acc, ftmp, T_flat, dropout, keys[r])
         # many: pass 2 is the masked sweep over the same tiles, through the shared online
-        # softmax
+        # softmax (another normalizer's logits formed anew, then masked)
         if not gather:
             for t in range(last):
                 j0 = t * TILE_K
                 nk = min(TILE_K, Lk - j0)
                 S = view2d(S_flat, nq, nk)
-                select_tile(R, j0, nk, thr, cut, S)
-                online_update(S, S, m, l, acc, P_flat, T_flat, vh, j0, v_ok[b, g, t], SOFTMAX,
-                              dropout, keys, words)
+                F = factor_tile(F_flat, S, normalizer)  # (S itself for softmax)
+                if not ranked:
+                    tile_logits_t(qs, kth, j0, nk, S_flat)  # into S
+                    score_tile(S, b, h, i0, j0, mods)
+                    modify_logits(S, F, i0, j0, diag, bias[b, h], has_bias, mask[b, h],
+                                  has_mask, logks[b], has_ks, normalizer)
+                    mask_tile(S, b, h, i0, j0, True, mods)
+                select_tile(R, j0, nk, thr, cut, S, ranked)
+                online_update(S, F, m, l, acc, P_flat, T_flat, vh, j0, v_ok[b, g, t],
+                              normalizer, dropout, keys, words)
         finish_rows(acc, m, l, normalizer, sinks[b, h], out[b, h, i0 : i0 + nq],
                     lse[b, h, i0 : i0 + nq])
 

@@ -170,6 +170,10 @@ def topk_selection(problem, top_k, a=None):
     cut``, or ``s`` is NaN.  ``a``: the problem's device arrays when already
     made (:func:`~attnnb.cuda._arrays.device_problem`).
     """
+    if problem.normalizer not in ("softmax", "softmax1"):  # pass 2 weighs pass 1's logits
+        raise NotImplementedError(f"topk_attention(normalizer={problem.normalizer!r}) on the "
+                                  "cuda backend: not yet (the reference and cpu backends "
+                                  "have it)")
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
     a = device_problem(problem) if a is None else a
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)

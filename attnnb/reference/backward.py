@@ -321,12 +321,12 @@ def topk_attention_vjp(problem, top_k, out, lse, dout, dlse=None):
     """
     B, Hq, _, Lq, Lk, _, _ = problem.shape
     k = expand_kv_heads(problem.k, Hq)
-    s = problem_logits(problem, k)[0]
+    s = problem_logits(dataclasses.replace(problem, bias=None), k)[0]  # ranked without bias
     allowed = problem_allowed(problem, (B, Hq, Lq, Lk))
     lks = None if problem.log_key_size is None else problem.log_key_size.astype(np.float64)
     keep = topk_selection(s, allowed, lks, top_k)
-    if problem.score_mod is None:
-        return _masked_vjp(problem, keep, None, dout, dlse, None, problem.normalizer)
+    if problem.score_mod is None:  # (the bias: sigmoid's, weighing the kept keys)
+        return _masked_vjp(problem, keep, problem.bias, dout, dlse, None, problem.normalizer)
     kept = dataclasses.replace(problem, mask=keep, causal=False, mask_mod=None)
     return _modded_vjp(kept, dout, dlse, None)
 

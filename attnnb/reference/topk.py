@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ._common import apply_weights, expand_kv_heads, normalize, problem_allowed, problem_logits
@@ -28,14 +30,21 @@ def topk_selection(s, allowed, log_key_size, top_k):
 
 
 def topk_attention(problem, top_k):
-    """Top-k softmax attention of a canonical problem in float64; returns ``(out, lse)``."""
+    """Top-k attention of a canonical problem in float64; returns ``(out, lse)``.
+
+    The keys are ranked as softmax weighs them, whatever the normalizer; the
+    normalizer then weighs the kept keys (``sigmoid``'s bias, the problem's only
+    bias, is added after the ranking).
+    """
     B, Hq, _, Lq, Lk, _, _ = problem.shape
     k = expand_kv_heads(problem.k, Hq)
     v = expand_kv_heads(problem.v, Hq)
-    s = problem_logits(problem, k)[0]  # (a score function's; top-k takes no bias)
+    s = problem_logits(dataclasses.replace(problem, bias=None), k)[0]  # a score function's
     allowed = problem_allowed(problem, (B, Hq, Lq, Lk))
     lks = None if problem.log_key_size is None else problem.log_key_size.astype(np.float64)
     keep = topk_selection(s, allowed, lks, top_k)
+    if problem.bias is not None:
+        s = s + problem.bias.astype(np.float64)
     w, lse = normalize(s, keep, problem.log_key_size, problem.normalizer, sink_of(problem))
     factors = dropout_factors(problem)
     if factors is not None:  # the selection and the LSE are those before dropout

@@ -74,6 +74,9 @@ def _case(name, rng):
     if name == "topk":
         return (ajax.topk_attention, attnnb.topk_attention, dict(q=q, k=k, v=v),
                 dict(top_k=3, mask=mask, causal=True))
+    if name == "topk-sigmoid":
+        return (ajax.topk_attention, attnnb.topk_attention, dict(q=q, k=k, v=v),
+                dict(top_k=3, normalizer="sigmoid", sigmoid_bias=-1.0, return_lse=True))
     # differential attention: q (1, 2H, Lq, d) with H = 2 pairs, k one key pair
     qd, kd, vd = randn(rng, 1, 4, Lq, D), randn(rng, 1, 2, Lk, D), randn(rng, 1, 1, Lk, 6)
     if name == "diff":  # per-head lam, bias, mask
@@ -92,7 +95,8 @@ def _case(name, rng):
 
 
 CASES = ["attention", "attention-key_size", "attention-sinks", "attention-sigmoid-bias",
-         "attention-softpick", "sparse", "topk", "diff", "diff-sinks", "diff-rectified"]
+         "attention-softpick", "sparse", "topk", "topk-sigmoid", "diff", "diff-sinks",
+         "diff-rectified"]
 
 
 def _as_positional(jfn, names, kwargs):

@@ -77,10 +77,12 @@ def test_sparse_attention_gradcheck():
     _gradcheck(lambda q, k, v: at.sparse_attention(q, k, v, pattern, backend="cpu"), (q, k, v))
 
 
-def test_topk_attention_gradcheck():
+@pytest.mark.parametrize("normalizer", ["softmax", "sigmoid", "softpick"])
+def test_topk_attention_gradcheck(normalizer):
     rng = np.random.default_rng(3)
     q, k, v = _qkv(rng, lq=5, lk=7)
-    _gradcheck(lambda q, k, v: at.topk_attention(q, k, v, 3, causal=True, backend="cpu"),
+    _gradcheck(lambda q, k, v: at.topk_attention(q, k, v, 3, causal=True, backend="cpu",
+                                                 normalizer=normalizer),
                (q, k, v))
 
 
@@ -165,7 +167,8 @@ def _op_cases():
                              (q, k, v, ip, ix, nh, None, None, "softmax", 0.2, 3, sinks,
                               None, "cpu")),
         "topk_attention": (ops.topk_attention.default,
-                           (q, k, v, 2, None, False, None, 0.7, 0.0, 0, sinks, "cpu")),
+                           (q, k, v, 2, None, False, None, 0.7, "softmax", 0.0, 0, sinks, None,
+                            "cpu")),
         "diff_attention": (ops.diff_attention.default,
                            (q4, k4, v, lam, None, None, None, True, None, "difference", 0.25, 5,
                             None, "cpu")),
