@@ -14,7 +14,8 @@ import numpy as np
 NORMALIZERS = ("softmax", "relu_expm1", "sigmoid", "softpick")
 
 
-def _data(N, D, seed=0):
+def data(N, D, seed=0):
+    """``q, k, v`` of shape ``(1, 8, N, D)``, float32."""
     rng = np.random.default_rng(seed)
     return tuple(rng.standard_normal((1, 8, N, D)).astype(np.float32) for _ in range(3))
 
@@ -22,7 +23,7 @@ def _data(N, D, seed=0):
 def case(N, D, backward):
     from attnnb import attention, vjp
 
-    q, k, v = _data(N, D)
+    q, k, v = data(N, D)
 
     def run(normalizer):
         if not backward:
