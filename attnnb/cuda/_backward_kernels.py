@@ -23,15 +23,16 @@ in shared memory (transposed for the score-like products, row-major for the
 others).  Dense, causal and sparse problems all walk tile lists; a sparse
 partial tile's mask comes from the CSR runs, as in the forward.  The
 variants (``dense``, ``sparse``, ``topk``, the pair streams ``stream0``,
-``stream1``, ``clipped0``, ``clipped1``) are compile-time constants of each
+``stream1``, ``clipped0``, ``clipped1``, ``gated0``) are compile-time constants of each
 build, cached per (variant, dropout, mods, dtype, tiling) by
 :func:`dq_kernel` and :func:`dkdv_kernel`.
 
 The helper kernels, one thread per row or element (:data:`ROW_THREADS` a
 block, :func:`element_grid`): the rows' terms of one stream
 (:func:`build_row_terms`) or of one stream of a pair
-(:func:`build_pair_rows`), ``dlam`` (:func:`build_negated_row`) and the sum
-of a gradient to a broadcast shape (:func:`build_sum_to`).
+(:func:`build_pair_rows`), ``dlam`` (:func:`build_negated_row`, or
+:func:`build_negated_dot` in the Heaviside mode) and the sum of a gradient
+to a broadcast shape (:func:`build_sum_to`).
 
 Invariants: no two blocks of a launch write one element (no atomics), and
 every sum runs in a fixed order, so the results are the same bit for bit
@@ -71,7 +72,8 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
     ``bias`` / ``mask`` / ``logks`` with their flags, ``causal``, the
     normalizer code, ``row_terms (B, H, NR, Lq)`` (per-row values, see
     :func:`pair_functions`), ``thr`` / ``cut`` and ``selected`` (top-k),
-    ``rectified``, ``clip`` (the clip bits of the ``"clipped"`` variants), the
+    ``diff_mode`` (the two-stream kernels' differential mode code), ``clip`` (the clip
+    bits of the ``"clipped"`` and ``"gated"`` variants), the
     pattern's ``p_heads``, CSR ``indptr`` / ``indices`` and ``csr`` flag, the
     tile lists ``tile_ptr, tile_idx, tile_full``, ``dq`` and ``mods`` (the mods' arrays;
     ``()`` without, and ``mods=None``).  Grid ``(B * H, query tiles)``.
@@ -82,7 +84,9 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
     ``"stream0"`` / ``"stream1"``: one stream of a differential pair
     (:func:`pair_stream`); the kernel sweeps the key tiles twice, first for
     the rows' ``delta`` (written to ``row_terms``), then for ``dQ``; ``"clipped0"`` /
-    ``"clipped1"`` the same with the weights gated by ``clip``.
+    ``"clipped1"`` the same with the weights gated by ``clip``; ``"gated0"`` (the
+    Heaviside mode's stream, whose gate weighs only ``dV`` and ``dlam``) as
+    ``"stream0"``, and zeros for the second stream's ``dQ``.
     """
     micro = micro_functions(np.dtype(dtype), tiling, mods)
     sizes = geometry(tiling)
@@ -106,11 +110,11 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
     pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling, dropout, mods)
     CSR, SELECTED = variant == "sparse", variant == "topk"
     HS, HOFF, PAIR = pair_stream(STREAMS, variant)
-    CLIPPED = variant.startswith("clipped")
+    CLIPPED, GATED = variant.startswith("clipped"), variant == "gated0"
     PHASES = 2 if STREAMS == 2 or PAIR else 1  # a first sweep for the rows' sums
 
     def dq_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                  normalizer, row_terms, thr_a, cut_a, selected, rectified, clip, p_heads, indptr,
+                  normalizer, row_terms, thr_a, cut_a, selected, diff_mode, clip, p_heads, indptr,
                   indices, csr, seed_lo, seed_hi, batch0, head0, threshold, keep, tile_ptr,
                   tile_idx, tile_full, dq, mods):
         Lq, Lk = q.shape[2], k.shape[2]
@@ -130,7 +134,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
         keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
         R = cuda.local.array(N_S, nt)  # a score function's raw logits
         part1, part2 = row_zeros()  # with two streams: the rows' d1 and e
-        Q1, Q2 = dq_zeros()  # each stream's dQ micro-tile
+        Q1, Q2 = dq_zeros()  # each stream's dQ micro-tile (gated: the second's stays 0)
         if t == 0:
             flag[0] = CAST(-1)
         nq = min(BQ, Lq - i0)
@@ -158,8 +162,8 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
                 stage_dT(vh, j0, nk, ONE, Vt, BK)
                 cuda.syncthreads()
                 tile_gradients(Qt, Qt[N_QS:], KV, KV[N_KS:], dOt, Vt, dSt, partial, S1, S2, F,
-                               dP, terms, thr, cutr, selected, rectified, clip, CLIPPED,
-                               clip_row, words, part1, part2, i0, row0, j0, key0, nq, Lq,
+                               dP, terms, thr, cutr, selected, diff_mode, clip, CLIPPED,
+                               False, clip_row, words, part1, part2, i0, row0, j0, key0, nq, Lq,
                                Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
                                normalizer, keys, (seed_lo, seed_hi, batch0, head0, threshold, keep),
                                mods, R)
@@ -205,7 +209,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
                     col = colq + e
                     if col < D:
                         dq[b, HS * h + HOFF, i, col] = scale * Q1[r * TD + e]
-                        if STREAMS == 2:
+                        if STREAMS == 2 or GATED:
                             dq[b, 2 * h + 1, i, col] = scale * Q2[r * TD + e]
 
     return dq_kernel
@@ -223,7 +227,9 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
     buffers, a slot per block: :func:`attnnb.cuda._mods.gradient_buffers`; ``()``
     without).  Grid ``(B * Hk, key tiles)``.  ``variant`` as
     :func:`build_dq`; ``"stream1"`` adds its ``dV``, bias and key-size
-    gradients to those ``"stream0"`` wrote.  Laid out as
+    gradients to those ``"stream0"`` wrote; ``"gated0"`` reads the gate's weight
+    ``-lam`` from ``row_terms`` row 3 (four rows) and writes zeros for the second
+    stream's ``dK``.  Laid out as
     :func:`key_tile_layout` says.
     """
     D = tiling.d  # the columns of dK written
@@ -251,7 +257,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
     pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling, dropout, mods)
     CSR, SELECTED = variant == "sparse", variant == "topk"
     HS, HOFF, _ = pair_stream(STREAMS, variant)
-    CLIPPED = variant.startswith("clipped")
+    CLIPPED, GATED = variant.startswith("clipped"), variant == "gated0"
     ADD = HOFF == 1  # the pair's second stream adds to dV and the bias gradient
     MOD_GRADS = mods is not None and mods.agrad is not None
     mod_agrad = mods.agrad if MOD_GRADS else None
@@ -278,7 +284,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
                 A[(U32(row0) + U32(r)) * U32(BK) + U32(key0) + U32(c)] = X[r * TN + c]
 
     def dkdv_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                    normalizer, row_terms, thr_a, cut_a, selected, rectified, clip, p_heads, indptr,
+                    normalizer, row_terms, thr_a, cut_a, selected, diff_mode, clip, p_heads, indptr,
                     indices, csr, seed_lo, seed_hi, batch0, head0, threshold, keep, col_ptr,
                     col_qt, col_full, need_dbias, dk, dv, dbias, dlogks, mods, mod_grads):
         Lq, Lk = q.shape[2], k.shape[2]
@@ -307,7 +313,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
         if MOD_GRADS:  # this block's slot of the gradient buffers
             block_grads = mod_views(mod_grads, cuda.blockIdx.x * cuda.gridDim.y + kt)
         part, _ = row_zeros()  # the first sweep's sums: not needed here
-        K1, K2 = dk_zeros()  # dK of each stream
+        K1, K2 = dk_zeros()  # dK of each stream (gated: the second's stays 0)
         V1, _ = dv_zeros()
         for c in range(STREAMS):
             stage_transposed(k[b, HS * g + HOFF + c], j0, nk, ONE, Kt[c * N_KS:], BK)
@@ -321,6 +327,9 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
                 nq = min(BQ, Lq - i0)
                 partial = csr and not col_full[p]
                 load_rows(row_terms, b, h, i0, row0, Lq, terms, thr_a, cut_a, selected, thr, cutr)
+                if GATED:  # in the ratio's place (the map's is 1): the gate's weight, -lam
+                    for r in range(TM):
+                        terms[TM + r] = row_terms[b, h, 3, min(i0 + row0 + r, Lq - 1)]
                 if partial:  # Wt is free: the last tile ended with a barrier
                     i_csr = ph * Lq + min(i0 + t, Lq - 1)
                     stage_tile_mask(Wt, t, i_csr, indptr[i_csr], j0, indptr, indices)
@@ -330,7 +339,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
                 stage_dT(dout[b, h], i0, nq, ONE, OO, BQ)
                 cuda.syncthreads()
                 tile_gradients(QQ, QQ[N_QQ:], Kt, Kt[N_KS:], OO, Vt, Wt, partial, S1, S2, F, dP,
-                               terms, thr, cutr, selected, rectified, clip, CLIPPED,
+                               terms, thr, cutr, selected, diff_mode, clip, CLIPPED, GATED,
                                U32((b * H + h) * Lq + i0), words, part, part, i0, row0,
                                j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
                                has_mask, logks, has_ks, normalizer, keys,
@@ -340,7 +349,8 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
                         x = r * TN + c
                         # a key size's gradient sums ds: for a softmax stream that is
                         # w g, but not where the clip set w to 0 (ds is still -p delta)
-                        dP[x] = (S1[x] + S2[x] if STREAMS == 2 else S1[x] if CLIPPED
+                        # nor where a gate added -lam to w
+                        dP[x] = (S1[x] + S2[x] if STREAMS == 2 else S1[x] if CLIPPED or GATED
                                  else dP[x])  # single() left w g there
                         if need_dbias and row0 + r < nq and key0 + c < nk:
                             y = S1[x] + S2[x] if STREAMS == 2 else S1[x]
@@ -384,7 +394,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
                 for e in range(TDK):
                     if colk + e < D:
                         dk[b, HS * g + HOFF, j, colk + e] = scale * K1[x * TDK + e]
-                        if STREAMS == 2:
+                        if STREAMS == 2 or GATED:
                             dk[b, 2 * g + 1, j, colk + e] = scale * K2[x * TDK + e]
                 for e in range(TVK):
                     if colv + e < DV:
@@ -441,11 +451,12 @@ def build_pair_rows(dtype):
     """Kernel, one thread per row: ``stream_terms[b, h] = (lse_c, ratio, 0)`` for stream
     ``c`` of a differential pair, from ``pair_terms[b, h] = (lse_0, lse_1, ., ., lam)``:
     the row ratio is 1 for stream 0 and ``-lam`` for stream 1 (``dout`` weighs it by
-    ``-lam``); row 2 is zeroed for the query-tile kernel's sums."""
+    ``-lam``); row 2 is zeroed for the query-tile kernel's sums.  ``gated`` (the
+    Heaviside mode's stream 0): row 3 is ``-lam``, the weight of its gate."""
     base = device_functions(np.dtype(dtype))
     ZERO, ONE = base.ZERO, base.CAST(1)
 
-    def pair_rows_kernel(pair_terms, c, stream_terms):
+    def pair_rows_kernel(pair_terms, c, gated, stream_terms):
         B, H, _, Lq = stream_terms.shape
         e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if e >= B * H * Lq:
@@ -454,6 +465,8 @@ def build_pair_rows(dtype):
         stream_terms[b, h, 0, i] = pair_terms[b, h, c, i]
         stream_terms[b, h, 1, i] = ONE if c == 0 else -pair_terms[b, h, 4, i]
         stream_terms[b, h, 2, i] = ZERO
+        if gated:
+            stream_terms[b, h, 3, i] = -pair_terms[b, h, 4, i]
 
     return pair_rows_kernel
 
@@ -470,6 +483,25 @@ def build_negated_row(dtype):
         y[b, h, i] = -x[b, h, r, i]
 
     return negated_row_kernel
+
+
+def build_negated_dot(dtype):
+    """Kernel, one thread per row: ``y[b, h, i] = -(x[b, h, i] . dout[b, h, i])`` (the
+    Heaviside mode's ``dlam = -dout . (H V)``, ``x`` the clip build's output)."""
+    ZERO = device_functions(np.dtype(dtype)).ZERO
+
+    def negated_dot_kernel(x, dout, y):
+        B, H, Lq = y.shape
+        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if e >= B * H * Lq:
+            return
+        b, h, i = row_of(e, H, Lq)
+        acc = ZERO
+        for c in range(x.shape[3]):
+            acc += x[b, h, i, c] * dout[b, h, i, c]
+        y[b, h, i] = -acc
+
+    return negated_dot_kernel
 
 
 def build_sum_to(dtype):
@@ -529,8 +561,8 @@ def dkdv_kernel(dtype, tiling, variant, dropout=False, mods=None):
 def ptx_signatures():
     """``[(name, python function, argument types, options)]`` for the PTX check: both
     kernels, one stream (dense, sparse, top-k) at D = 64 and 128, one stream of a
-    differential pair (the difference mode) and two streams (the rectified mode) at
-    d = 64, Dv = 128; the helper kernels."""
+    differential pair (each mode's) and two streams at d = 64, Dv = 128; the helper
+    kernels."""
     from numba import types
 
     from ._micro import ptx_cases
@@ -542,7 +574,7 @@ def ptx_signatures():
         arr4 = ty[:, :, :, ::1]
         return (arr4, arr4, arr4, arr4, ty, arr4, boolean, types.boolean[:, :, :, ::1],
                 boolean, ty[:, ::1], boolean, boolean, types.int64, arr4, ty[:, :, ::1],
-                types.int64[:, :, ::1], boolean, boolean, types.uint32[::1], types.int64, i64,
+                types.int64[:, :, ::1], boolean, types.int64, types.uint32[::1], types.int64, i64,
                 i32, boolean, types.int64, types.int64, types.int64, types.int64, types.int64,
                 ty, i64, i32, flags)
 
@@ -571,6 +603,10 @@ def ptx_signatures():
         cases += ptx_cases(f"backward rectified {label}",
                            lambda dt, t, b=build: b(dt, t, "clipped1"), argtypes, 64, 128,
                            tiles=tiles)
+        # the Heaviside mode: its one gated stream
+        cases += ptx_cases(f"backward heaviside {label}",
+                           lambda dt, t, b=build: b(dt, t, "gated0"), argtypes, 64, 128,
+                           tiles=tiles)
         # the two-stream kernels, the other design of both modes (off by default)
         cases += ptx_cases(f"backward two-stream {label}", build, argtypes, 64, 128,
                            streams=2, tiles=tiles)
@@ -584,8 +620,10 @@ def ptx_signatures():
         cases += [(f"backward row_terms {name}", build_row_terms(np.dtype(dtype)),
                    (arr4, arr4, arr3, arr3, boolean, types.int64, ty[:, ::1], arr4)),
                   (f"backward pair_rows {name}", build_pair_rows(np.dtype(dtype)),
-                   (arr4, types.int64, arr4)),
+                   (arr4, types.int64, boolean, arr4)),
                   (f"backward negated_row {name}", build_negated_row(np.dtype(dtype)),
                    (arr4, types.int64, arr3)),
+                  (f"backward negated_dot {name}", build_negated_dot(np.dtype(dtype)),
+                   (arr4, arr4, arr3)),
                   (f"backward sum_to {name}", build_sum_to(np.dtype(dtype)), (arr4, arr4))]
     return cases

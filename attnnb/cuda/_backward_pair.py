@@ -14,12 +14,15 @@ the ``relu_expm1`` factor of the modified logit ``s'``
     dV += w^T dO    dK += scale ds^T Q    dQ += scale ds K
     dbias = ds      d log key_size += w g
 
-and for differential attention's two streams (both modes; ``A_c = exp(s_c
+and for differential attention's two streams (every mode; ``A_c = exp(s_c
 - lse_c)``, ``W = A1 - lam A2``, clipped at 0 with ``G = 0`` there when
 rectified, else ``G = dp``)::
 
     d1 = rowsum(G A1)   e = rowsum(G A2)   dlam = -e
     ds1 = A1 (G - d1)   ds2 = -lam A2 (G - e)   dV += W^T dO
+
+(in ``"heaviside"`` mode ``A2`` is replaced by the gate ``H = [A1 - lam A2 > 0]``,
+held fixed: ``W = A1 - lam H``, ``e = rowsum(G H)`` and ``ds2 = 0``)
 
 (in ``"difference"`` mode ``d1 = dO . o1`` and ``e = dO . o2``; summing
 them over the keys needs no second forward output).  The two-stream path
@@ -29,7 +32,13 @@ them over the keys needs no second forward output).  The two-stream path
 come out of it).  The rectified mode's streams ("clipped") gate every
 weight by its clip bit, which the differential forward's clip build writes
 (one bit a (query, key) pair): where the bit is clear ``w = 0`` and ``g =
--delta``, so ``ds_c = -A_c delta_c`` as above with ``G = 0``.
+-delta``, so ``ds_c = -A_c delta_c`` as above with ``G = 0``.  The Heaviside
+mode runs one stream, the first ("gated0"), as a plain stream but for the
+weights that reach ``dV`` in the key-tile kernel: where the same bits (its gate
+``H``) are set, ``-lam`` is added to them (``W = A1 - lam H``; ``ds1``, ``d1``
+and ``dQ`` are the plain stream's).  Its ``e = sum H dp = dO . (H V)`` comes
+from the differential forward's clip build, whose output in that mode is ``H
+V``; the second stream's ``dQ`` and ``dK`` are zeros.
 
 Dropout (builds of their own, ``dropout=True``, so that the other kernels
 carry none of it): each thread forms its rows' keys per tile
@@ -51,20 +60,21 @@ import math
 import numpy as np
 from numba import cuda
 
-from .._codes import RELU_EXPM1, SOFTMAX
+from .._codes import HEAVISIDE, RECTIFIED, RELU_EXPM1, SOFTMAX
 from ._backward_tiling import round_up4
 from ._dropout import column_word, kept, row_key
 from ._micro import I64, U32, Tiling, micro_functions
 from ._tiles import device_functions
 
-PAIR_VARIANTS = ("stream0", "stream1", "clipped0", "clipped1")
+PAIR_VARIANTS = ("stream0", "stream1", "clipped0", "clipped1", "gated0")
 
 
 def pair_stream(streams: int, variant: str) -> tuple[int, int, bool]:
     """``(head step, head offset, one stream of a pair)`` of a kernel build: stream ``c``
     of score stream pair ``h`` is query head ``2h + c`` (key head ``2g + c``).
     ``"clipped0"`` / ``"clipped1"``: the same streams of the rectified mode, each weight
-    gated by the forward's clip bits (:func:`pair_functions`)."""
+    gated by the forward's clip bits (:func:`pair_functions`); ``"gated0"``: the
+    Heaviside mode's first stream, the bits its gate (the mode's only stream)."""
     if variant in PAIR_VARIANTS:
         return 2, int(variant[-1]), True
     return streams, 0, False
@@ -91,7 +101,7 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
 
     @cuda.jit(device=True)
     def single(S, F, dP, terms, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
-               clipped, clip_row, words, keys, threshold, keep):
+               clipped, gated, clip_row, words, keys, threshold, keep):
         """One stream: ``S`` becomes ``ds``, ``dP`` becomes ``w g`` (a key size's term;
         0 where the weight is), ``F`` the weights that reach the values.  With dropout
         (``keys``: the rows' keys, ``threshold``, ``keep = 1 / (1 - p)``) the factor
@@ -102,14 +112,21 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
         ``clip[b, h, i, j // 32]`` bit ``j % 32`` the clip of weight ``(i, j)``; where it
         is clear the weight is 0 and ``g = -delta`` (the clip has derivative 0, the
         stream's softmax still moves the weight's logit); ``clip`` flat, row ``i`` of the
-        tile ``clip_row + i`` (``(b * H + h) * Lq + i0``), ``words`` a row."""
+        tile ``clip_row + i`` (``(b * H + h) * Lq + i0``), ``words`` a row.  ``gated``:
+        the Heaviside mode's stream, ``clip`` its gate ``H``: the row's ratio weighs the
+        gate and the map weighs 1; ``F`` takes ``w + ratio H`` (also where ``p`` is 0:
+        the key's value reaches the row through the gate), ``S`` and ``g`` are the plain
+        stream's (the key size's term is ``ds``, not ``dP``)."""
         for r in range(TM):
             lse = terms[r]
             ratio = terms[TM + r]
             delta = terms[2 * TM + r]
+            gate = ratio
+            if gated:
+                ratio = ONE
             live = row0 + r < nq and lse != NINF
             bits = U32(0)
-            if clipped and live and ONE_WORD:  # the tile's keys lie in one word of the row
+            if (clipped or gated) and live and ONE_WORD:  # the tile's keys: one word of the row
                 bits = clip[(clip_row + U32(row0 + r)) * words + U32(j0 >> 5)] >> U32(
                     (j0 & 31) + key0)
             for c in range(TN):
@@ -122,9 +139,17 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
                 ds = ZERO
                 g = ZERO
                 z = ONE
+                on = False  # the gate of a gated stream's key
                 if live:
                     p = ratio * math.exp(s - lse)
-                    if p != ZERO:  # a key the row does not weigh: its value never reaches it
+                    if gated:  # the key's gate: set, it weighs the key whatever p is
+                        if not ONE_WORD:  # the bit to the position of bit c
+                            j = j0 + key0 + c
+                            word = clip[(clip_row + U32(row0 + r)) * words + U32(j >> 5)]
+                            bits = (word >> U32(j & 31)) << U32(c)
+                        on = (bits >> U32(c)) & U32(1) != U32(0)
+                    # a key the row does not weigh: its value never reaches it
+                    if p != ZERO or on:
                         if DROPOUT and not kept(keys[r], column_word(I64(j0 + key0 + c)),
                                                 threshold):
                             z = ZERO
@@ -142,15 +167,19 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
                                 w = ZERO
                         ds = p * g
                 S[x] = ds
+                if on:
+                    w += gate
                 F[x] = w * z if DROPOUT else w
                 dP[x] = w * g
 
     @cuda.jit(device=True)
-    def pair(S1, S2, dP, W, terms, rectified, part1, part2, row0, nq):
+    def pair(S1, S2, dP, W, terms, diff_mode, part1, part2, row0, nq):
         """Two streams: ``S1``, ``S2`` become ``ds1``, ``ds2``, ``dP`` becomes ``G``, ``W``
         (the factors' scratch) the combined weights; ``part1[r] += sum G A1``,
-        ``part2[r] += sum G A2``.  ``terms``:
+        ``part2[r] += sum G A2`` (the Heaviside ``diff_mode``: ``A2`` the gate ``H``, and
+        ``ds2 = 0``).  ``terms``:
         the rows' ``lse1, lse2, d1, e, lam``; ``S1``, ``S2``: the modified logits."""
+        gated = diff_mode == HEAVISIDE
         for r in range(TM):
             l1 = terms[r]
             l2 = terms[TM + r]
@@ -166,15 +195,18 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
                 a2 = ZERO if not valid or l2 == NINF else math.exp(S2[x] - l2)
                 w = a1 - lam * a2
                 g = dP[x]
+                if gated:  # the gate, held fixed, takes the second map's place
+                    a2 = ONE if w > ZERO else ZERO
+                    w = a1 - lam * a2
                 # outside both maps nothing flows (a NaN value there stays out); the clip
                 # at 0 has derivative 0
-                if (a1 == ZERO and a2 == ZERO) or (rectified and not w > ZERO):
+                if (a1 == ZERO and a2 == ZERO) or (diff_mode == RECTIFIED and not w > ZERO):
                     w = ZERO
                     g = ZERO
                 t1 += g * a1
                 t2 += g * a2
                 S1[x] = a1 * (g - d1)
-                S2[x] = -lam * a2 * (g - e)
+                S2[x] = ZERO if gated else -lam * a2 * (g - e)
                 W[x] = w
                 dP[x] = g
             part1[r] += t1
@@ -205,16 +237,17 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
 
     @cuda.jit(device=True)
     def tile_gradients(Q1, Q2, K1, K2, Ot, Vt, Mt, partial, S1, S2, F, dP, terms, thr, cutr,
-                       selected, rectified, clip, clipped, clip_row, words, part1, part2, i0,
-                       row0, j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask, has_mask,
-                       logks, has_ks, normalizer, keys, drop, mods, R):
+                       selected, diff_mode, clip, clipped, gated, clip_row, words, part1, part2,
+                       i0, row0, j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                       has_mask, logks, has_ks, normalizer, keys, drop, mods, R):
         """The logits (``Q K^T`` per stream), ``dP = dO V^T`` and the pair's weights and
         logit gradients (:func:`single` or :func:`pair`; the weights in ``F``) from the
         staged transposed tiles; ``Mt``: a partial tile's mask (``partial``); ``clip``,
-        ``clipped``: as :func:`single`; ``drop``: the dropout's ``(seed_lo, seed_hi,
-        batch0, head0, threshold, keep)``, read by a ``dropout`` build, which forms the
-        rows' keys in ``keys``; ``mods``: the mods' arrays, a score function's build
-        keeping the raw logits in ``R`` (for ``slope_tile``)."""
+        ``clipped``, ``gated``: as :func:`single`; ``diff_mode``: as :func:`pair`;
+        ``drop``: the dropout's ``(seed_lo, seed_hi, batch0, head0, threshold, keep)``,
+        read by a ``dropout`` build, which forms the rows' keys in ``keys``; ``mods``: the
+        mods' arrays, a score function's build keeping the raw logits in ``R`` (for
+        ``slope_tile``)."""
         if DROPOUT:
             for r in range(TM):
                 keys[r] = row_key(drop[0], drop[1], I64(drop[2] + b), I64(drop[3] + h),
@@ -232,10 +265,10 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
             apply_tile_mask(S1, Mt, row0, key0)
         if STREAMS == 1:
             single(S1, F, dP, terms, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
-                   clipped, clip_row, words, keys, drop[4], drop[5])
+                   clipped, gated, clip_row, words, keys, drop[4], drop[5])
         else:
             modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                         has_mask, logks, has_ks, SOFTMAX, mods)
-            pair(S1, S2, dP, F, terms, rectified, part1, part2, row0, nq)
+            pair(S1, S2, dP, F, terms, diff_mode, part1, part2, row0, nq)
 
     return pair_registers, load_rows, tile_gradients

@@ -105,10 +105,10 @@ _PRODUCTION_TWO_STREAMS = dict(_PRODUCTION, dkdv=((64, (64, 32, 4, 1)), (128, (3
 KNOWN_GATE_FAILURES = {
     "backward two-stream dq float32 d=64": "more than 128 registers and fewer than 4 FMA per "
                                            "shared load: two score streams (not the default "
-                                           "route of either mode)",
+                                           "route of any mode)",
     "backward two-stream dkdv float32 d=64": "more than 128 registers and fewer than 4 FMA "
                                              "per shared load: two score streams, Dv = 128 "
-                                             "(not the default route of either mode)",
+                                             "(not the default route of any mode)",
 }
 _PARTS = {"dq": dq_parts, "dkdv": dkdv_parts}
 

@@ -15,25 +15,29 @@ FlashAttention-2's backward on the register-tiled core, in four modules:
   tile lists, the launches, the bias gradient's chunks and sums.
 
 Nothing ``(Lq, Lk)`` is stored but a bias gradient, as large as the bias it
-belongs to, and the rectified mode's clip bits (one a (query, key) pair).
+belongs to, and the rectified and Heaviside modes' clip bits (one a (query,
+key) pair).
 One stream (dense, sparse, top-k): a kernel forms the rows' terms (``lse``,
 the row factor, ``delta``), then the query-tile kernel and the key-tile
 kernel sweep the tile lists (:func:`_sweep`; a dense problem's lists are
 every key tile up to the causal limit).  Top-k keeps the forward's
 selection: the top-k forward kernel is run again for its thresholds
 (:func:`attnnb.cuda.topk.topk_selection`).  Differential attention takes
-both streams' LSEs from its forward kernel, run again.  By default neither
-mode runs the two-stream kernels: each gradient is two one-stream
-backwards ("pair streams", stream 1's with row ratio ``-lam``), each
-query-tile kernel first sweeping for its stream's ``delta`` (``d1``,
-``e``), stream 1's key-tile kernel adding to stream 0's ``dV`` and bias
-gradient; the rectified mode's streams read the clip bits the
-differential forward's clip build writes.  These builds meet the
+both streams' LSEs from its forward kernel, run again.  By default no mode
+runs the two-stream kernels: each gradient is two one-stream backwards
+("pair streams", stream 1's with row ratio ``-lam``), each query-tile kernel
+first sweeping for its stream's ``delta`` (``d1``, ``e``), stream 1's
+key-tile kernel adding to stream 0's ``dV`` and bias gradient; the rectified
+mode's streams read the clip bits the differential forward's clip build
+writes.  The Heaviside mode runs stream 0 alone (``"gated0"``), the same bits
+its gate: they add ``-lam`` to the weights that reach ``dV``, not to ``ds1``;
+the clip build's output is then ``H V``, so that ``dlam = -dout . (H V)``, and
+the second stream has no gradient.  These builds meet the
 register-tiling gate at ``d = 64, Dv = 128``; the two-stream ones do not
-(``KNOWN_GATE_FAILURES``).  They stay as the alternative of both modes,
+(``KNOWN_GATE_FAILURES``).  They stay as the alternative of every mode,
 ``diff_attention_vjp(..., two_streams=True)``, tested and timed against the
-pair streams (gpu/run.py), and take the rectified mode past ``2**32`` clip
-words.
+pair streams (gpu/run.py), and take the rectified and Heaviside modes past
+``2**32`` clip words.
 
 Invariants: the query-tile kernel runs before the key-tile kernel (with
 two streams it writes ``d1`` and ``e`` for it) and a pair's stream 0
@@ -50,12 +54,13 @@ from numba import cuda
 
 from .._bias_chunks import bias_chunks, chunked_vjp
 from .._checks import is_device_array
-from .._codes import NORMALIZER_CODES
+from .._codes import DIFF_MODE_CODES, DIFFERENCE, HEAVISIDE, NORMALIZER_CODES, RECTIFIED
 from .._device import device_view
 from .._mod_compile import sum_param_grads
 from ..patterns import BlockLayout
 from ._arrays import device_problem
 from ._backward_kernels import (
+    build_negated_dot,
     build_negated_row,
     build_pair_rows,
     build_row_terms,
@@ -124,7 +129,8 @@ def _finish(arrays, *results):
 
 
 def _sweep(problem, arrays, streams, row_terms, dout, pattern=None, selection=None,
-           rectified=False, need_dbias=False, stream=None, grads=None, clip=None, mod_grads=()):
+           diff_mode=DIFFERENCE, need_dbias=False, stream=None, grads=None, clip=None,
+           mod_grads=()):
     """Launch both kernels; returns device ``(dq, dk, dv, dbias_full, dlogks_per_head)``.
 
     ``mod_grads``: the score function's gradient buffers, a slot per key-tile block
@@ -132,7 +138,9 @@ def _sweep(problem, arrays, streams, row_terms, dout, pattern=None, selection=No
 
     ``stream`` (0 or 1): one stream of a differential pair, through the one-stream
     kernels (``streams = 1``), into ``grads`` (what stream 0's call returned) for
-    stream 1; with ``clip`` (the forward's clip bits) a rectified pair's stream.
+    stream 1; with ``clip`` (the forward's clip bits) a rectified pair's stream, or the
+    Heaviside mode's gated stream 0 (``diff_mode``, the mode code, which the two-stream
+    kernels read too).
     """
     B, Hx, Hkx, Lq, Lk, D, Dv = problem.shape
     paired = streams == 2 or stream is not None
@@ -160,13 +168,14 @@ def _sweep(problem, arrays, streams, row_terms, dout, pattern=None, selection=No
     common = (arrays.q, arrays.k, arrays.v, dout, dt.type(problem.scale), arrays.bias,
               arrays.has_bias, arrays.mask, arrays.has_mask, arrays.logks, arrays.has_ks,
               problem.causal, NORMALIZER_CODES[problem.normalizer], row_terms, thr, cut,
-              selection is not None, rectified, clip_d, p_heads, indptr, indices, csr,
+              selection is not None, diff_mode, clip_d, p_heads, indptr, indices, csr,
               *kernel_dropout(problem, dt))
     n_qt, n_kt = -(-Lq // t_dq.bq), -(-Lk // t_kv.bk)
     # the query-tile kernel first: with two streams it forms d1 and e for the other
     variant = ("sparse" if pattern is not None else "topk" if selection is not None else
                "dense" if stream is None else
-               f"stream{stream}" if clip is None else f"clipped{stream}")
+               f"stream{stream}" if clip is None else
+               f"gated{stream}" if diff_mode == HEAVISIDE else f"clipped{stream}")
     dropping = bool(problem.dropout_p)
     mods = device_mods(problem)
     dq_kernel(dt, t_dq, variant, dropping, mods)[(B * H, n_qt), t_dq.threads](
@@ -313,10 +322,10 @@ def topk_attention_vjp(problem, top_k, out, lse, dout, dlse=None):
 
 
 def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None, two_streams=None):
-    """Gradients of differential attention, both modes (module notes).
+    """Gradients of differential attention, every mode (module notes).
 
     Both streams' LSEs come from the differential forward kernel (run again;
-    its output is dropped).  ``"difference"``: each stream's one-stream
+    its output is dropped but in the Heaviside mode).  ``"difference"``: each stream's one-stream
     backward in turn (row ratio 1 and ``-lam``; the query-tile kernel sweeps
     for the stream's ``delta``, ``d1`` and ``e``), stream 1 adding to stream
     0's ``dV`` and bias gradient.  ``dlam = -e``.  ``"rectified"``: the same
@@ -324,15 +333,19 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None, two_stre
     differential forward's clip build writes as one bit a (query, key) pair
     (``B * H * Lq * ceil(Lk / 32) * 4`` bytes, the one ``(Lq, Lk)`` buffer
     of the backward: the clip needs both streams' weights, which a
-    one-stream kernel does not form).  A broadcast bias's gradient is formed
-    as in :func:`attention_vjp`.
+    one-stream kernel does not form).  ``"heaviside"``: stream 0's backward alone,
+    the weights that reach ``dV`` gated by the same bits (``W = A1 - lam H``; ``ds1``
+    the plain stream's) and ``dlam = -dout . (H V)``, ``H V`` the clip build's output
+    in this mode: the second map gets no gradient.  A broadcast bias's
+    gradient is formed as in :func:`attention_vjp`.
 
     ``two_streams`` (an argument of this backend's only, not of :mod:`attnnb.vjp`'s
     interface): True runs either mode through the two-stream kernels instead, the other
     design, kept so that a GPU run can time the two against each other (gpu/run.py);
     None, the production route, and False the pair streams.  Past ``2**32`` clip words
-    the rectified mode takes the two-stream kernels whatever it says, and mask and score
-    functions and dropout the pair streams (the two-stream kernels have neither).
+    the rectified and Heaviside modes take the two-stream kernels whatever it says, and
+    mask and score functions and dropout the pair streams (the two-stream kernels have
+    neither).
     """
     if dbias_shape is not None:
         B, H2, _, Lq = problem.shape[:4]
@@ -352,7 +365,6 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None, two_stre
 
 def _diff_piece(problem, lam, mode, out, dout, dbias_shape, two_streams=None):
     """:func:`diff_attention_vjp` with the bias gradient formed full size, in one piece."""
-    from .._codes import DIFF_MODE_CODES, RECTIFIED
     from .diff import clip_words, diff_forward
 
     B, H2, _, Lq, Lk, D, Dv = problem.shape
@@ -369,40 +381,50 @@ def _diff_piece(problem, lam, mode, out, dout, dbias_shape, two_streams=None):
     host_terms[:, :, 4] = np.broadcast_to(lam_h, (B, H, Lq))
     pair_terms = cuda.to_device(host_terms)
     need_dbias = dbias_shape is not None
-    rectified = DIFF_MODE_CODES[mode] == RECTIFIED
+    code = DIFF_MODE_CODES[mode]
+    gated = code == HEAVISIDE
+    bits = code in (RECTIFIED, HEAVISIDE)  # the clip, or the gate
     # (the kernels index the clip's words with 32 bits: past 2**32 words, 16 GiB, the
     # two-stream kernels, which form the clip themselves, take the problem)
     huge = B * H * Lq * -(-Lk // 32) >= 2**32
     # None: the production route, the pair streams (they meet the register-tiling gate)
-    two_streams = bool(two_streams) or (rectified and huge)
+    two_streams = bool(two_streams) or (bits and huge)
     if two_streams and (has_mods(problem) or problem.dropout_p):  # the pair streams' own
-        if rectified and huge:
-            raise NotImplementedError("mask and score functions or dropout in a rectified "
+        if bits and huge:
+            raise NotImplementedError(f"mask and score functions or dropout in a {mode} "
                                       "backward past 2**32 clip words on the cuda backend: "
                                       "not yet")
         two_streams = False
-    # the rectified pair streams read the clip the forward's clip build writes
-    clip = clip_words(B, H, Lq, Lk) if rectified and not two_streams else None
-    diff_forward(problem, cuda.to_device(np.ascontiguousarray(host_terms[:, :, 4])), mode,
-                 arrays, lses=pair_terms, clip=clip)
+    # the rectified and Heaviside pair streams read the bits the forward's clip build writes
+    clip = clip_words(B, H, Lq, Lk) if bits and not two_streams else None
+    # (its output is dropped, but for the Heaviside clip build's: H V, for dlam)
+    gate_product = diff_forward(problem, cuda.to_device(np.ascontiguousarray(
+        host_terms[:, :, 4])), mode, arrays, lses=pair_terms, clip=clip)[0]
     dout = _on_device(dout)
     # the row vectors stay on the device throughout
     grid, threads = element_grid(B * H * Lq)
     if two_streams:
         dq, dk, dv, dbias, dlogks = _sweep(problem, arrays, 2, pair_terms, dout,
-                                           rectified=rectified, need_dbias=need_dbias)
+                                           diff_mode=code, need_dbias=need_dbias)
         e_terms, e_slot = pair_terms, 3
-    else:  # two one-stream backwards: dout weighs stream 0 by 1, stream 1 by -lam
-        stream_terms, grads = cuda.device_array((B, H, 3, Lq), dt), None
-        for c in range(2):
+    else:  # two one-stream backwards: dout weighs stream 0 by 1, stream 1 by -lam (the
+        # Heaviside mode: stream 0 alone, its gate's weight -lam in a fourth row)
+        stream_terms, grads = cuda.device_array((B, H, 4 if gated else 3, Lq), dt), None
+        for c in (0,) if gated else (0, 1):
             helper_kernel("pair_rows", build_pair_rows, dt)[grid, threads](pair_terms, c,
-                                                                           stream_terms)
-            grads = _sweep(problem, arrays, 1, stream_terms, dout, need_dbias=need_dbias,
-                           stream=c, grads=grads, clip=clip, mod_grads=mod_grads)
+                                                                           gated, stream_terms)
+            grads = _sweep(problem, arrays, 1, stream_terms, dout, diff_mode=code,
+                           need_dbias=need_dbias, stream=c, grads=grads, clip=clip,
+                           mod_grads=mod_grads)
         dq, dk, dv, dbias, dlogks = grads
-        e_terms, e_slot = stream_terms, 2
+        e_terms, e_slot = (None, 0) if gated else (stream_terms, 2)
     dlam = cuda.device_array((B, H, Lq), dt)
-    helper_kernel("negated_row", build_negated_row, dt)[grid, threads](e_terms, e_slot, dlam)
+    if e_terms is None:  # the Heaviside pair stream: -dout . (H V)
+        helper_kernel("negated_dot", build_negated_dot, dt)[grid, threads](gate_product, dout,
+                                                                           dlam)
+    else:
+        helper_kernel("negated_row", build_negated_row, dt)[grid, threads](e_terms, e_slot,
+                                                                           dlam)
     dbias = None if dbias_shape is None else sum_to(dbias, dbias_shape, dt)
     dlks = None
     if arrays.has_ks:

@@ -4,14 +4,15 @@ Grid ``(B * H, query tiles)`` of register-tiled blocks (:mod:`attnnb.cuda._micro
 over head pair ``h``: both components' query tiles (``q[2h]``, ``q[2h+1]``)
 sit side by side in shared memory, and so do their key tiles (``k[2g]``,
 ``k[2g+1]``), staged once per key tile; each thread owns the same micro-tile
-of both score streams.  Two passes, for both modes:
+of both score streams.  Two passes, for every mode:
 
 * pass 1 runs the online maximum / sum of both streams (no values): each
   row's two LSEs;
 * pass 2 recomputes the logits, turns them into the normalised maps
   ``A1 = exp(s1 - lse1)``, ``A2 = exp(s2 - lse2)`` and accumulates
-  ``W V`` into one ``O`` micro-tile, ``W = A1 - lam * A2`` (``"difference"``)
-  or ``max(0, A1 - lam * A2)`` (``"rectified"``).
+  ``W V`` into one ``O`` micro-tile, ``W = A1 - lam * A2`` (``"difference"``),
+  ``max(0, A1 - lam * A2)`` (``"rectified"``) or ``A1 - lam * H(A1 - lam * A2)``
+  (``"heaviside"``, ``H(x) = 1`` for ``x > 0``, else 0: ``A1 - lam`` or ``A1``).
 
 With values twice the key width (the paper's ``Dv = 2d``) the two passes
 do the multiply-adds of one pass that keeps two value accumulators (four
@@ -19,8 +20,9 @@ do the multiply-adds of one pass that keeps two value accumulators (four
 ``Dv``), with half the registers.  A value tile holding a non-finite value
 takes, in ``"difference"`` mode, the two maps' products on their own,
 ``O += A1 V - lam * (A2 V)`` (as two attention calls subtracted: an Inf that
-both maps weight gives NaN); in ``"rectified"`` mode a clipped weight never
-carries a value.  A row where either map meets a NaN logit is NaN.
+both maps weight gives NaN); in the other two a zero weight (clipped, or of a key
+neither map weighs) never carries a value.  A row where either map meets a NaN
+logit is NaN.
 Mirrors :mod:`attnnb.cpu.diff`.
 """
 
@@ -31,7 +33,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from .._codes import DIFF_MODE_CODES, RECTIFIED, SOFTMAX
+from .._codes import DIFF_MODE_CODES, DIFFERENCE, HEAVISIDE, RECTIFIED, SOFTMAX
 from ._arrays import device_problem, finish
 from ._dropout import kernel_dropout
 from ._micro import ALIGN, U32, kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
@@ -53,12 +55,14 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
     clip bit and the LSEs are those before dropout) and ``mods`` (mask and score
     functions on both streams, ``h`` the pair's index; as the dense kernel's).
 
-    ``clip_bits``: the rectified backward's build.  Pass 2 also sets the clip
-    of every weight it forms,
-    ``clip[b, h, i, j // 32]`` bit ``j % 32`` where ``max(0, A1 - lam A2) > 0``
+    ``clip_bits``: the rectified and Heaviside backwards' build.  Pass 2 also sets the
+    clip of every weight it forms (the Heaviside mode's gate ``H``),
+    ``clip[b, h, i, j // 32]`` bit ``j % 32`` where ``A1 - lam A2 > 0``
     (``clip (B, H, Lq, ceil(Lk / 32))`` uint32, zeros on entry; the threads
     sharing a word OR their bits in, so the word is the same whatever their
-    order).  The other build ignores ``clip``.
+    order).  The other build ignores ``clip``.  In the Heaviside mode this build
+    weighs the values by the gate alone: its ``out`` is ``H V`` (dropout
+    included), from which the backward forms ``dlam = -dout . (H V)``.
     """
     f = micro_functions(np.dtype(dtype), tiling, mods)
     nt, TM, TN, TO, N_S, N_O, BQ, BK = f.nt, f.TM, f.TN, f.TO, f.N_S, f.N_O, f.BQ, f.BK
@@ -116,8 +120,10 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
                 S[r * TN + c] = ZERO if lse[r] == NINF else math.exp(S[r * TN + c] - lse[r])
 
     @cuda.jit(device=True)
-    def combine(A1, A2, lamr, rectified, Pt, row0, key0, clip, row_word, words, i0, j0, Lq):
-        """``Pt = (A1 - lam * A2)^T``, clipped at 0 when ``rectified``; the clip build
+    def combine(A1, A2, lamr, mode, Pt, row0, key0, clip, row_word, words, i0, j0, Lq):
+        """``Pt = (A1 - lam * A2)^T``, clipped at 0 in the rectified ``mode``, ``A1 - lam``
+        where it is above 0 and ``A1`` elsewhere in the Heaviside one (the clip build:
+        1 and 0, the gate ``H``); the clip build
         also sets the bits of the weights above 0 (rows ``i0 + row0 + r``, keys ``j0 +
         key0 + c``), which the threads sharing a word OR in: with ``TN`` dividing 32 a
         thread's keys lie in one word (``key0`` is a multiple of ``TN``), else each bit is
@@ -127,14 +133,20 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
             word = row_word + U32(r) * words
             live = CLIP and i0 + row0 + r < Lq
             for c in range(TN):
-                w = A1[r * TN + c] - lamr[r] * A2[r * TN + c]
+                a1 = A1[r * TN + c]
+                w = a1 - lamr[r] * A2[r * TN + c]
                 if w > ZERO:
                     bits |= U32(1) << U32(c)
                     if live and not ONE_WORD:
                         j = U32(j0 + key0 + c)
                         cuda.atomic.or_(clip, word + (j >> U32(5)), U32(1) << (j & U32(31)))
-                Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] = (
-                    w if not rectified or w > ZERO else ZERO)
+                if mode == HEAVISIDE and CLIP:  # the backward's build: the gate alone
+                    w = ONE if w > ZERO else ZERO
+                elif mode == HEAVISIDE:  # H(0) = 0: keys neither map weighs keep 0
+                    w = a1 - lamr[r] if w > ZERO else a1
+                elif mode == RECTIFIED and not w > ZERO:
+                    w = ZERO
+                Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] = w
             j = U32(j0 + key0)
             if live and ONE_WORD and bits != U32(0):
                 cuda.atomic.or_(clip, word + (j >> U32(5)), bits << (j & U32(31)))
@@ -184,7 +196,6 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
                 if i0 + row0 + r < Lq:
                     lses[b, h, 0, i0 + row0 + r] = m1[r]
                     lses[b, h, 1, i0 + row0 + r] = m2[r]
-        rectified = mode == RECTIFIED
         # the clip build: the flat index of the word of row i0 + row0 and key 0 (32-bit:
         # the backward sends problems of 2**32 words or more to the two-stream kernels)
         words = U32((Lk + 31) // 32)
@@ -202,7 +213,7 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
             normalise(S1, m1)
             normalise(S2, m2)
             # Pt is free: a barrier ended
-            combine(S1, S2, part, rectified, Pt, row0, key0, clip, row_word, words, i0, j0, Lq)
+            combine(S1, S2, part, mode, Pt, row0, key0, clip, row_word, words, i0, j0, Lq)
             if DROPOUT:
                 drop_stored(Pt, row0, key0, j0, keys, threshold)
             cuda.syncthreads()  # the key tiles are read: stage the values over them
@@ -210,7 +221,7 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
                 flag[0] = CAST(tile)
             cuda.syncthreads()
             guarded = flag[0] == CAST(tile)
-            if guarded and not rectified:  # as two attention calls: A1 V - lam * (A2 V)
+            if guarded and mode == DIFFERENCE:  # as two attention calls: A1 V - lam * (A2 V)
                 store_tile(S1, Pt, row0, key0)
                 if DROPOUT:
                     drop_stored(Pt, row0, key0, j0, keys, threshold)
@@ -247,16 +258,14 @@ def diff_forward(problem, lam, mode, a=None, lses=None, clip=None):
     ``lses (B, H, NR >= 2, Lq)``: both streams' LSEs (compute dtype) in rows
     0 and 1 (given: written there, the other rows kept).  ``lam``: a host or
     device ``(B, H, Lq)`` array; ``a``: the problem's device arrays when
-    already made.  ``clip`` (rectified mode; :func:`clip_words` zeros): the
-    build that also writes the weights' clip bits there (:func:`build_diff`).
+    already made.  ``clip`` (rectified and Heaviside modes; :func:`clip_words` zeros):
+    the build that also writes the weights' clip bits there (:func:`build_diff`; its
+    ``out``, in the compute dtype, is ``H V`` in the Heaviside mode).
     """
-    if mode == "heaviside":
-        raise NotImplementedError("diff_attention(mode='heaviside') on the cuda backend: not "
-                                  "yet (the reference and cpu backends have it)")
     B, H2, _, Lq, _, D, Dv = problem.shape
     H = H2 // 2
     a = device_problem(problem) if a is None else a
-    out = cuda.device_array((B, H, Lq, Dv), a.out_dtype)
+    out = cuda.device_array((B, H, Lq, Dv), a.out_dtype if clip is None else a.dtype)
     if lses is None:
         lses = cuda.device_array((B, H, 2, Lq), a.dtype)
     if Lq and B * H:
@@ -278,7 +287,7 @@ def diff_forward(problem, lam, mode, a=None, lses=None, clip=None):
 
 
 def build_clip(dtype, tiling):
-    """:func:`build_diff`'s build that writes the rectified clip bits."""
+    """:func:`build_diff`'s build that writes the clip bits (the Heaviside mode's gate)."""
     return build_diff(dtype, tiling, clip_bits=True)
 
 
@@ -295,7 +304,7 @@ def diff_attention(problem, lam, mode="difference"):
     problem : :class:`~attnnb._validate.Problem`
         ``q (B, 2H, Lq, d)``, ``k (B, 2Hk, Lk, d)``, ``v (B, Hk, Lk, Dv)``.
     lam : ``(B, H, Lq)`` host array (copied to the device), finite.
-    mode : ``"difference"`` or ``"rectified"``
+    mode : ``"difference"``, ``"rectified"`` or ``"heaviside"``
 
     Returns
     -------

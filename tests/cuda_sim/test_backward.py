@@ -173,12 +173,14 @@ def test_diff_mask_and_more_queries_than_keys(rng, d, dv, mode):
             mode=mode)
 
 
+@pytest.mark.parametrize("mode", ["rectified", "heaviside"])
 @pytest.mark.parametrize("tiles", [(4, 8, 2, 2), (4, 16, 2, 4)])
-def test_rectified_clip_words(rng, tiles):
-    """The rectified pair streams read the forward's clip bits a word a row and key tile
-    when the key tile divides 32 (the production tiles' case; the simulator's default
-    4 x 6 tiles take the bit-by-bit path): rows of three words, lam of both signs, some
-    rows where the clip removes every weight (lam large) and the bias gradient."""
+def test_clip_words(rng, tiles, mode):
+    """The rectified pair streams (and the Heaviside mode's gated one) read the forward's
+    clip bits a word a row and key tile when the key tile divides 32 (the production
+    tiles' case; the simulator's default 4 x 6 tiles take the bit-by-bit path): rows of
+    three words, lam of both signs, some rows where the clip removes every weight (lam
+    large) and the bias gradient."""
     from attnnb.cuda import _micro
 
     old = _micro.set_micro_tiles(tiles)
@@ -191,7 +193,7 @@ def test_rectified_clip_words(rng, tiles):
         lam[:, 1] = 50.0
         bias = rng.standard_normal((lq, lk))
         compare(attnnb.diff_attention, (q, k, v, lam), np.float64, bias=bias, causal=True,
-                mode="rectified")
+                mode=mode)
     finally:
         _micro.set_micro_tiles(old)
 

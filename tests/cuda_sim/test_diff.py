@@ -1,13 +1,17 @@
-"""diff_attention() on the cuda backend against the float64 reference."""
+"""diff_attention() on the cuda backend against the float64 reference: the output of
+every mode and the Heaviside mode's gradients (the other modes' are in test_backward)."""
 
 import numpy as np
 import pytest
 
+import attnnb
+
 from ..helpers import assert_close, randn
 from .common import assert_several_tiles, host, n, to_device
+from .test_backward import gradients
 
 diff = pytest.importorskip("attnnb.diff", reason="diff_attention is not in this tree yet")
-MODES = ("difference", "rectified")
+MODES = ("difference", "rectified", "heaviside")
 
 
 def packed(rng, batch=(), h=2, hk=1, lq=5, lk=7, d=3, dv=4, dtype=np.float64):
@@ -92,7 +96,79 @@ def test_several_tiles_per_axis(rng, mode):
         assert np.isfinite(np.delete(out, 3, axis=-1)).all()
 
 
-def test_heaviside_mode_is_refused_on_cuda(rng):
-    q = rng.standard_normal((1, 2, 4, 4))
-    with pytest.raises(NotImplementedError, match="heaviside"):
-        diff.diff_attention(q, q, q[:, :1], 0.5, mode="heaviside", backend="cuda")
+def maps_and_gates(q, k, v, lam, **kw):
+    """``(A1, A2, H)``: the exact maps of a call and its Heaviside gates ``H(A1 - lam A2)``
+    (which keys of which rows lam is subtracted from)."""
+    _, a1, a2 = attnnb.weights(diff.diff_attention, q, k, v, lam, maps=True, **kw)
+    return a1, a2, a1 - np.broadcast_to(lam, a1.shape[:-1])[..., None] * a2 > 0
+
+
+def test_heaviside_gate_flips_on_many_keys(rng):
+    """lam near the ratio of the two maps: the gate is set on some keys of a row and
+    clear on others (and a whole row each way: lam very negative, lam very large)."""
+    lq, lk = n(9), n(14)
+    q, k, v = packed(rng, h=2, hk=1, lq=lq, lk=lk, d=4, dv=5)
+    lam = rng.uniform(0.6, 1.6, (2, lq))
+    lam[0, 2], lam[1, 5] = -3.0, 40.0
+    a1, _, h = maps_and_gates(q, k, v, lam, causal=True)
+    assert h[0, 2, :3].all() and not h[1, 5].any()
+    allowed = a1 > 0
+    assert 0.25 < h.sum() / allowed.sum() < 0.75
+    assert (h.any(-1) & (allowed & ~h).any(-1)).sum() >= lq  # rows with keys either way
+    compare(q, k, v, lam, causal=True, mode="heaviside")
+
+
+def heaviside_gradients(args, dtype, rtol=None, two_streams=None, **kw):
+    """Every gradient of ``diff_attention(*args, mode="heaviside", **kw)`` on cuda (the
+    pair streams, or ``two_streams``) against the reference's; returns cuda's."""
+    kw = dict(kw, mode="heaviside")
+    got = gradients(diff.diff_attention, args, kw, "cuda", two_streams=two_streams)
+    want = gradients(diff.diff_attention, args, kw, "reference")
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].shape == want[name].shape
+        assert got[name].dtype == want[name].dtype == np.dtype(dtype), name
+        assert_close(got[name], want[name], dtype, rtol=rtol, what=f"d{name}")
+    return got
+
+
+@pytest.mark.parametrize("two_streams", [None, True])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_heaviside_gradients_every_option(rng, dtype, two_streams):
+    """GQA (two pairs over one key pair), Lq != Lk across several tiles, causal, a mask
+    with an empty row, bias, key sizes, signed per-token lam: the second map's queries
+    and keys get zeros; through the pair streams and the two-stream kernels."""
+    lq, lk = n(11), n(14)
+    q, k, v = packed(rng, h=2, hk=1, lq=lq, lk=lk, d=5, dv=7, dtype=dtype)
+    lam = rng.uniform(-0.4, 1.4, (2, lq)).astype(dtype)
+    mask = rng.random((lq, lk)) > 0.25
+    mask[3] = False
+    kw = dict(mask=mask, bias=randn(rng, (lq, lk), dtype), causal=True,
+              key_size=rng.integers(1, 4, (lk,)).astype(dtype))
+    got = heaviside_gradients((q, k, v, lam), dtype, 1e-4 if dtype == np.float32 else None,
+                              two_streams, **kw)
+    assert not got["q"][1::2].any() and not got["k"][1::2].any()
+    assert got["q"][0::2].any() and got["lam"].any()
+
+
+@pytest.mark.parametrize("lam", [0.7, "per_head"])
+def test_heaviside_gradients_one_pair_and_lam_shapes(rng, lam):
+    """One pair, a scalar lam or one per head (their gradients summed over the rows),
+    causal with Lq > Lk (the first rows see no key)."""
+    q, k, v = packed(rng, batch=(2,), h=1 if lam == 0.7 else 2, hk=1, lq=n(10), lk=n(7))
+    lam = np.array([[0.5], [-0.6]]) if lam == "per_head" else lam
+    heaviside_gradients((q, k, v, lam), np.float64, causal=True)
+
+
+def test_heaviside_first_map_zero_where_the_gate_is_set(rng):
+    """lam < 0 sets the gate wherever the second map weighs a key, also where the first
+    map underflows to 0 (its queries scaled up): those keys weigh ``-lam``, their values
+    get ``-lam dout`` and lam the rows' ``dP``, while ``ds1`` is 0 there."""
+    q, k, v = packed(rng, h=2, hk=2, lq=n(6), lk=n(9))
+    q[0::2] *= 300.0
+    lam = np.array([[-0.5], [-0.9]])
+    a1, _, h = maps_and_gates(q, k, v, lam)
+    assert h.all() and (a1 == 0).sum() >= 10
+    out = compare(q, k, v, lam, mode="heaviside")
+    assert np.isfinite(out).all()
+    heaviside_gradients((q, k, v, lam), np.float64)

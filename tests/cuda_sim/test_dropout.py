@@ -127,7 +127,7 @@ def test_cuda_chunked_backward_keys_the_whole_problems_indices(rng, monkeypatch)
         np.testing.assert_allclose(g[name], r[name], rtol=1e-11, atol=1e-13, err_msg=name)
 
 
-@pytest.mark.parametrize("mode", ["difference", "rectified"])
+@pytest.mark.parametrize("mode", ["difference", "rectified", "heaviside"])
 def test_cuda_diff_dropout_equals_the_reference(rng, mode):
     """Differential attention's dropout (one decision per combined weight of a head pair,
     after the clip): the reference's output and every gradient (lam's too), GQA, causal,

@@ -142,7 +142,7 @@ def test_zero_weight_values_never_reach_the_row(rng, dtype, case):
     compare(got, attnnb.attention(q, k, v, return_lse=True, backend="reference", **kw), dtype)
 
 
-@pytest.mark.parametrize("mode", ["difference", "rectified"])
+@pytest.mark.parametrize("mode", ["difference", "rectified", "heaviside"])
 def test_zero_weight_and_bad_values_diff(rng, mode):
     lq, lk = n(5), n(11)
     q = rng.standard_normal((2, lq, 3)).astype(np.float32)

@@ -146,14 +146,15 @@ def test_cuda_score_array_gradients_equal_the_reference(rng, dtype):
         np.testing.assert_array_equal(got, again)
 
 
-@pytest.mark.parametrize("function", ["sparse", "topk", "difference", "rectified"])
+@pytest.mark.parametrize("function", ["sparse", "topk", "difference", "rectified",
+                                      "heaviside"])
 def test_cuda_mods_in_every_function_equal_the_reference(rng, function):
     """Sparse (the mask function intersected with the pattern), top-k (rows rank the
-    modified logits) and differential attention (both maps, h the pair's index, both
-    modes): outputs and every gradient, the slopes' too, against the reference."""
+    modified logits) and differential attention (both maps, h the pair's index, every
+    mode): outputs and every gradient, the slopes' too, against the reference."""
     from attnnb import patterns
 
-    Hk = 2 if function in ("difference", "rectified") else 1
+    Hk = 2 if function in ("difference", "rectified", "heaviside") else 1
     q, k, v = _problem(rng, np.float64, B=1, Hq=4, Hk=Hk)
     lq, lk = q.shape[2], k.shape[2]
     alibi = mods.alibi(rng.standard_normal(2 if Hk == 2 else 4))
