@@ -83,6 +83,20 @@ def maxnum(typingctx, a, b):
     return a(a, b), codegen
 
 
+@intrinsic
+def quotient(typingctx, a, b):
+    """``a / b`` as LLVM's ``fdiv`` under the project's fast-math flags (IEEE: ``x / 0``
+    is an infinity, ``0 / 0`` NaN).  Numba's ``/`` tests every divisor for zero (to
+    raise ``ZeroDivisionError``), a branch per element that keeps loops scalar."""
+    if not (isinstance(a, types.Float) and a == b):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fdiv(args[0], args[1], flags=tuple(sorted(FASTMATH)))
+
+    return a(a, b), codegen
+
+
 @register_jitable(fastmath=FASTMATH, inline="always")
 def _exp_f32(x0):
     """``exp(x0)`` for float32: Cephes' polynomial, branch-free; NaN stays NaN."""
@@ -173,6 +187,56 @@ def _exp_tile_accumulate_impl(src, dst, m, l, nq):
     return impl_f64
 
 
+def sigmoid_tile_accumulate(src, f, dst, m, l, nq, nk):
+    """``sigmoid``'s weights of a tile in one pass: ``dst[r, c] = f[r, c] / (1 +
+    exp(-src[r, c]))`` (exactly 0 for a ``-inf`` logit, a key outside the set) and
+    ``l[r] += sum_c dst[r, c]`` for the rows ``r < nq`` whose ``m[r]`` is not NaN
+    (other rows are left untouched); ``src``, ``f``, ``dst`` flat ``(nq, nk)``.
+
+    The exponential is the vectorised one; a call per tile keeps its constants in
+    registers, as :func:`exp_tile_accumulate`.
+    """
+    raise NotImplementedError  # only callable from Numba code
+
+
+def _vector_exp(x):
+    """``exp(x)``: the vectorised polynomial for float32, libm's for float64."""
+    raise NotImplementedError  # only callable from Numba code
+
+
+@overload(_vector_exp, jit_options={"fastmath": FASTMATH, "forceinline": True})
+def _vector_exp_impl(x):
+    if x == types.float32:
+        return lambda x: _exp_f32(x)
+    return lambda x: math.exp(x)
+
+
+@register_jitable(fastmath=FASTMATH, forceinline=True)
+def _sigmoid_rows(src, f, dst, m, l, nq, w):
+    wide_vectors()
+    one, zero = src.dtype.type(1.0), src.dtype.type(0.0)
+    for r in range(np.uint64(nq)):
+        if m[r] != m[r]:
+            continue
+        o = r * w
+        for j in range(w):
+            x = src[o + j]
+            e = _vector_exp(-x)
+            dst[o + j] = zero if x == -np.inf else quotient(f[o + j], one + e)
+        l[r] += sum_at(dst, o, w)  # a loop of its own: see sum_at
+
+
+@overload(sigmoid_tile_accumulate, jit_options={"fastmath": FASTMATH, "forceinline": True})
+def _sigmoid_tile_accumulate_impl(src, f, dst, m, l, nq, nk):
+    def impl(src, f, dst, m, l, nq, nk):
+        if nk == 64:  # a full tile: a constant trip count, no remainder loop
+            _sigmoid_rows(src, f, dst, m, l, nq, np.uint64(64))
+        else:
+            _sigmoid_rows(src, f, dst, m, l, nq, np.uint64(nk))
+
+    return impl
+
+
 def exp_shifted_sum_at(src, s0, dst, d0, shift, n):
     """``dst[d0 + j] = exp(src[s0 + j] - shift)`` for ``j < n``; returns their sum.
 
@@ -245,7 +309,7 @@ def _relu_expm1_factors_impl(src, dst, n):
                 e = _exp_f32(s)
                 small = s * (ONE - s * HALF * (ONE - s * THIRD * (ONE - s * QUARTER
                                                                   * (ONE - s * FIFTH))))
-                f = small if s < TENTH else (e - ONE) / e
+                f = small if s < TENTH else quotient(e - ONE, e)
                 dst[j] = f if s > ZERO else ZERO
 
         return impl_f32

@@ -55,6 +55,7 @@ from ._exp import (
     exp_tile_accumulate,
     maxnum,
     relu_expm1_factors,
+    sigmoid_tile_accumulate,
     sum_at,
 )
 from ._jit import blocks, inner, wide_vectors
@@ -576,23 +577,9 @@ def sigmoid_weights(S, F, m, l, P):
     logit was seen (no shift: every weight is below its key size).  ``S`` is
     overwritten."""
     nq, nk = S.shape
+    sigmoid_tile_accumulate(flat(S), flat(F), flat(P), m, l, nq, nk)
     for r in range(nq):
-        if m[r] != m[r]:
-            P[r, :] = 0.0
-            continue
-        srow, prow = S[r], P[r]
-        for c in range(nk):
-            prow[c] = -srow[c]
-        # e^-s over the logits (no longer needed; separate arrays vectorise), then
-        # 1 / (1 + e^-s), exactly 0 for a masked key (-s = inf: float32's exp clamps)
-        exp_shifted(prow, srow, 0.0, nk)
-        for c in range(nk):
-            prow[c] = F[r, c] / (1.0 + srow[c]) if prow[c] != np.inf else 0.0
-        total = 0.0
-        for c in range(nk):  # a loop of its own: see attnnb.cpu._exp.sum_at
-            total += prow[c]
-        l[r] += total
-        if l[r] != l[r]:
+        if m[r] != m[r] or l[r] != l[r]:
             m[r] = np.nan
             P[r, :] = 0.0
         elif m[r] == -np.inf:
