@@ -404,9 +404,16 @@ def modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logk
     nq, nk = S.shape
     ninf = -np.inf
     if has_bias:
+        along_keys = bias_bh.strides[1] != 0
         for r in range(nq):
-            for c in range(nk):
-                S[r, c] += bias_bh[i0 + r, j0 + c]
+            brow = bias_bh[i0 + r]
+            if along_keys:
+                for c in range(nk):
+                    S[r, c] += brow[j0 + c]
+            else:  # one bias for the row's keys (sigmoid's b, a per-head bias): vectorises
+                x = brow[0]
+                for c in range(nk):
+                    S[r, c] += x
     if has_mask:
         for r in range(nq):
             for c in range(nk):
@@ -421,10 +428,12 @@ def modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logk
             relu_expm1_factors(S[r], F[r], nk)
             for c in range(nk):  # drop s <= 0; a NaN logit stays, to propagate
                 S[r, c] = ninf if S[r, c] <= 0.0 else S[r, c]
-    if normalizer == SIGMOID or normalizer == SOFTPICK:
-        for r in range(nq):
+    if normalizer == SIGMOID or normalizer == SOFTPICK:  # one exp a key, not a logit
+        for c in range(nk if nq else 0):
+            F[0, c] = math.exp(logks_b[j0 + c]) if has_ks else 1.0
+        for r in range(1, nq):
             for c in range(nk):
-                F[r, c] = math.exp(logks_b[j0 + c]) if has_ks else 1.0
+                F[r, c] = F[0, c]
     elif has_ks:
         for r in range(nq):
             for c in range(nk):
