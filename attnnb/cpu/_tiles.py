@@ -606,15 +606,18 @@ def softpick_weights(S, F, m, l, acc, P):
     the terms are small against the row's (``e^-m <= 1``)."""
     nq, nk = S.shape
     dv = acc.shape[1]
+    s, f, p = flat(S), flat(F), flat(P)
+    zero = s.dtype.type(0.0)
     for r in range(nq):
         mo = m[r]
+        o = u64(r * nk)
         if mo != mo:
-            P[r, :] = 0.0
+            p[o:o + nk] = 0.0
             continue
-        mx = 0.0  # the shift stays >= 0: then e^-m <= 1 too
-        for c in range(nk):
-            mx = max(mx, S[r, c])
-        if not mx <= mo + LAZY:  # also for mo == -inf and for a NaN mx
+        # the shift stays >= 0, so e^-m <= 1 too; a NaN logit is not a maximum (the
+        # row's sum finds it)
+        mx = max(0.0, row_max(s, o, nk))
+        if not mx <= mo + LAZY:  # also for mo == -inf
             if mo != -np.inf:
                 alpha = math.exp(mo - mx)
                 l[r] *= alpha
@@ -622,19 +625,18 @@ def softpick_weights(S, F, m, l, acc, P):
                     acc[r, c] = 0.0 if alpha == 0.0 else acc[r, c] * alpha
             m[r] = mx
         sh = m[r]
-        floor = math.exp(-sh)
-        srow, prow = S[r], P[r]
-        exp_shifted(srow, prow, sh, nk)  # e^(s - m): then |e^(s - m) - e^-m| by selects
-        total = 0.0
-        for c in range(nk):  # every allowed key counts (a NaN one too), a masked one not
-            term = F[r, c] * abs(prow[c] - floor)
-            total += term if srow[c] != -np.inf else 0.0
-        for c in range(nk):  # the numerators: the keys above 0 only
-            prow[c] = F[r, c] * max(prow[c] - floor, 0.0)
+        floor = s.dtype.type(math.exp(-sh))
+        exp_shifted(S[r], P[r], sh, nk)  # e^(s - m): then |e^(s - m) - e^-m| by selects
+        total = zero
+        for c in range(u64(nk)):  # every allowed key counts (a NaN one too), a masked one not
+            term = f[o + c] * abs(p[o + c] - floor)
+            total += term if s[o + c] != -np.inf else zero
+        for c in range(u64(nk)):  # the numerators: the keys above 0 only
+            p[o + c] = f[o + c] * max(p[o + c] - floor, zero)
         l[r] += total
         if l[r] != l[r] or m[r] != m[r]:  # a NaN logit, or +inf: the row is NaN
             m[r] = np.nan
-            P[r, :] = 0.0
+            p[o:o + nk] = 0.0
     return P
 
 
