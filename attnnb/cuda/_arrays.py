@@ -12,11 +12,13 @@ kernel has one argument list (the ``has_*`` flags say which are real).
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
 from numba import cuda
 
+from .._codes import SOFTPICK_EPS
 from .._device import compact
 from .._validate import lse_dtype
 from ._mods import mods_argument
@@ -32,13 +34,10 @@ def device_problem(problem) -> SimpleNamespace:
     Returns a namespace with ``q, k, v`` (device), ``mask, bias`` (4-D,
     each axis of full length or 1), ``logks`` (``(B or 1, Lk or 1)``), the
     ``has_mask / has_bias / has_ks`` flags, ``dtype`` (compute), ``out_dtype``,
-    ``lse_dtype``, ``on_device``, ``sinks`` (``(B, Hq)`` sink logits, or a zero
-    ``(1, 1)``) and ``mods`` (the mods' kernel argument,
-    :func:`attnnb.cuda._mods.mods_argument`).
+    ``lse_dtype``, ``on_device``, ``sinks`` (``(B, Hq)`` sink logits, or one
+    ``(1, 1)``: 0, or ``log eps`` for ``softpick``) and ``mods`` (the mods'
+    kernel argument, :func:`attnnb.cuda._mods.mods_argument`).
     """
-    if problem.normalizer in ("sigmoid", "softpick"):  # codes the kernels do not know
-        raise NotImplementedError(f"normalizer={problem.normalizer!r} on the cuda backend: "
-                                  "not yet (the reference and cpu backends have it)")
     q, k, v = problem.q, problem.k, problem.v
     dtype = problem.compute_dtype
     if problem.on_device:
@@ -59,9 +58,16 @@ def device_problem(problem) -> SimpleNamespace:
         has_mask=mask is not None, has_bias=bias is not None, has_ks=logks is not None,
         dtype=np.dtype(dtype), out_dtype=out_dtype, lse_dtype=lse_dtype(out_dtype),
         on_device=problem.on_device, mods=mods_argument(problem, dtype),
-        sinks=cuda.to_device(np.ascontiguousarray(
-            np.zeros((1, 1)) if problem.sinks is None else problem.sinks, dtype)),
+        sinks=cuda.to_device(np.ascontiguousarray(_sinks(problem), dtype)),
     )
+
+
+def _sinks(problem):
+    """The kernels' sink logits: the problem's learned ones, ``log eps`` for ``softpick``
+    (its ``eps`` is a sink) or 0."""
+    if problem.sinks is not None:
+        return problem.sinks
+    return np.full((1, 1), math.log(SOFTPICK_EPS) if problem.normalizer == "softpick" else 0.0)
 
 
 def outputs(shape_out, shape_lse, arrays):

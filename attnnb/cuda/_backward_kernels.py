@@ -42,11 +42,13 @@ from run to run.  :func:`ptx_signatures` lists every build the PTX gate
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import cuda
 from numba.np.numpy_support import from_dtype as numba_type
 
-from .._codes import SOFTMAX1
+from .._codes import SIGMOID, SOFTMAX1, SOFTPICK
 from ._backward_pair import pair_functions, pair_stream
 from ._backward_tiling import (
     KNOWN_GATE_FAILURES,
@@ -65,7 +67,7 @@ ROW_THREADS = 128  # threads per block of the one-thread-per-element helper kern
 
 
 def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = False,
-             mods=None):
+             mods=None, own=None):
     """The query-tile kernel (``dQ``; with two streams also ``d1``, ``e``).
 
     Arguments: ``q, k, v, dout`` (4-D, the forward's head layout), ``scale``,
@@ -86,9 +88,10 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
     the rows' ``delta`` (written to ``row_terms``), then for ``dQ``; ``"clipped0"`` /
     ``"clipped1"`` the same with the weights gated by ``clip``; ``"gated0"`` (the
     Heaviside mode's stream, whose gate weighs only ``dV`` and ``dlam``) as
-    ``"stream0"``, and zeros for the second stream's ``dQ``.
+    ``"stream0"``, and zeros for the second stream's ``dQ``.  ``own``: ``sigmoid``'s or
+    ``softpick``'s build (:func:`attnnb.cuda._micro.own_build`).
     """
-    micro = micro_functions(np.dtype(dtype), tiling, mods)
+    micro = micro_functions(np.dtype(dtype), tiling, mods, own)
     sizes = geometry(tiling)
     nt, TM, TN, BQ, BK = micro.nt, micro.TM, micro.TN, micro.BQ, micro.BK
     slope_tile, N_S = micro.slope_tile, micro.N_S
@@ -107,7 +110,8 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
     dq_product = micro.micro_product(TM, TD, BK, BQ, DQP)
     store_tile, row_reduce = micro.store_tile, micro.row_reduce
     stage_tile_mask = micro.stage_tile_mask
-    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling, dropout, mods)
+    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling, dropout, mods,
+                                                               own)
     CSR, SELECTED = variant == "sparse", variant == "topk"
     HS, HOFF, PAIR = pair_stream(STREAMS, variant)
     CLIPPED, GATED = variant.startswith("clipped"), variant == "gated0"
@@ -216,7 +220,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
 
 
 def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = False,
-               mods=None):
+               mods=None, own=None):
     """The key-tile kernel (``dK``, ``dV``, the full bias gradient, ``d log key_size``).
 
     Arguments as :func:`build_dq` up to the pattern (``col_ptr, col_qt,
@@ -230,11 +234,11 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
     gradients to those ``"stream0"`` wrote; ``"gated0"`` reads the gate's weight
     ``-lam`` from ``row_terms`` row 3 (four rows) and writes zeros for the second
     stream's ``dK``.  Laid out as
-    :func:`key_tile_layout` says.
+    :func:`key_tile_layout` says.  ``own`` as :func:`build_dq`.
     """
     D = tiling.d  # the columns of dK written
     tiling = key_tile_layout(tiling)
-    micro = micro_functions(np.dtype(dtype), tiling, mods)
+    micro = micro_functions(np.dtype(dtype), tiling, mods, own)
     slope_tile, N_S = micro.slope_tile, micro.N_S
     sizes = geometry(tiling)
     nt, TM, TN, BQ, BK, NT = micro.nt, micro.TM, micro.TN, micro.BQ, micro.BK, micro.NT
@@ -254,7 +258,8 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
     dv_product = micro.micro_product(TN, TVK, BQ, BK, DVKP)
     dk_product = micro.micro_product(TN, TDK, BQ, BK, DKP)
     stage_tile_mask = micro.stage_tile_mask
-    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling, dropout, mods)
+    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling, dropout, mods,
+                                                               own)
     CSR, SELECTED = variant == "sparse", variant == "topk"
     HS, HOFF, _ = pair_stream(STREAMS, variant)
     CLIPPED, GATED = variant.startswith("clipped"), variant == "gated0"
@@ -415,8 +420,10 @@ def row_of(e, heads, lq):
 def build_row_terms(dtype):
     """Kernel, one thread per row: ``row_terms[b, h] = (lse, r, delta)`` of a single stream.
 
-    ``r = 1`` (``sigmoid(lse - sink)`` for ``softmax1``, ``sinks (B or 1, H or 1)``),
-    ``delta = dout . out - dlse / r``; empty rows (``lse = -inf``) get 0 for both.
+    ``r = 1`` (``sigmoid(lse - sink)`` for ``softmax1``, ``sinks (B or 1, H or 1)``, and
+    for ``softpick``, its sink ``log eps``), ``delta = dout . out - dlse / r``;
+    ``sigmoid`` (unnormalised: :mod:`attnnb.cuda._backward_pair`) ``r = e^lse``,
+    ``delta = -dlse``.  Empty rows (``lse = -inf``) get 0 for both.
     """
     base = device_functions(np.dtype(dtype))
     CAST, ZERO, ONE, NINF, sigmoid = base.CAST, base.ZERO, base.CAST(1), base.NINF, base.sigmoid
@@ -431,9 +438,13 @@ def build_row_terms(dtype):
         x = CAST(lse[b, h, i])
         ratio = ZERO
         delta = ZERO
-        if x != NINF:
+        if x != NINF and normalizer == SIGMOID:
+            ratio = math.exp(x)
+            if has_dlse:
+                delta = -CAST(dlse[b, h, i])
+        elif x != NINF:
             ratio = ONE
-            if normalizer == SOFTMAX1:  # the head's sink logit: 0, or learned
+            if normalizer == SOFTMAX1 or normalizer == SOFTPICK:  # the head's sink logit
                 ratio = sigmoid(x - CAST(sinks[index(b, sinks.shape[0]),
                                                index(h, sinks.shape[1])]), ONE)
             for c in range(out.shape[3]):
@@ -543,26 +554,26 @@ def element_grid(n):
 
 
 
-def _variant_kernel(name, build, dtype, tiling, variant, dropout, mods):
-    label = (kernel_label(f"{name}-{variant}", dropout, mods)
+def _variant_kernel(name, build, dtype, tiling, variant, dropout, mods, own):
+    label = (kernel_label(f"{name}-{variant}", dropout, mods, own)
              + ("-grads" if mods is not None and mods.agrad is not None else ""))
-    return tiled_kernel(label, lambda dt, t: build(dt, t, variant, dropout, mods), dtype,
+    return tiled_kernel(label, lambda dt, t: build(dt, t, variant, dropout, mods, own), dtype,
                         tiling)
 
 
-def dq_kernel(dtype, tiling, variant, dropout=False, mods=None):
-    return _variant_kernel("dq", build_dq, dtype, tiling, variant, dropout, mods)
+def dq_kernel(dtype, tiling, variant, dropout=False, mods=None, own=None):
+    return _variant_kernel("dq", build_dq, dtype, tiling, variant, dropout, mods, own)
 
 
-def dkdv_kernel(dtype, tiling, variant, dropout=False, mods=None):
-    return _variant_kernel("dkdv", build_dkdv, dtype, tiling, variant, dropout, mods)
+def dkdv_kernel(dtype, tiling, variant, dropout=False, mods=None, own=None):
+    return _variant_kernel("dkdv", build_dkdv, dtype, tiling, variant, dropout, mods, own)
 
 
 def ptx_signatures():
     """``[(name, python function, argument types, options)]`` for the PTX check: both
     kernels, one stream (dense, sparse, top-k) at D = 64 and 128, one stream of a
-    differential pair (each mode's) and two streams at d = 64, Dv = 128; the helper
-    kernels."""
+    differential pair (each mode's) and two streams at d = 64, Dv = 128, the builds of
+    ``sigmoid`` and ``softpick`` at D = 64 and 128; the helper kernels."""
     from numba import types
 
     from ._micro import ptx_cases
@@ -588,8 +599,8 @@ def ptx_signatures():
 
     cases = []
     for label, build, argtypes in (("dq", build_dq, dq_types), ("dkdv", build_dkdv, dkdv_types)):
-        def tiles(dtype, d, dv, streams, label=label):
-            return backward_tiling(dtype, d, dv, streams, label)
+        def tiles(dtype, d, dv, streams, label=label, own=None):
+            return backward_tiling(dtype, d, dv, streams, label, own)
 
         for d in (64, 128):
             cases += ptx_cases(f"backward {label}", build, argtypes, d, d, tiles=tiles)
@@ -610,6 +621,12 @@ def ptx_signatures():
         # the two-stream kernels, the other design of both modes (off by default)
         cases += ptx_cases(f"backward two-stream {label}", build, argtypes, 64, 128,
                            streams=2, tiles=tiles)
+        for own in (SIGMOID, SOFTPICK):  # the normalizers with builds of their own
+            for d in (64, 128):
+                cases += ptx_cases(f"backward {kernel_label(label, own=own)}",
+                                   lambda dt, t, b=build, o=own: b(dt, t, "dense", own=o),
+                                   argtypes, d, d,
+                                   tiles=lambda *a, o=own, f=tiles: f(*a, own=o))
     for name, _, _, options in cases:
         if name in KNOWN_GATE_FAILURES:
             options["known"] = KNOWN_GATE_FAILURES[name]

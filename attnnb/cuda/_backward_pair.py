@@ -14,6 +14,19 @@ the ``relu_expm1`` factor of the modified logit ``s'``
     dV += w^T dO    dK += scale ds^T Q    dQ += scale ds K
     dbias = ds      d log key_size += w g
 
+``sigmoid`` (``s' = log sigmoid(x) + log c``, ``F = sigmoid(-x)``) is not
+normalised: with ``p = exp(s' - lse)``, the weight over the row's total
+``e^lse``, and the row terms ``r = e^lse``, ``delta = -dlse``, ``w = r p``
+and ``ds = w (1 - sigmoid(x)) (dP + dlse e^-lse)`` is taken as ``p F (r dP -
+delta)``: no ``e^-lse``, which overflows where the weights are all tiny, while
+``p`` keeps the ``dlse`` term's scale (``d log key_size += p (r dP - delta)``).
+``softpick`` (``s'`` the logit itself, ``F = c``; ``r = D / (D + eps)``, ``D =
+e^lse``, its ``delta`` as softmax1's): ``a = r c e^(s - lse)``; above 0 ``w =
+a (1 - e^-s)``, ``ds = a g``, ``d log key_size += w g``; below 0 (the
+denominator alone) ``ds = a delta`` and ``d log key_size += c (e^s - 1) delta
+/ (D + eps)``; a logit of ``-inf`` inside the set still counts there.  Both
+run in builds of their own (:func:`attnnb.cuda._micro.own_build`).
+
 and for differential attention's two streams (every mode; ``A_c = exp(s_c
 - lse_c)``, ``W = A1 - lam A2``, clipped at 0 with ``G = 0`` there when
 rectified, else ``G = dp``)::
@@ -60,7 +73,15 @@ import math
 import numpy as np
 from numba import cuda
 
-from .._codes import HEAVISIDE, RECTIFIED, RELU_EXPM1, SOFTMAX
+from .._codes import (
+    HEAVISIDE,
+    RECTIFIED,
+    RELU_EXPM1,
+    SIGMOID,
+    SOFTMAX,
+    SOFTPICK,
+    SOFTPICK_EPS,
+)
 from ._backward_tiling import round_up4
 from ._dropout import column_word, kept, row_key
 from ._micro import I64, U32, Tiling, micro_functions
@@ -80,14 +101,18 @@ def pair_stream(streams: int, variant: str) -> tuple[int, int, bool]:
     return streams, 0, False
 
 
-def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
+def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None, own=None):
     """Device functions shared by both backward kernels: the weights and logit
     gradients of one (query tile, key tile) pair in the thread's micro-tile
     (with ``dropout``, under the forward's keep decisions; with ``mods``, a problem's
-    mask and score functions, :func:`attnnb.cuda._micro.micro_functions`)."""
-    micro = micro_functions(np.dtype(dtype), tiling, mods)
+    mask and score functions; ``own``: ``sigmoid``'s or ``softpick``'s build,
+    :func:`attnnb.cuda._micro.micro_functions`)."""
+    micro = micro_functions(np.dtype(dtype), tiling, mods, own)
+    OWN, OWN_CODE = micro.OWN, micro.OWN_CODE
+    SIGMOID_BUILD, SOFTPICK_BUILD = micro.SIGMOID_BUILD, micro.SOFTPICK_BUILD
     base = device_functions(np.dtype(dtype))
     ZERO, NINF, ONE = base.ZERO, base.NINF, base.CAST(1)
+    EPS = base.CAST(SOFTPICK_EPS)
     TM, TN, STREAMS, nt, N_S = tiling.tm, tiling.tn, tiling.streams, micro.nt, micro.N_S
     DROPOUT = dropout
     N_TERMS = 3 if STREAMS == 1 else 5  # values a row: lse, r, delta / lse1, lse2, d1, e, lam
@@ -98,6 +123,14 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
     ONE_WORD = 32 % tiling.bk == 0
     SCORE_FN = micro.SCORE_FN
     dscores = micro.scores_product(round_up4(tiling.dv))
+
+    @cuda.jit(device=True)
+    def drop_factor(key, j, threshold, keep):
+        """The dropout's factor ``z`` of key ``j`` in the row keyed by ``key``: ``keep``
+        kept, 0 dropped (1 in a build without dropout)."""
+        if not DROPOUT:
+            return ONE
+        return keep if kept(key, column_word(I64(j)), threshold) else ZERO
 
     @cuda.jit(device=True)
     def single(S, F, dP, terms, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
@@ -116,7 +149,11 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
         the Heaviside mode's stream, ``clip`` its gate ``H``: the row's ratio weighs the
         gate and the map weighs 1; ``F`` takes ``w + ratio H`` (also where ``p`` is 0:
         the key's value reaches the row through the gate), ``S`` and ``g`` are the plain
-        stream's (the key size's term is ``ds``, not ``dP``)."""
+        stream's (the key size's term is ``ds``, not ``dP``).  ``sigmoid`` and
+        ``softpick``: the module notes."""
+        normalizer = OWN_CODE if OWN else normalizer  # (an own build's: a constant)
+        sig = SIGMOID_BUILD and normalizer == SIGMOID
+        pick = SOFTPICK_BUILD and normalizer == SOFTPICK
         for r in range(TM):
             lse = terms[r]
             ratio = terms[TM + r]
@@ -129,6 +166,12 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
             if (clipped or gated) and live and ONE_WORD:  # the tile's keys: one word of the row
                 bits = clip[(clip_row + U32(row0 + r)) * words + U32(j0 >> 5)] >> U32(
                     (j0 & 31) + key0)
+            # softpick: 1 / (D + eps) = ratio e^-lse, the scale of a denominator term below 0
+            # (from e^-|lse|: e^lse overflows for logits of 1e4)
+            floor = ZERO
+            if pick and live:
+                t = math.exp(-abs(lse))
+                floor = t / (ONE + EPS * t) if lse >= ZERO else ONE / (t + EPS)
             for c in range(TN):
                 x = r * TN + c
                 s = S[x]
@@ -140,23 +183,38 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
                 g = ZERO
                 z = ONE
                 on = False  # the gate of a gated stream's key
+                kg = ZERO  # sigmoid's and softpick's key size term
                 if live:
-                    p = ratio * math.exp(s - lse)
+                    e = math.exp(s - lse)
+                    p = e if sig else ratio * e
                     if gated:  # the key's gate: set, it weighs the key whatever p is
                         if not ONE_WORD:  # the bit to the position of bit c
                             j = j0 + key0 + c
                             word = clip[(clip_row + U32(row0 + r)) * words + U32(j >> 5)]
                             bits = (word >> U32(j & 31)) << U32(c)
                         on = (bits >> U32(c)) & U32(1) != U32(0)
+                    if pick:
+                        a = p * F[x]  # r c e^(s - lse): both terms' derivative
+                        if s > ZERO:
+                            if a != ZERO:  # (as p below: a value the row does not weigh)
+                                z = drop_factor(keys[r], j0 + key0 + c, threshold, keep)
+                                w = a * -math.expm1(-s)
+                                g = (dP[x] * z if DROPOUT else dP[x]) - delta
+                                ds = a * g
+                                kg = w * g
+                        elif F[x] != ZERO:  # the denominator's term alone (F = 0: outside
+                            # the set; s = 0: no slope; a NaN row stays NaN)
+                            ds = a * (delta if s != ZERO else ZERO)
+                            kg = F[x] * floor * math.expm1(s) * delta
                     # a key the row does not weigh: its value never reaches it
-                    if p != ZERO or on:
-                        if DROPOUT and not kept(keys[r], column_word(I64(j0 + key0 + c)),
-                                                threshold):
-                            z = ZERO
-                        elif DROPOUT:
-                            z = keep
-                        g = (dP[x] * z if DROPOUT else dP[x]) - delta
-                        w = p * F[x] if normalizer == RELU_EXPM1 else p
+                    elif p != ZERO or on:
+                        z = drop_factor(keys[r], j0 + key0 + c, threshold, keep)
+                        g = dP[x] * z if DROPOUT else dP[x]
+                        if sig:  # p = w / e^lse (module notes)
+                            g *= ratio
+                        g -= delta
+                        w = (p * F[x] if normalizer == RELU_EXPM1
+                             else p * ratio if sig else p)
                         if clipped:
                             if not ONE_WORD:  # the bit to the position of bit c
                                 j = j0 + key0 + c
@@ -166,11 +224,14 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
                                 g = -delta
                                 w = ZERO
                         ds = p * g
+                        if sig:
+                            kg = ds
+                            ds *= F[x]
                 S[x] = ds
                 if on:
                     w += gate
                 F[x] = w * z if DROPOUT else w
-                dP[x] = w * g
+                dP[x] = kg if sig or pick else w * g
 
     @cuda.jit(device=True)
     def pair(S1, S2, dP, W, terms, diff_mode, part1, part2, row0, nq):
@@ -262,7 +323,7 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None):
         modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                     has_mask, logks, has_ks, normalizer if STREAMS == 1 else SOFTMAX, mods)
         if partial:  # after the score function, which may map -inf to a number
-            apply_tile_mask(S1, Mt, row0, key0)
+            apply_tile_mask(S1, F, Mt, row0, key0)
         if STREAMS == 1:
             single(S1, F, dP, terms, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
                    clipped, gated, clip_row, words, keys, drop[4], drop[5])

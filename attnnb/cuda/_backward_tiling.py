@@ -100,6 +100,10 @@ _PRODUCTION_NARROW_D = dict(_PRODUCTION, dq=((64, (32, 64, 2, 4)), (128, (32, 16
 # two score streams (rectified differential attention): no tiling of the key-tile kernel meets the
 # gate at d = 64, Dv = 128 (gpu/RESULTS.md), so it keeps 32 x 8 of 2 x 1
 _PRODUCTION_TWO_STREAMS = dict(_PRODUCTION, dkdv=((64, (64, 32, 4, 1)), (128, (32, 32, 2, 1))))
+# the key-tile kernel of sigmoid's and softpick's own builds: at D <= 64 their code takes
+# 64 x 8 of 4 x 1 to 148-154 registers (float32, sm_90), 8 x 32 of 1 x 2 keeps to 128 at
+# 4.2-5.3 FMA per shared load; at D <= 128 the production tiles keep to 128
+_OWN_DKDV = ((64, (8, 32, 1, 2)), (128, (16, 32, 1, 2)))
 # float32 kernels that do not meet the register-tiling gate yet, and why (the gate reports
 # them as known failures; gpu/RESULTS.md has their figures)
 KNOWN_GATE_FAILURES = {
@@ -113,11 +117,15 @@ KNOWN_GATE_FAILURES = {
 _PARTS = {"dq": dq_parts, "dkdv": dkdv_parts}
 
 
-def backward_tiling(dtype, d: int, dv: int, streams: int = 1, kernel: str = "dq") -> Tiling:
+def backward_tiling(dtype, d: int, dv: int, streams: int = 1, kernel: str = "dq",
+                    own=None) -> Tiling:
     """The tiling of one backward kernel (``"dq"`` or ``"dkdv"``) for a compute dtype and
-    head sizes."""
+    head sizes; ``own``: ``sigmoid``'s or ``softpick``'s builds
+    (:func:`attnnb.cuda._micro.own_build`), whose key-tile kernel has tiles of its own."""
     parts = _PARTS[kernel]
     production = (_PRODUCTION_TWO_STREAMS if streams == 2 else
                   _PRODUCTION_NARROW_D if d < dv <= 128 else _PRODUCTION)[kernel]
+    if own is not None and kernel == "dkdv":
+        production = _OWN_DKDV
     return tiling_for(dtype, d, dv, streams, elements=lambda candidate: sum(parts(candidate)),
                       production=production)

@@ -27,6 +27,15 @@ its row; zero weights never touch the values (a tile holding a non-finite
 value takes a guarded product); the tile's ``P V`` is summed on its own
 before ``O = O * alpha + P V``, and ``alpha = 0`` clears ``O``.
 
+``sigmoid`` and ``softpick`` run the same sweep, not the cpu core's own
+loops: ``sigmoid``'s logit becomes ``log sigmoid(s)``, so that the running
+maximum keeps the weights' scale for any logits and the row's ``lse`` is
+exact where ``sigmoid(s)`` itself underflows (the finish multiplies by
+``e^m`` instead of dividing); ``softpick`` sums its numerators into ``O``
+and its denominator's terms into ``l`` under a maximum of at least 0.  Each
+has kernel builds of its own (:func:`own_build`): the others carry none of
+their code, nor its registers.
+
 :func:`micro_functions` builds the device functions for one compute dtype and
 :class:`Tiling`; the kernels (dense, and the variants) are thin sweeps over
 them.
@@ -43,13 +52,14 @@ import numba
 import numpy as np
 from numba import config, cuda
 
-from .._codes import RELU_EXPM1
+from .._codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID, SOFTPICK
 from ._dropout import column_word, kept, row_key
 from ._tiles import SHARED_BYTES, cached_kernel, device_functions
 
 U32 = numba.uint32
 I64 = numba.int64  # the dropout generator's words are computed in 64-bit integers
 ALIGN = None if config.ENABLE_CUDASIM else 16  # the simulator takes no alignment
+_NORMALIZER_NAMES = {code: name for name, code in NORMALIZER_CODES.items()}
 
 
 class Tiling(NamedTuple):
@@ -122,10 +132,21 @@ def set_micro_tiles(tiles: tuple[int, int, int, int] | None):
     return old
 
 
-def kernel_label(name: str, dropout: bool = False, mods=None) -> str:
-    """A kernel build's name: ``name``, ``-dropout``, and its mods' tag
-    (:class:`attnnb.cuda._mods.DeviceMods`), so that each build is cached apart."""
-    return name + ("-dropout" if dropout else "") + ("" if mods is None else "-" + mods.tag)
+def own_build(normalizer: str):
+    """The normalizer code compiled into a problem's kernels: ``sigmoid`` and ``softpick``
+    have builds of their own (their code in every build would cost the others registers,
+    past the PTX gate's limit in the backward); None for the softmax family, whose one
+    build reads the code from a kernel argument."""
+    code = NORMALIZER_CODES[normalizer]
+    return code if code in (SIGMOID, SOFTPICK) else None
+
+
+def kernel_label(name: str, dropout: bool = False, mods=None, own=None) -> str:
+    """A kernel build's name: ``name``, ``-dropout``, its mods' tag
+    (:class:`attnnb.cuda._mods.DeviceMods`) and its own normalizer (:func:`own_build`),
+    so that each build is cached apart."""
+    return (name + ("-dropout" if dropout else "") + ("" if mods is None else "-" + mods.tag)
+            + ("" if own is None else "-" + _NORMALIZER_NAMES[own]))
 
 
 def tiled_kernel(name: str, build, dtype, tiling: Tiling):
@@ -182,11 +203,16 @@ def tiling_for(dtype, d: int, dv: int, streams: int = 1, elements=Tiling.shared_
 
 
 @cache
-def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
+def micro_functions(dtype, tiling: Tiling, mods=None, own=None) -> SimpleNamespace:
     """The device functions of the register-tiled core for one dtype and tiling, with a
     problem's mask and score functions compiled in (``mods``:
-    :class:`attnnb.cuda._mods.DeviceMods`; None: none, and no code for them)."""
+    :class:`attnnb.cuda._mods.DeviceMods`; None: none, and no code for them) and the code
+    of ``sigmoid`` or ``softpick`` in their own builds (``own``, :func:`own_build`; None:
+    the softmax family's, picked by the kernel's normalizer argument)."""
     dtype = np.dtype(dtype)
+    # an own build's code is a constant: the other normalizers' branches compile away
+    OWN, OWN_CODE = own is not None, own if own is not None else 0
+    SIGMOID_BUILD, SOFTPICK_BUILD = own == SIGMOID, own == SOFTPICK
     SCORE_FN = mods is not None and mods.value is not None
     MASK_FN = mods is not None and mods.allowed is not None
     mod_value = mods.value if SCORE_FN else None
@@ -360,12 +386,29 @@ def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
         return True
 
     @cuda.jit(device=True)
+    def log_sigmoid(x):
+        """``(log sigmoid(x), sigmoid(-x))``: ``-log1p(e^-|x|)`` (plus ``x`` below 0) and
+        ``-expm1`` of it, exact where ``sigmoid(-x)`` is tiny; no overflow, ``(0, 0)`` at
+        ``+inf``, ``(-inf, 1)`` at ``-inf``, NaN at NaN."""
+        ls = -math.log1p(math.exp(-abs(x)))
+        if x < ZERO:
+            ls += x
+        return ls, -math.expm1(ls)
+
+    @cuda.jit(device=True)
     def modify_value(s, i, j, Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
                      normalizer, mods):
-        """``(s, f)``: one modified logit and its ``relu_expm1`` factor, as the cpu core's
+        """``(s, f)``: one modified logit and its factor ``f``, as the cpu core's
         ``modify_logits`` (a key outside the set, :func:`key_allowed`: ``(-inf, 0)``).
         The score function comes first, then the bias, the normalizer's factor, the
-        key sizes."""
+        key sizes.
+
+        ``f`` is 1 but for ``relu_expm1`` (``1 - e^-s``, the weight's factor),
+        ``sigmoid`` (``s`` becomes ``log sigmoid(s)``, swept as softmax's logits are, and
+        ``f = sigmoid(-s)``, the backward's factor) and ``softpick`` (``s`` stays, the
+        key size ``c`` goes to ``f`` instead of ``log c`` to ``s``).
+        """
+        normalizer = OWN_CODE if OWN else normalizer
         if not key_allowed(i, j, Lk, diag, b, h, mask, has_mask, mods):
             return NINF, ZERO
         if SCORE_FN:
@@ -384,8 +427,14 @@ def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
                 f = ZERO
                 if s == s:
                     s = NINF
+        elif SIGMOID_BUILD and normalizer == SIGMOID:  # log sigmoid(s): for the online sum
+            s, f = log_sigmoid(s)
         if has_ks:
-            s += CAST(logks[index(b, logks.shape[0]), index(j, logks.shape[1])])
+            lks = CAST(logks[index(b, logks.shape[0]), index(j, logks.shape[1])])
+            if SOFTPICK_BUILD and normalizer == SOFTPICK:  # the sign counts: c is a factor
+                f = math.exp(lks)
+            else:
+                s += lks
         return s, f
 
     @cuda.jit(device=True)
@@ -414,7 +463,7 @@ def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
     def modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                     has_mask, logks, has_ks, normalizer, mods):
         """:func:`modify_value` over the thread's micro-tile of ``S`` (key tile at ``j0``);
-        ``F``: the factors (1 but for ``relu_expm1``; not ``S`` itself)."""
+        ``F``: the factors (:func:`modify_value`'s; not ``S`` itself)."""
         for r in range(TM):
             i = min(i0 + row0 + r, Lq - 1)  # rows past Lq: read a real row, not kept
             for c in range(TN):
@@ -468,16 +517,32 @@ def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
             for c in range(TN):
                 Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] = W[r * TN + c]
 
+    @cuda.jit(device=True)
+    def softpick_terms(s, c, mx, floor):
+        """``(numerator, denominator term)`` of softpick's key of logit ``s`` and size ``c``
+        in units of ``e^mx`` (``floor = e^-mx``, ``mx >= max(s, 0)``): ``c e^-mx max(e^s -
+        1, 0)`` and ``c e^-mx |e^s - 1|``, each from ``expm1`` (no cancellation near 0)."""
+        if s > ZERO:
+            u = c * math.exp(s - mx) * -math.expm1(-s)
+            return u, u
+        return ZERO, c * floor * -math.expm1(s)  # (a NaN logit: NaN, and its row NaN)
+
     def weights_function(store):
         """:func:`tile_weights` (``store``: the weights go to ``Pt``) or the sums alone."""
         @cuda.jit(device=True)
         def weights(S, F, m, l, alpha, tmax, normalizer, Pt, row0, key0):
             """Fold a tile's maxima ``tmax`` into the running ``m``; ``S`` becomes the
             weights ``p`` (to ``Pt``, transposed, when stored), ``l = l * alpha + sum p``
-            (this thread's keys); ``alpha[r]``."""
+            (this thread's keys); ``alpha[r]``.  ``softpick``: ``m`` is at least 0, ``p``
+            its numerators and ``l`` sums its denominator's terms (:func:`softpick_terms`;
+            ``F`` the key sizes, 0 outside the row's set)."""
+            normalizer = OWN_CODE if OWN else normalizer
+            pick = SOFTPICK_BUILD and normalizer == SOFTPICK
             for r in range(TM):
                 mo = m[r]
                 mx = tmax[r]
+                if pick and mx < ZERO:  # e^-m <= 1: no term overflows
+                    mx = ZERO
                 a = ONE
                 live = False
                 if mo != mo or mx != mx:
@@ -490,14 +555,19 @@ def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
                         live = True
                     m[r] = mx
                 alpha[r] = a
+                floor = math.exp(-mx) if pick else ZERO
                 tot = ZERO
                 for c in range(TN):
                     p = ZERO
                     if live:
-                        p = math.exp(S[r * TN + c] - mx)
-                        if normalizer == RELU_EXPM1:
-                            p *= F[r * TN + c]
-                    tot += p
+                        if pick:
+                            p, term = softpick_terms(S[r * TN + c], F[r * TN + c], mx, floor)
+                            tot += term
+                        else:
+                            p = math.exp(S[r * TN + c] - mx)
+                            if normalizer == RELU_EXPM1:
+                                p *= F[r * TN + c]
+                            tot += p
                     S[r * TN + c] = p
                 l[r] = l[r] * a + tot
             if store:
@@ -600,12 +670,15 @@ def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
         return p
 
     @cuda.jit(device=True)
-    def apply_tile_mask(S, Pt, row0, key0):
-        """``S = -inf`` where the tile mask in ``Pt`` is 0 (the thread's micro-tile)."""
+    def apply_tile_mask(S, F, Pt, row0, key0):
+        """``S = -inf``, ``F = 0`` where the tile mask in ``Pt`` is 0 (the thread's
+        micro-tile): as :func:`modify_value` leaves a key outside the set (softpick's
+        sum counts a logit of ``-inf`` with a factor)."""
         for r in range(TM):
             for c in range(TN):
                 if Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] == ZERO:
                     S[r * TN + c] = NINF
+                    F[r * TN + c] = ZERO
 
     map_lse, finish_value = base.map_lse, base.finish_value
 
@@ -639,6 +712,7 @@ def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
         """Reduce the partial sums ``l`` per row, write the thread's ``out`` values and
         (first thread of a row) the row's ``lse``; ``sink``: the head's sink logit
         (``softmax1``).  Every thread must call it."""
+        normalizer = OWN_CODE if OWN else normalizer
         row_reduce(red, rows, t, row0, key0, l, lrow, False)
         for r in range(TM):
             i = i0 + row0 + r
@@ -695,6 +769,7 @@ def micro_functions(dtype, tiling: Tiling, mods=None) -> SimpleNamespace:
         thread_max=thread_max, row_reduce=row_reduce, store_tile=store_tile,
         tile_weights=tile_weights, tile_sums=tile_sums, tile_product=tile_product,
         tile_values=tile_values, add_tile=add_tile, online_tile=online_tile, map_lse=map_lse,
+        OWN=OWN, OWN_CODE=OWN_CODE, SIGMOID_BUILD=SIGMOID_BUILD, SOFTPICK_BUILD=SOFTPICK_BUILD,
         dropout_keys=dropout_keys, scale_values=scale_values, drop_stored=drop_stored,
         stage_tile_mask=stage_tile_mask, apply_tile_mask=apply_tile_mask,
     )

@@ -8,7 +8,8 @@ Merging kernels (:mod:`attnnb.cuda.tome`, one thread per row) lives here:
 * ``row_logits``   -- ``s[c] = q_row . k_tile[c]`` (one thread's row)
 * ``map_lse``      -- the LSE of a finished online sweep (NaN and empty rows)
 * ``finish_value`` -- one output value of a finished row (normaliser division,
-  empty and NaN rows; softmax1's ``1 / (l + e^-m)`` without overflow)
+  empty and NaN rows; softmax1's and softpick's ``1 / (l + e^(sink - m))``
+  without overflow; sigmoid's ``e^m``, unnormalised)
 * ``tiles_seen``   -- the key tiles a query tile visits (causal tile skipping)
 
 The functions are built per compute dtype by :func:`device_functions` so
@@ -35,7 +36,7 @@ import numpy as np
 from numba import cuda
 
 from .. import _scalars
-from .._codes import SOFTMAX1
+from .._codes import SIGMOID, SOFTMAX1, SOFTPICK
 
 SHARED_BYTES = 48 * 1024  # static shared memory per block on every CUDA GPU
 
@@ -122,6 +123,8 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
     NINF = dtype.type(-np.inf)
     NAN = dtype.type(np.nan)
     L_MIN = dtype.type(4 / np.finfo(dtype).max)  # below this, 1 / l would overflow
+    LOG_TINY = dtype.type(np.log(np.finfo(dtype).tiny))  # below this, e^m is subnormal
+    HALF = dtype.type(0.5)
     index = cuda.jit(device=True)(index_or_zero)
     tiles_seen = cuda.jit(device=True)(key_tiles_seen)
     sigmoid = cuda.jit(device=True)(_scalars.sigmoid)  # shared with the cpu backend
@@ -158,30 +161,44 @@ def device_functions(dtype: np.dtype) -> SimpleNamespace:
         return m + math.log(l)
 
     @cuda.jit(device=True)
+    def unshift(x, m):
+        """``x e^m`` with one rounding into the subnormals at most: where ``e^m`` itself
+        would be subnormal (``m`` below ``log(finfo.tiny)``) it is taken in two halves,
+        each a normal number while the result can be one."""
+        if m < LOG_TINY:
+            h = m * HALF
+            return (x * math.exp(h)) * math.exp(m - h)
+        return x * math.exp(m)
+
+    @cuda.jit(device=True)
     def finish_value(x, m, l, lse, normalizer, sink):
         """One output value ``x / Z`` of a finished row (``lse = map_lse(m, l)``).
 
         Empty rows (no allowed key, or weights summing to zero) get zeros;
         rows that met a NaN logit get NaN.  For ``softmax1``
         ``Z = l + exp(sink - m)`` (the row's sink logit, 0 or learned, in units of
-        ``exp(m)``); the LSE excludes it.  ``x / Z`` is taken as ``(x / l) *
+        ``exp(m)``); the LSE excludes it.  ``softpick``'s ``Z = l + eps e^-m`` is the
+        same with the sink ``log eps``.  ``x / Z`` is taken as ``(x / l) *
         sigmoid(lse - sink)``,
         which neither overflows ``exp(-m)`` nor goes through a subnormal
         ``exp(m)`` for very negative logits.  A sum ``l`` below
         ``4 / finfo.max`` (where ``1 / l`` would overflow; the core's ``modify_value``
-        folds tiny ``relu_expm1`` factors into the logit, keeping sums away from it) is
-        divided by directly.
+        folds tiny ``relu_expm1`` factors into the logit, keeping sums away from it;
+        softpick's terms of tiny logits are tiny) is divided by directly.
+        ``sigmoid`` is not normalised: ``x e^m`` (:func:`unshift`).
         """
         if m != m:
             return NAN
         if l == ZERO or m == NINF:
             return ZERO
-        if normalizer == SOFTMAX1:  # 1 / (l + e^(sink - m)) = sigmoid(lse - sink) / l, stably
-            # x / l first: sigmoid(lse - sink) / l can be subnormal
-            return (x * (ONE / l)) * sigmoid(lse - sink, ONE)
-        if l < L_MIN:
-            return x / l
-        return x * (ONE / l)
+        if normalizer == SIGMOID:
+            return unshift(x, m)
+        y = x / l if l < L_MIN else x * (ONE / l)
+        if normalizer == SOFTMAX1 or normalizer == SOFTPICK:
+            # 1 / (l + e^(sink - m)) = sigmoid(lse - sink) / l, stably; x / l first:
+            # sigmoid(lse - sink) / l can be subnormal
+            y *= sigmoid(lse - sink, ONE)
+        return y
 
     return SimpleNamespace(
         CAST=CAST, ZERO=ZERO, NINF=NINF, NAN=NAN, index=index, tiles_seen=tiles_seen,

@@ -10,19 +10,20 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from .._codes import NORMALIZER_CODES
+from .._codes import NORMALIZER_CODES, SIGMOID, SOFTPICK
 from ._arrays import device_problem, finish, outputs
 from ._dropout import kernel_dropout
-from ._micro import kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._micro import kernel_label, micro_functions, own_build, ptx_cases, tiled_kernel, tiling_for
 from ._mods import device_mods
 from ._tiles import device_functions
 
 
-def build_dense(dtype, tiling, dropout=False, mods=None):
+def build_dense(dtype, tiling, dropout=False, mods=None, own=None):
     """The register-tiled dense kernel for one compute dtype and :class:`Tiling`
     (not compiled yet; launch with ``tiling.threads`` threads per block), with a
     problem's mask and score functions when ``mods``
-    (:class:`attnnb.cuda._mods.DeviceMods`) is given.
+    (:class:`attnnb.cuda._mods.DeviceMods`) is given, and ``sigmoid``'s or
+    ``softpick``'s code in their builds (``own``, :func:`~attnnb.cuda._micro.own_build`).
 
     Kernel arguments: ``q (B, Hq, Lq, D)``, ``k (B, Hk, Lk, D)``,
     ``v (B, Hk, Lk, Dv)`` of any floating dtype, ``scale`` (compute dtype),
@@ -38,7 +39,7 @@ def build_dense(dtype, tiling, dropout=False, mods=None):
     With ``causal`` the sweep stops at the last key tile the block's last
     query may see (causal tile skipping); the diagonal is applied per element.
     """
-    f = micro_functions(np.dtype(dtype), tiling, mods)
+    f = micro_functions(np.dtype(dtype), tiling, mods, own)
     BQ, BK = f.BQ, f.BK
     dtype_fns = device_functions(np.dtype(dtype))
     tiles_seen, CAST, index = dtype_fns.tiles_seen, dtype_fns.CAST, dtype_fns.index
@@ -91,8 +92,10 @@ def attention(problem):
         tiling = tiling_for(a.dtype, D, Dv)
         dropping = bool(problem.dropout_p)
         mods = device_mods(problem)
-        kernel = tiled_kernel(kernel_label("dense", dropping, mods),
-                              lambda dt, t: build_dense(dt, t, dropping, mods), a.dtype, tiling)
+        own = own_build(problem.normalizer)
+        kernel = tiled_kernel(kernel_label("dense", dropping, mods, own),
+                              lambda dt, t: build_dense(dt, t, dropping, mods, own), a.dtype,
+                              tiling)
         grid = (B * Hq, (Lq + tiling.bq - 1) // tiling.bq)
         kernel[grid, tiling.threads](a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.has_bias,
                          a.mask, a.has_mask, a.logks, a.has_ks, problem.causal,
@@ -103,7 +106,8 @@ def attention(problem):
 
 def ptx_signatures():
     """``[(name, python function, argument types, options)]`` for the PTX check: dense
-    attention at D = 64 and 128, with dropout, with ALiBi and with a document mask."""
+    attention at D = 64 and 128, with dropout, with ALiBi and with a document mask, and
+    the builds of ``sigmoid`` and ``softpick``."""
     from numba import types
 
     from .. import mods as m
@@ -132,4 +136,7 @@ def ptx_signatures():
                        64, 64)
     cases += ptx_cases("dense alibi", *with_mods(score_mod=m.alibi(np.ones(2))), 64, 64)
     cases += ptx_cases("dense document", *with_mods(mask_mod=m.document(ids)), 64, 64)
+    for own in (SIGMOID, SOFTPICK):
+        cases += ptx_cases(kernel_label("dense", own=own),
+                           lambda dt, t, o=own: build_dense(dt, t, own=o), argtypes, 64, 64)
     return cases

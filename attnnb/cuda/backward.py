@@ -72,6 +72,7 @@ from ._backward_kernels import (
 )
 from ._backward_tiling import backward_tiling
 from ._dropout import kernel_dropout
+from ._micro import own_build
 from ._mods import device_mods, gradient_buffers, has_mods, parameter_gradients
 from ._tiles import key_tiles_seen
 
@@ -155,8 +156,9 @@ def _sweep(problem, arrays, streams, row_terms, dout, pattern=None, selection=No
         dlogks = cuda.to_device(np.zeros((B, Hk, Lk) if arrays.has_ks else (1, 1, 1), dt))
     else:
         dq, dk, dv, dbias, dlogks = grads
+    own = own_build(problem.normalizer)
     t_dq = backward_tiling(arrays.dtype, D, Dv, streams, "dq")
-    t_kv = backward_tiling(arrays.dtype, D, Dv, streams, "dkdv")
+    t_kv = backward_tiling(arrays.dtype, D, Dv, streams, "dkdv", own)
     p_heads, indptr, indices, csr, query_tile_lists, _ = _tile_lists(problem, t_dq, pattern)
     key_tile_lists = _tile_lists(problem, t_kv, pattern)[5]
     if selection is None:
@@ -178,9 +180,9 @@ def _sweep(problem, arrays, streams, row_terms, dout, pattern=None, selection=No
                f"gated{stream}" if diff_mode == HEAVISIDE else f"clipped{stream}")
     dropping = bool(problem.dropout_p)
     mods = device_mods(problem)
-    dq_kernel(dt, t_dq, variant, dropping, mods)[(B * H, n_qt), t_dq.threads](
+    dq_kernel(dt, t_dq, variant, dropping, mods, own)[(B * H, n_qt), t_dq.threads](
         *common, *query_tile_lists, dq, arrays.mods)
-    dkdv_kernel(dt, t_kv, variant, dropping, mods)[(B * Hk, n_kt), t_kv.threads](
+    dkdv_kernel(dt, t_kv, variant, dropping, mods, own)[(B * Hk, n_kt), t_kv.threads](
         *common, *key_tile_lists, need_dbias, dk, dv, dbias, dlogks, arrays.mods, mod_grads)
     return dq, dk, dv, dbias, dlogks
 
@@ -254,7 +256,8 @@ def key_tile_blocks(problem, dtype) -> int:
     """The blocks of the key-tile kernel of a one-stream problem (``B * Hk`` times its
     key tiles)."""
     B, _, Hk, _, Lk, D, Dv = problem.shape
-    return B * Hk * -(-Lk // backward_tiling(dtype, D, Dv, 1, "dkdv").bk)
+    tiling = backward_tiling(dtype, D, Dv, 1, "dkdv", own_build(problem.normalizer))
+    return B * Hk * -(-Lk // tiling.bk)
 
 
 def _single_piece(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_k=None):

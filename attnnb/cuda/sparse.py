@@ -18,17 +18,19 @@ from numba import cuda
 from .._codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
 from ._dropout import kernel_dropout
-from ._micro import kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._micro import kernel_label, micro_functions, own_build, ptx_cases, tiled_kernel, tiling_for
 from ._mods import device_mods
 from ._tiles import device_functions
 
 
-def build_sparse(dtype, tiling, dropout=False, mods=None):
+def build_sparse(dtype, tiling, dropout=False, mods=None, own=None):
     """The sparse kernel for one compute dtype and :class:`~attnnb.cuda._micro.Tiling`
-    (not compiled yet; launch with ``tiling.threads`` threads per block).
+    (not compiled yet; launch with ``tiling.threads`` threads per block); ``own``:
+    ``sigmoid``'s or ``softpick``'s build (:func:`~attnnb.cuda._micro.own_build`).
 
-    Kernel arguments: ``q, k, v`` as the dense kernel, ``scale``, ``bias`` /
-    ``mask`` (placeholders: a pattern takes neither), ``logks`` with its flag,
+    Kernel arguments: ``q, k, v`` as the dense kernel, ``scale``, ``bias`` with its
+    flag (``sigmoid``'s offset alone: the function takes no bias of its own), ``mask``
+    (a placeholder: a pattern takes none), ``logks`` with its flag,
     the normalizer code, ``p_heads`` (the pattern's head count, 1 = shared),
     its CSR ``indptr`` / ``indices``, the block layout's ``tile_ptr`` /
     ``tile_idx`` / ``tile_full``, the dropout's ``seed_lo, seed_hi, threshold,
@@ -36,7 +38,7 @@ def build_sparse(dtype, tiling, dropout=False, mods=None):
     ``lse``, ``sinks`` and ``mods`` (as the dense kernel's: the mask function is
     intersected with the pattern).
     """
-    f = micro_functions(np.dtype(dtype), tiling, mods)
+    f = micro_functions(np.dtype(dtype), tiling, mods, own)
     BQ, BK = f.BQ, f.BK
     dtype_fns = device_functions(np.dtype(dtype))
     ONE, CAST, index = dtype_fns.CAST(1), dtype_fns.CAST, dtype_fns.index
@@ -47,10 +49,10 @@ def build_sparse(dtype, tiling, dropout=False, mods=None):
     TM, DROPOUT = f.TM, dropout
     dropout_keys, scale_values = f.dropout_keys, f.scale_values
 
-    def sparse_attention_kernel(q, k, v, scale, bias, mask, logks, has_ks, normalizer,
-                                p_heads, indptr, indices, tile_ptr, tile_idx, tile_full,
-                                seed_lo, seed_hi, batch0, head0, threshold, keep, out, lse,
-                                sinks, mods):
+    def sparse_attention_kernel(q, k, v, scale, bias, has_bias, mask, logks, has_ks,
+                                normalizer, p_heads, indptr, indices, tile_ptr, tile_idx,
+                                tile_full, seed_lo, seed_hi, batch0, head0, threshold, keep,
+                                out, lse, sinks, mods):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
         (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
@@ -73,10 +75,11 @@ def build_sparse(dtype, tiling, dropout=False, mods=None):
             stage_transposed(kh, j0, nk, ONE, KV, BK)
             cuda.syncthreads()
             tile_scores(Qt, KV, row0, key0, S)
-            modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, Lk, b, h, bias, False, mask, False,
-                        logks, has_ks, normalizer, mods)
+            modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, Lk, b, h, bias, has_bias, mask,
+                        False, logks, has_ks, normalizer, mods)
             if partial:  # after the score function, which may map -inf to a number
-                apply_tile_mask(S, Pt, row0, key0)  # Pt is rewritten after online_tile's barrier
+                # (Pt is rewritten after online_tile's barrier)
+                apply_tile_mask(S, F, Pt, row0, key0)
             online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, s, KV, Pt, red,
                         rows, flag, t, row0, key0, col0, O, T, keys,
                         threshold if DROPOUT else 0)
@@ -103,13 +106,16 @@ def sparse_attention(problem, pattern):
         layout = pattern.blocks(tiling.bq, tiling.bk)
         dropping = bool(problem.dropout_p)
         mods = device_mods(problem)
-        kernel = tiled_kernel(kernel_label("sparse", dropping, mods),
-                              lambda dt, t: build_sparse(dt, t, dropping, mods), a.dtype, tiling)
+        own = own_build(problem.normalizer)
+        kernel = tiled_kernel(kernel_label("sparse", dropping, mods, own),
+                              lambda dt, t: build_sparse(dt, t, dropping, mods, own), a.dtype,
+                              tiling)
         dev = [cuda.to_device(np.ascontiguousarray(x)) for x in (
             pattern.indptr, pattern.indices, layout.tile_ptr, layout.tile_idx,
             layout.tile_full)]
         kernel[(B * Hq, (Lq + tiling.bq - 1) // tiling.bq), tiling.threads](
-            a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.mask, a.logks, a.has_ks,
+            a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.has_bias, a.mask, a.logks,
+            a.has_ks,
             NORMALIZER_CODES[problem.normalizer], pattern.n_heads, *dev,
             *kernel_dropout(problem, a.dtype), out, lse, a.sinks, a.mods)
     return finish(a, out, lse)
@@ -121,7 +127,8 @@ def ptx_signatures():
 
     def argtypes(ty):
         arr4 = ty[:, :, :, ::1]
-        return (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], ty[:, ::1],
+        return (arr4, arr4, arr4, ty, arr4, types.boolean, types.boolean[:, :, :, ::1],
+                ty[:, ::1],
                 types.boolean, types.int64, types.int64, types.int64[::1], types.int32[::1],
                 types.int64[::1], types.int32[::1], types.boolean[::1], types.int64,
                 types.int64, types.int64, types.int64, types.int64, ty, arr4, ty[:, :, ::1],

@@ -165,6 +165,10 @@ def attention_stats(problem, key_mask):
     ``(B, Hq, Lk)``, host arrays."""
     from .attention import attention as attention_forward
 
+    if problem.normalizer in ("sigmoid", "softpick"):  # weights this kernel does not form
+        raise NotImplementedError(f"attention_stats with normalizer={problem.normalizer!r} on "
+                                  "the cuda backend: not yet (attnnb.attention_stats computes "
+                                  "them on the host)")
     B, Hq, _, Lq, Lk, D, _ = problem.shape
     a = device_problem(problem)
     dt = a.dtype

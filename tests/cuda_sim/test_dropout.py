@@ -156,16 +156,3 @@ def test_cuda_diff_dropout_equals_the_reference(rng, mode):
         np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
         finite = np.isfinite(ref)
         np.testing.assert_allclose(out[finite], ref[finite], rtol=1e-12, atol=1e-12)
-
-
-def test_cuda_refuses_sigmoid_from_host_arrays(rng):
-    """Host arrays with backend="cuda": sigmoid attention is refused, never run with a
-    normalizer code the kernels do not know."""
-    q = rng.standard_normal((1, 2, 5, 4))
-    with pytest.raises(NotImplementedError, match="normalizer='sigmoid' on the cuda"):
-        attnnb.attention(q, q, q, normalizer="sigmoid", backend="cuda")
-    with pytest.raises(NotImplementedError, match="normalizer='sigmoid' on the cuda"):
-        attnnb.vjp(attnnb.attention, q, q, q, normalizer="sigmoid", backend="cuda")
-    with pytest.raises(NotImplementedError, match="normalizer='softpick' on the cuda"):
-        attnnb.sparse_attention(q, q, q, attnnb.patterns.local(5, 1), normalizer="softpick",
-                                backend="cuda")
