@@ -15,6 +15,9 @@ Choices (the contract is silent):
 * ``key_size`` must be checked for positivity before any work and is small
   (``(*batch, Lk)``), so a device ``key_size`` is copied to the host, checked,
   turned into its logarithm and copied back.
+* ``sigmoid``'s offset ``b`` is added to the bias as on the host (the kernels
+  see biased logits only): by a small kernel into a new array, so that a
+  bias used in place is never written, or as a ``(1, 1, 1, 1)`` bias alone.
 
 The problem then holds 4-D device arrays ``mask`` / ``bias`` whose axes are
 each of full length or 1 (broadcast), and ``log_key_size`` as ``(B, Lk)``.
@@ -142,8 +145,18 @@ def device_log_key_sizes(key_size, batch_shape, squeeze, B, Lk, dtype):
     return cuda.to_device(log_key_sizes(key_size, batch_shape, squeeze, B, Lk, dtype))
 
 
-def device_extras(mask, bias, key_size, batch_shape, squeeze, B, Hq, Lq, Lk, dtype):
-    """``(mask, bias, log_key_size)`` on the device for a problem with device q, k, v."""
-    return (device_pairwise("mask", mask, batch_shape, squeeze, B, Hq, Lq, Lk, np.bool_),
-            device_pairwise("bias", bias, batch_shape, squeeze, B, Hq, Lq, Lk, dtype),
-            device_log_key_sizes(key_size, batch_shape, squeeze, B, Lk, dtype))
+def device_extras(mask, bias, key_size, batch_shape, squeeze, B, Hq, Lq, Lk, dtype,
+                  offset=0.0):
+    """``(mask, bias, log_key_size)`` on the device for a problem with device q, k, v.
+
+    ``offset`` (``sigmoid``'s ``b``, a number) is added to the bias, on the device
+    (:func:`attnnb.cuda._arrays.shifted_bias`): the caller's array, used in place
+    otherwise, is not written."""
+    dev_mask = device_pairwise("mask", mask, batch_shape, squeeze, B, Hq, Lq, Lk, np.bool_)
+    dev_bias = device_pairwise("bias", bias, batch_shape, squeeze, B, Hq, Lq, Lk, dtype)
+    if offset:
+        from .cuda._arrays import shifted_bias
+
+        dev_bias = shifted_bias(dev_bias, offset, dtype)
+    return dev_mask, dev_bias, device_log_key_sizes(key_size, batch_shape, squeeze, B, Lk,
+                                                    dtype)

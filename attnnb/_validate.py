@@ -440,9 +440,6 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
                    on_device=on_dev, dropout_p=dropout_p, seed=seed)
     for name, x in (("mask", mask), ("bias", bias), ("key_size", key_size), ("sinks", sinks)):
         refuse_unreadable_tensor(name, x)
-    if normalizer in ("sigmoid", "softpick") and on_dev:
-        raise NotImplementedError(f"normalizer={normalizer!r} on the cuda backend: not yet "
-                                  "(the reference and cpu backends have it)")
     if sinks is not None:
         if is_device_array(sinks):  # (a logit per head: small, checked on the host)
             raise TypeError("sinks must be a host array (NumPy), even with device q, k, v; "
@@ -458,7 +455,8 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
         from ._device import device_extras
 
         prob.mask, prob.bias, prob.log_key_size = device_extras(
-            mask, bias, key_size, batch, squeeze, B, Hq, Lq, Lk, comp)
+            mask, bias, key_size, batch, squeeze, B, Hq, Lq, Lk, comp,
+            offset=sigmoid_offset(sigmoid_bias, normalizer, Lk))
         return prob
     for name, x in (("mask", mask), ("bias", bias), ("key_size", key_size)):
         if x is not None and is_device_array(x):
