@@ -304,3 +304,20 @@ def test_softpick_negative_logits_keep_a_gradient(backend):
         else:
             assert not g[0][negative[0]].any() and not g[1].any()
             assert np.isneginf(lse[..., 1]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softpick_counts_a_key_whose_bias_is_minus_inf(backend):
+    """A ``-inf`` bias leaves its key in the allowed set: softpick's denominator counts
+    it (``|e^-inf - 1| = 1``), where a masked key is not counted."""
+    rng = np.random.default_rng(12)
+    q, k, v = _qkv(rng, B=1, Hq=2, Hk=2, Lq=5, Lk=6)
+    bias = np.zeros((5, 6))
+    bias[:, 2] = -np.inf
+    kw = dict(normalizer="softpick", return_lse=True)
+    out, lse = attnnb.attention(q, k, v, bias=bias, backend=backend, **kw)
+    ref, ref_lse = attnnb.attention(q, k, v, bias=bias, backend="reference", **kw)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
+    masked = attnnb.attention(q, k, v, mask=np.arange(6) != 2, backend=backend, **kw)[1]
+    np.testing.assert_allclose(np.exp(lse) - np.exp(masked), 1.0, rtol=1e-12)

@@ -414,6 +414,11 @@ def modify_logits(S, F, i0, j0, diag, bias_bh, has_bias, mask_bh, has_mask, logk
                 x = brow[0]
                 for c in range(nk):
                     S[r, c] += x
+    if normalizer == SOFTPICK and has_bias:  # a -inf bias leaves its key allowed:
+        lowest = -np.finfo(S.dtype).max  # |e^s - 1| = 1 in the denominator, unlike a mask
+        for r in range(nq):
+            for c in range(nk):
+                S[r, c] = max(S[r, c], lowest)  # (NaN stays NaN)
     if has_mask:
         for r in range(nq):
             for c in range(nk):
