@@ -3,8 +3,8 @@
 Dense attention on the cpu backend, float32, B = 1, H = 8, N = 2048, causal,
 forward and forward + backward (:func:`attnnb.vjp`), with ``normalizer``
 ``softmax`` (the first candidate), ``relu_expm1``, ``sigmoid`` and
-``softpick``: the ratios are each normalizer's extra elementwise work
-(target: at most 1.15x softmax's time).
+``softpick``, and softmax with learned ``sinks``: the ratios are each one's
+extra elementwise work (target: at most 1.15x softmax's time).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 NORMALIZERS = ("softmax", "relu_expm1", "sigmoid", "softpick")
+SINKS = np.linspace(-1.0, 1.0, 8)  # one per head
 
 
 def data(N, D, seed=0):
@@ -25,17 +26,18 @@ def case(N, D, backward):
 
     q, k, v = data(N, D)
 
-    def run(normalizer):
+    def run(normalizer, **sinks):
         if not backward:
-            return attention(q, k, v, causal=True, normalizer=normalizer, backend="cpu")
+            return attention(q, k, v, causal=True, normalizer=normalizer, backend="cpu", **sinks)
         out, pullback = vjp(attention, q, k, v, causal=True, normalizer=normalizer,
-                            backend="cpu")
+                            backend="cpu", **sinks)
         return pullback(out)
 
     flops = 4.0 * 8 * N * N * D / 2 * (3.5 if backward else 1.0)
     what = "forward+backward" if backward else "forward"
     return {"name": f"normalizers {what} f32 H=8 N={N} D={D} causal", "work": flops,
-            "candidates": {n: (lambda n=n: run(n)) for n in NORMALIZERS}}
+            "candidates": {**{n: (lambda n=n: run(n)) for n in NORMALIZERS},
+                           "sinks": lambda: run("softmax", sinks=SINKS)}}
 
 
 def cases(quick: bool) -> list[dict]:
