@@ -422,8 +422,8 @@ class _Sinks:
         sink = np.asarray(problem.sinks, np.float64)[:, :, None]
         with np.errstate(over="ignore", invalid="ignore"):
             rest = np.where(np.isneginf(lse), 0.0, 1.0 / (1.0 + np.exp(lse - sink)))
-        delta = np.einsum("bhid,bhid->bhi", np.asarray(dout, np.float64),
-                          np.asarray(out, np.float64))
+        # (einsum's dtype: float64 sums without float64 copies of both arrays)
+        delta = np.einsum("bhid,bhid->bhi", dout, out, dtype=np.float64)
         return -np.sum(rest * delta, axis=-1)
 
     def restore(self, g) -> np.ndarray:
@@ -458,8 +458,7 @@ def _diff_sink_gradient(problem, lses, lam, mode, out, dout, dlam) -> np.ndarray
     """
     lam = np.asarray(lam, np.float64)
     dlam = np.asarray(dlam, np.float64)
-    share1 = np.einsum("bhid,bhid->bhi", np.asarray(dout, np.float64),
-                       np.asarray(out, np.float64)) - lam * dlam
+    share1 = np.einsum("bhid,bhid->bhi", dout, out, dtype=np.float64) - lam * dlam
     shares = (share1, np.zeros_like(share1) if mode == "heaviside" else lam * dlam)
     sinks = np.asarray(problem.sinks, np.float64)
     grad = np.empty(sinks.shape)
