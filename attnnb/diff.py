@@ -91,8 +91,8 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         Learned attention sinks, one per *component map*: query head ``2h + c``'s
         sink enters the denominator of map ``c`` of pair ``h``, ``A_c =
         e^s / (e^sink + sum e^s)`` (:func:`attnnb.attention`'s ``sinks``), in
-        every mode; :func:`attnnb.vjp` gives its gradient.  Not on the cuda
-        backend or with Dask arrays yet.
+        every mode; :func:`attnnb.vjp` gives its gradient.  Not with Dask arrays
+        yet.
     mask_mod, score_mod : optional
         As in :func:`attnnb.attention` (:mod:`attnnb.mods`), for both maps of
         a pair; ``h`` is the pair's index.

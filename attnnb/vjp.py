@@ -435,15 +435,27 @@ class _Sinks:
 def _stream_lses(problem, backend) -> tuple:
     """Each component map's LSE ``(B, H, Lq)`` of a differential problem, without its
     sink: the backend's attention over the stream's queries and keys, with values of
-    width zero (only the sums), no dropout and no sinks."""
+    width zero (only the sums), no dropout and no sinks.  A device problem's streams are
+    gathered on the host (``q`` and ``k``) and copied back; its LSEs come to the host."""
     forward = _operations("attention", backend, problem)[0]
+    q, k, v = problem.q, problem.k, problem.v
+    if problem.on_device:
+        from numba import cuda
+
+        q, k = q.copy_to_host(), k.copy_to_host()
+        no_values = cuda.device_array(tuple(v.shape[:-1]) + (0,), v.dtype)
+    else:
+        no_values = np.ascontiguousarray(v[..., :0])
     lses = []
     for c in range(2):
-        stream = replace(problem, q=np.ascontiguousarray(problem.q[:, c::2]),
-                         k=np.ascontiguousarray(problem.k[:, c::2]),
-                         v=np.ascontiguousarray(problem.v[..., :0]), dropout_p=0.0,
-                         sinks=None, normalizer="softmax")
-        lses.append(np.asarray(forward(stream)[1], np.float64))
+        qc, kc = (np.ascontiguousarray(x[:, c::2]) for x in (q, k))
+        if problem.on_device:
+            qc, kc = cuda.to_device(qc), cuda.to_device(kc)
+        stream = replace(problem, q=qc, k=kc, v=no_values, dropout_p=0.0, sinks=None,
+                         normalizer="softmax")
+        lse = forward(stream)[1]
+        lses.append(np.asarray(lse.copy_to_host() if is_device_array(lse) else lse,
+                               np.float64))
     return tuple(lses)
 
 

@@ -340,7 +340,10 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None, two_stre
     the weights that reach ``dV`` gated by the same bits (``W = A1 - lam H``; ``ds1``
     the plain stream's) and ``dlam = -dout . (H V)``, ``H V`` the clip build's output
     in this mode: the second map gets no gradient.  A broadcast bias's
-    gradient is formed as in :func:`attention_vjp`.
+    gradient is formed as in :func:`attention_vjp`.  With sinks the forward kernel's
+    LSEs are the maps' normalisers, ``log(e^lse + e^sink)``: every mode's formulas
+    (``ds = A (g - sum A g)``, the sums swept from the maps) then hold unchanged (the
+    sinks' own gradient is :mod:`attnnb.vjp`'s).
 
     ``two_streams`` (an argument of this backend's only, not of :mod:`attnnb.vjp`'s
     interface): True runs either mode through the two-stream kernels instead, the other

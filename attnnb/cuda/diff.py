@@ -54,6 +54,9 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
     build: a combined weight ``(b, pair h, i, j)`` is dropped after it is formed, its
     clip bit and the LSEs are those before dropout) and ``mods`` (mask and score
     functions on both streams, ``h`` the pair's index; as the dense kernel's).
+    With ``has_sinks``, ``sinks (B, 2H)`` (query head ``2h + c``'s sink in the
+    denominator of map ``c`` of pair ``h``): between the passes each LSE becomes
+    ``log(e^lse + e^sink)``, the map's normaliser, which ``lses`` then holds.
 
     ``clip_bits``: the rectified and Heaviside backwards' build.  Pass 2 also sets the
     clip of every weight it forms (the Heaviside mode's gate ``H``),
@@ -113,6 +116,16 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
             m[r] = map_lse(m[r], part[r])
 
     @cuda.jit(device=True)
+    def add_sink(lse, sink):
+        """``lse = log(e^lse + e^sink)`` in place: ``exp(s - lse)`` then weighs as
+        ``e^s / (e^sink + sum e^s)``; an empty row's becomes the sink, NaN stays NaN."""
+        for r in range(TM):
+            x = lse[r]
+            if x == x:
+                top = max(x, sink)
+                lse[r] = top + math.log1p(math.exp(min(x, sink) - top))
+
+    @cuda.jit(device=True)
     def normalise(S, lse):
         """``S = exp(S - lse)``: one map's weights (an empty map, ``lse = -inf``, is 0)."""
         for r in range(TM):
@@ -153,7 +166,7 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
 
     def diff_attention_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks,
                               has_ks, causal, mode, out, lses, clip, seed_lo, seed_hi, batch0,
-                              head0, threshold, keep, mods):
+                              head0, threshold, keep, has_sinks, sinks, mods):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1] // 2, k.shape[1] // 2, 0)
         smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
@@ -191,6 +204,9 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
             sweep_max(S2, part, m2, l2, alpha, Pt, red, rows, t, row0, key0)  # ends: barrier
         stream_lse(m1, l1, part, red, rows, t, row0, key0)
         stream_lse(m2, l2, part, red, rows, t, row0, key0)
+        if has_sinks:  # pass 2's maps: e^s / (e^sink + sum e^s)
+            add_sink(m1, CAST(sinks[b, 2 * h]))
+            add_sink(m2, CAST(sinks[b, 2 * h + 1]))
         if key0 == 0:
             for r in range(TM):
                 if i0 + row0 + r < Lq:
@@ -255,8 +271,9 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
 def diff_forward(problem, lam, mode, a=None, lses=None, clip=None):
     """Run the differential kernel; returns device arrays ``(out, lses)``.
 
-    ``lses (B, H, NR >= 2, Lq)``: both streams' LSEs (compute dtype) in rows
-    0 and 1 (given: written there, the other rows kept).  ``lam``: a host or
+    ``lses (B, H, NR >= 2, Lq)``: both streams' LSEs (compute dtype; with sinks the
+    maps' normalisers, ``log(e^lse + e^sink)``) in rows 0 and 1 (given: written there,
+    the other rows kept).  ``lam``: a host or
     device ``(B, H, Lq)`` array; ``a``: the problem's device arrays when
     already made.  ``clip`` (rectified and Heaviside modes; :func:`clip_words` zeros):
     the build that also writes the weights' clip bits there (:func:`build_diff`; its
@@ -282,7 +299,8 @@ def diff_forward(problem, lam, mode, a=None, lses=None, clip=None):
         kernel[(B * H, (Lq + tiling.bq - 1) // tiling.bq), tiling.threads](
             a.q, a.k, a.v, lam_d, a.dtype.type(problem.scale), a.bias, a.has_bias, a.mask,
             a.has_mask, a.logks, a.has_ks, problem.causal, DIFF_MODE_CODES[mode], out, lses,
-            clip, *kernel_dropout(problem, a.dtype), a.mods)
+            clip, *kernel_dropout(problem, a.dtype), problem.sinks is not None, a.sinks,
+            a.mods)
     return out, lses
 
 
@@ -311,9 +329,6 @@ def diff_attention(problem, lam, mode="difference"):
     out : ``(B, H, Lq, Dv)``: a device array in the result dtype for device
     problems, else a NumPy array in the compute dtype.
     """
-    if problem.sinks is not None:  # the kernels' maps have no sink term
-        raise NotImplementedError("diff_attention(sinks=...) on the cuda backend: not yet "
-                                  "(the reference and cpu backends have it)")
     a = device_problem(problem)
     return finish(a, diff_forward(problem, lam, mode, a)[0])[0]
 
@@ -327,7 +342,8 @@ def ptx_signatures():
         return (arr4, arr4, arr4, ty[:, :, ::1], ty, arr4, types.boolean,
                 types.boolean[:, :, :, ::1], types.boolean, ty[:, ::1], types.boolean,
                 types.boolean, types.int64, arr4, arr4, types.uint32[::1], types.int64,
-                types.int64, types.int64, types.int64, types.int64, ty, types.Tuple(()))
+                types.int64, types.int64, types.int64, types.int64, ty, types.boolean,
+                ty[:, ::1], types.Tuple(()))
 
     return (ptx_cases("diff", build_diff, argtypes, 64, 128, streams=2)
             + ptx_cases("diff clip", build_clip, argtypes, 64, 128, streams=2)

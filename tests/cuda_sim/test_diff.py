@@ -172,3 +172,59 @@ def test_heaviside_first_map_zero_where_the_gate_is_set(rng):
     out = compare(q, k, v, lam, mode="heaviside")
     assert np.isfinite(out).all()
     heaviside_gradients((q, k, v, lam), np.float64)
+
+
+def sinks_gradients(args, dtype, two_streams=None, **kw):
+    """The output and every gradient (the sinks' included) of ``diff_attention(*args,
+    **kw)`` on cuda against the reference's (``two_streams``: the backward's route)."""
+    compare(*args, **kw)
+    got = gradients(diff.diff_attention, args, kw, "cuda", two_streams=two_streams)
+    want = gradients(diff.diff_attention, args, kw, "reference")
+    assert got.keys() == want.keys() and "sinks" in want
+    for name in want:
+        assert isinstance(got[name], np.ndarray) and got[name].shape == want[name].shape
+        assert got[name].dtype == want[name].dtype == np.dtype(dtype), name
+        assert_close(got[name], want[name], dtype, 1e-4 if dtype == np.float32 else None,
+                     what=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("mode", MODES)
+def test_sinks_every_option(rng, dtype, mode):
+    """A learned sink per component map: GQA (two pairs over one key pair), causal with
+    Lq < Lk, a mask with an empty row (its maps weigh nothing), bias, key sizes, signed
+    per-token lam; the forward and every gradient."""
+    lq, lk = n(5), n(7)
+    q, k, v = packed(rng, h=2, hk=1, lq=lq, lk=lk, dtype=dtype)
+    lam = rng.uniform(-0.4, 1.2, (2, lq)).astype(dtype)
+    mask = rng.random((lq, lk)) > 0.25
+    mask[2] = False
+    sinks = rng.uniform(-1.0, 1.5, 4).astype(dtype)
+    sinks_gradients((q, k, v, lam), dtype, mask=mask, bias=randn(rng, (lq, lk), dtype),
+                    causal=True, key_size=rng.integers(1, 4, (lk,)).astype(dtype),
+                    sinks=sinks, mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sinks_two_stream_backward(rng, mode):
+    """The two-stream kernels read the maps' normalisers, sinks in, as the pair streams."""
+    q, k, v = packed(rng, batch=(2,), h=1, hk=1, lq=n(4), lk=n(6))
+    sinks_gradients((q, k, v, 0.6), np.float64, two_streams=True, causal=True,
+                    sinks=rng.uniform(-1.0, 1.0, (2, 2)), mode=mode)
+
+
+def test_sinks_device_arrays(rng):
+    """Device q, k, v with host sinks: the forward, and vjp's maps' LSEs for the sinks'
+    gradient (the streams gathered from device arrays)."""
+    q, k, v = packed(rng, batch=(1,), h=2, hk=1, lq=n(4), lk=n(5), dtype=np.float32)
+    sinks = rng.uniform(-1.0, 1.0, (1, 4)).astype(np.float32)
+    out, pullback = attnnb.vjp(diff.diff_attention, *to_device(q, k, v), 0.7, sinks=sinks,
+                               backend="cuda")
+    ref, ref_pullback = attnnb.vjp(diff.diff_attention, q, k, v, 0.7, sinks=sinks,
+                                   backend="reference")
+    assert hasattr(out, "copy_to_host")
+    assert_close(host(out), ref, np.float32)
+    dout = rng.standard_normal(ref.shape).astype(np.float32)
+    got, want = pullback(to_device(dout)[0]), ref_pullback(dout)
+    for name in ("q", "k", "v", "sinks"):
+        assert_close(host(got[name]), want[name], np.float32, 1e-4, what=f"d{name}")
