@@ -27,6 +27,15 @@ denominator alone) ``ds = a delta`` and ``d log key_size += c (e^s - 1) delta
 / (D + eps)``; a logit of ``-inf`` inside the set still counts there.  Both
 run in builds of their own (:func:`attnnb.cuda._micro.own_build`).
 
+Top-k (``selected``): the softmax family's builds drop the keys the selection
+``(thr, cut)`` leaves out by their modified logits, which are the ranking
+logits.  The builds of a normalizer that weighs the kept keys its own way
+(``relu_expm1``, ``sigmoid``, ``softpick``: ``own``,
+:func:`attnnb.cuda.topk.topk_build`) compare the ranking logits instead
+(``s + log key_size`` after a score function, before any bias), formed from
+the raw logits before the modification, and drop the others with ``s' =
+-inf`` and ``F = 0`` after it.
+
 and for differential attention's two streams (every mode; ``A_c = exp(s_c
 - lse_c)``, ``W = A1 - lam A2``, clipped at 0 with ``G = 0`` there when
 rectified, else ``G = dp``)::
@@ -72,6 +81,7 @@ import math
 
 import numpy as np
 from numba import cuda
+from numba import uint64 as U64
 
 from .._codes import (
     HEAVISIDE,
@@ -123,6 +133,33 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None, own=None):
     ONE_WORD = 32 % tiling.bk == 0
     SCORE_FN = micro.SCORE_FN
     dscores = micro.scores_product(round_up4(tiling.dv))
+    # an own build's top-k selection is on the ranking logits, before the modification
+    RERANK = OWN and STREAMS == 1
+    assert N_S <= 64  # (the dropped keys of a micro-tile: one 64-bit word)
+    CAST, index = base.CAST, base.index
+    rank_value = micro_functions(np.dtype(dtype), tiling, mods, None).modify_value
+
+    @cuda.jit(device=True)
+    def unselected(S, thr, cutr, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, mask, has_mask,
+                   logks, has_ks, mods):
+        """Bit ``x`` set where the key of the thread's micro-tile element ``x`` (raw logits
+        ``S``) is not selected, by its ranking logit: softmax's modification, no bias (a
+        key outside the set gets ``-inf`` from the modification whatever its bit)."""
+        bits = U64(0)
+        for r in range(TM):
+            i = min(i0 + row0 + r, Lq - 1)  # rows past Lq: read a real row, not kept
+            for c in range(TN):
+                j = j0 + key0 + c
+                s = S[r * TN + c]
+                if SCORE_FN:
+                    s = rank_value(s, i, j, Lk, diag, b, h, bias, False, mask, has_mask, logks,
+                                   has_ks, SOFTMAX, mods)[0]
+                elif has_ks:
+                    s += CAST(logks[index(b, logks.shape[0]),
+                                    index(min(j, Lk - 1), logks.shape[1])])
+                if not (s > thr[r] or s != s or (s == thr[r] and j <= cutr[r])):
+                    bits |= U64(1) << U64(r * TN + c)
+        return bits
 
     @cuda.jit(device=True)
     def drop_factor(key, j, threshold, keep):
@@ -175,8 +212,9 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None, own=None):
             for c in range(TN):
                 x = r * TN + c
                 s = S[x]
-                if selected and not (s > thr[r] or s != s
-                                     or (s == thr[r] and j0 + key0 + c <= cutr[r])):
+                # (an own build's selection: dropped in tile_gradients, before this)
+                if selected and not RERANK and not (
+                        s > thr[r] or s != s or (s == thr[r] and j0 + key0 + c <= cutr[r])):
                     s = NINF
                 w = ZERO
                 ds = ZERO
@@ -320,10 +358,19 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None, own=None):
         if SCORE_FN:
             for x in range(N_S):
                 R[x] = S1[x]
+        dropped = U64(0)
+        if RERANK and selected:
+            dropped = unselected(S1, thr, cutr, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias,
+                                 mask, has_mask, logks, has_ks, mods)
         modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                     has_mask, logks, has_ks, normalizer if STREAMS == 1 else SOFTMAX, mods)
         if partial:  # after the score function, which may map -inf to a number
             apply_tile_mask(S1, F, Mt, row0, key0)
+        if RERANK and selected:
+            for x in range(N_S):
+                if (dropped >> U64(x)) & U64(1):
+                    S1[x] = NINF
+                    F[x] = ZERO
         if STREAMS == 1:
             single(S1, F, dP, terms, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
                    clipped, gated, clip_row, words, keys, drop[4], drop[5])

@@ -75,6 +75,7 @@ from ._dropout import kernel_dropout
 from ._micro import own_build
 from ._mods import device_mods, gradient_buffers, has_mods, parameter_gradients
 from ._tiles import key_tiles_seen
+from .topk import topk_build
 
 
 def sum_to(x, shape, dtype):
@@ -161,6 +162,8 @@ def _sweep(problem, arrays, streams, row_terms, dout, pattern=None, selection=No
     t_kv = backward_tiling(arrays.dtype, D, Dv, streams, "dkdv", own)
     p_heads, indptr, indices, csr, query_tile_lists, _ = _tile_lists(problem, t_dq, pattern)
     key_tile_lists = _tile_lists(problem, t_kv, pattern)[5]
+    if selection is not None:  # top-k: a normalizer that weighs the kept keys its own way
+        own = topk_build(problem.normalizer)  # (its key-tile tiles stay own_build's)
     if selection is None:
         thr, cut = cuda.to_device(np.zeros((1, 1, 1), dt)), cuda.to_device(
             np.zeros((1, 1, 1), np.int64))

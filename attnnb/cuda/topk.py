@@ -10,6 +10,14 @@ core's online softmax over the selected keys only, reading back the logits
 pass 1 stored, so it keeps exactly the keys pass 1 counted.  Mirrors
 :mod:`attnnb.cpu.topk`.
 
+The other normalizers (``relu_expm1``, ``sigmoid``, ``softpick``) rank the
+keys as softmax does (pass 1 is the same), then weigh the kept ones their
+own way: pass 2 stages each key tile again and forms its logits with the
+normalizer's modification (``sigmoid``'s bias, the factors, the key sizes),
+masked by pass 1's selection on the stored ranking logits.  They compile
+into builds of their own (:func:`topk_build`, the normalizer a constant),
+so that the softmax family's build carries none of that code.
+
 Scratch is two ``Lk`` rows per query row in flight, never ``Lq x Lk`` per
 head: the query tiles are launched in chunks so that the scratch stays
 under ``SCRATCH_ELEMENTS``.
@@ -22,7 +30,7 @@ import numpy as np
 from numba import cuda
 
 from .. import _selection
-from .._codes import NORMALIZER_CODES, SOFTMAX
+from .._codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID, SOFTMAX, SOFTPICK
 from ._arrays import device_problem, finish, outputs
 from ._dropout import kernel_dropout
 from ._micro import U32, kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
@@ -32,12 +40,22 @@ from ._tiles import device_functions
 SCRATCH_ELEMENTS = 1 << 24  # per launch: 64 MiB in float32
 
 
-def build_topk(dtype, tiling, dropout=False, mods=None):
-    """The top-k kernel for one compute dtype and :class:`~attnnb.cuda._micro.Tiling`
-    (not compiled yet; launch with ``tiling.threads`` threads per block).
+def topk_build(normalizer: str):
+    """The normalizer code compiled into a top-k problem's kernels: ``relu_expm1``,
+    ``sigmoid`` and ``softpick`` form the kept keys' logits again (forward and backward),
+    in builds of their own; None for the softmax family, whose build weighs the ranking
+    logits themselves."""
+    code = NORMALIZER_CODES[normalizer]
+    return code if code in (RELU_EXPM1, SIGMOID, SOFTPICK) else None
 
-    Kernel arguments: ``q, k, v``, ``scale``, ``bias`` (a placeholder: top-k
-    takes none), ``mask`` with its flag,
+
+def build_topk(dtype, tiling, dropout=False, mods=None, own=None):
+    """The top-k kernel for one compute dtype and :class:`~attnnb.cuda._micro.Tiling`
+    (not compiled yet; launch with ``tiling.threads`` threads per block); ``own``: the
+    build of a normalizer that weighs the kept keys its own way (:func:`topk_build`).
+
+    Kernel arguments: ``q, k, v``, ``scale``, ``bias`` with its flag (``sigmoid``'s
+    offset, read by the ``own`` builds only: the ranking takes none), ``mask`` with its flag,
     ``logks`` with its flag, ``causal``, ``top_k``, ``qt0`` (first query tile
     of this launch), the scratch ``R`` and ``buf`` (``(B * Hq, rows, Lk)``), the
     dropout's ``seed_lo, seed_hi, batch0, head0, threshold, keep`` (read by the ``dropout``
@@ -48,14 +66,18 @@ def build_topk(dtype, tiling, dropout=False, mods=None):
     ``sinks`` (sink logits, as the dense kernel's) and ``mods``
     (mask and score functions, as the dense kernel's: rows rank the modified logits).
     """
-    f = micro_functions(np.dtype(dtype), tiling, mods)
+    f = micro_functions(np.dtype(dtype), tiling, mods, own)
+    ranking = micro_functions(np.dtype(dtype), tiling, mods, None)  # pass 1's: softmax's
+    ANEW = own is not None  # pass 2 forms the logits again
     nt, TM, TN, BQ, BK = f.nt, f.TM, f.TN, f.BQ, f.BK
     dtype_fns = device_functions(np.dtype(dtype))
     ONE, NINF, tiles_seen = dtype_fns.CAST(1), dtype_fns.NINF, dtype_fns.tiles_seen
     CAST, index = dtype_fns.CAST, dtype_fns.index
     PINF = np.dtype(dtype).type(np.inf)
     block_tile, begin_tile, stage_transposed = f.block_tile, f.begin_tile, f.stage_transposed
-    tile_scores, modify_tile = f.tile_scores, f.modify_tile
+    tile_scores, modify_tile = f.tile_scores, ranking.modify_tile
+    key_tile_logits = f.key_tile_logits
+    ZERO = dtype_fns.ZERO
     online_tile, finish_tile = f.online_tile, f.finish_tile
     DROPOUT = dropout
     dropout_keys, scale_values = f.dropout_keys, f.scale_values
@@ -102,12 +124,28 @@ def build_topk(dtype, tiling, dropout=False, mods=None):
                         s = NINF
                 S[r * TN + c] = s
 
-    def topk_attention_kernel(q, k, v, scale, bias, mask, has_mask, logks, has_ks, causal,
+    @cuda.jit(device=True)
+    def kept_logits(Rows, row0, j, Lk, thr, cut, S, F):
+        """``S = -inf``, ``F = 0`` where the stored ranking logits of the thread's
+        micro-tile (keys from ``j``) are not selected: ``S``, ``F`` another normalizer's
+        logits and factors, formed anew (softpick counts a ``-inf`` logit with a
+        factor)."""
+        for r in range(TM):
+            for c in range(TN):
+                keep = False
+                if j + c < Lk:
+                    s = Rows[row0 + r, j + c]
+                    keep = s > thr[r] or s != s or (s == thr[r] and j + c <= cut[r])
+                if not keep:
+                    S[r * TN + c] = NINF
+                    F[r * TN + c] = ZERO
+
+    def topk_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
                               top_k, qt0, R, buf, seed_lo, seed_hi, batch0, head0, threshold,
                               keep, out, lse, thr_out, cut_out, normalizer, sinks, mods):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], qt0)
-        # F, the factors, is unused (softmax)
+        # F, the factors: unused by softmax (pass 1), pass 2's in an own build
         (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
          T) = begin_tile(q[b, h], i0, scale)
         keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
@@ -149,10 +187,19 @@ def build_topk(dtype, tiling, dropout=False, mods=None):
         # pass 2: the online softmax over the selected keys
         for tile in range(last):
             j0 = tile * BK
-            kept_scores(Rows, row0, j0 + key0, Lk, thr, cut, S)
-            online_tile(S, S, part, m, l, alpha, SOFTMAX, vh, j0, min(BK, Lk - j0), tile, KV,
-                        Pt, red, rows, flag, t, row0, key0, col0, O, T, keys,
-                        threshold if DROPOUT else 0)
+            if ANEW:  # the normalizer's logits, masked by the selection
+                key_tile_logits(kh, j0, min(BK, Lk - j0), Qt, KV, S, F, i0, row0, key0, Lq,
+                                Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
+                                normalizer, mods)
+                kept_logits(Rows, row0, j0 + key0, Lk, thr, cut, S, F)
+                online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, min(BK, Lk - j0),
+                            tile, KV, Pt, red, rows, flag, t, row0, key0, col0, O, T, keys,
+                            threshold if DROPOUT else 0)
+            else:
+                kept_scores(Rows, row0, j0 + key0, Lk, thr, cut, S)
+                online_tile(S, S, part, m, l, alpha, SOFTMAX, vh, j0, min(BK, Lk - j0), tile,
+                            KV, Pt, red, rows, flag, t, row0, key0, col0, O, T, keys,
+                            threshold if DROPOUT else 0)
         if DROPOUT:
             scale_values(O, keep)
         sink = CAST(sinks[index(b, sinks.shape[0]), index(h, sinks.shape[1])])
@@ -166,14 +213,11 @@ def topk_selection(problem, top_k, a=None):
     """Run the top-k kernel; returns device arrays ``(out, lse, thr, cut)``.
 
     ``thr``, ``cut`` (``(B, Hq, Lq)``) are each row's selection: key ``j``
-    is kept when its modified logit ``s > thr``, or ``s == thr`` and ``j <=
-    cut``, or ``s`` is NaN.  ``a``: the problem's device arrays when already
-    made (:func:`~attnnb.cuda._arrays.device_problem`).
+    is kept when its ranking logit ``s > thr`` (``s + log key_size``, after a score
+    function, before any bias), or ``s == thr`` and ``j <= cut``, or ``s`` is NaN.
+    ``a``: the problem's device arrays when already made
+    (:func:`~attnnb.cuda._arrays.device_problem`).
     """
-    if problem.normalizer not in ("softmax", "softmax1"):  # pass 2 weighs pass 1's logits
-        raise NotImplementedError(f"topk_attention(normalizer={problem.normalizer!r}) on the "
-                                  "cuda backend: not yet (the reference and cpu backends "
-                                  "have it)")
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
     a = device_problem(problem) if a is None else a
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)
@@ -184,23 +228,25 @@ def topk_selection(problem, top_k, a=None):
         tq = tiling.bq
         dropping = bool(problem.dropout_p)
         mods = device_mods(problem)
-        kernel = tiled_kernel(kernel_label("topk", dropping, mods),
-                              lambda dt, t: build_topk(dt, t, dropping, mods), a.dtype, tiling)
+        own = topk_build(problem.normalizer)
+        kernel = tiled_kernel(kernel_label("topk", dropping, mods, own),
+                              lambda dt, t: build_topk(dt, t, dropping, mods, own), a.dtype,
+                              tiling)
         n_qt = (Lq + tq - 1) // tq
         chunk = max(1, min(n_qt, SCRATCH_ELEMENTS // (2 * B * Hq * tq * max(Lk, 1))))
         R = cuda.device_array((B * Hq, chunk * tq, max(Lk, 1)), a.dtype)
         buf = cuda.device_array((B * Hq, chunk * tq, max(Lk, 1)), a.dtype)
         for qt0 in range(0, n_qt, chunk):
             kernel[(B * Hq, min(chunk, n_qt - qt0)), tiling.threads](
-                a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.mask, a.has_mask, a.logks,
-                a.has_ks, problem.causal, int(top_k), qt0, R, buf,
+                a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.has_bias, a.mask,
+                a.has_mask, a.logks, a.has_ks, problem.causal, int(top_k), qt0, R, buf,
                 *kernel_dropout(problem, a.dtype), out, lse, thr, cut,
                 NORMALIZER_CODES[problem.normalizer], a.sinks, a.mods)
     return out, lse, thr, cut
 
 
 def topk_attention(problem, top_k):
-    """Top-k softmax attention of a canonical problem; returns ``(out, lse)``."""
+    """Top-k attention of a canonical problem; returns ``(out, lse)``."""
     a = device_problem(problem)
     out, lse, _, _ = topk_selection(problem, top_k, a)
     return finish(a, out, lse)
@@ -212,11 +258,16 @@ def ptx_signatures():
 
     def argtypes(ty):
         arr4, arr3 = ty[:, :, :, ::1], ty[:, :, ::1]
-        return (arr4, arr4, arr4, ty, arr4, types.boolean[:, :, :, ::1], types.boolean,
+        return (arr4, arr4, arr4, ty, arr4, types.boolean, types.boolean[:, :, :, ::1],
+                types.boolean,
                 ty[:, ::1], types.boolean, types.boolean, types.int64, types.int64, arr3, arr3,
                 types.int64, types.int64, types.int64, types.int64, types.int64, ty, arr4, arr3,
                 arr3, types.int64[:, :, ::1], types.int64, ty[:, ::1], types.Tuple(()))
 
-    return (ptx_cases("topk", build_topk, argtypes, 64, 64)
-            + ptx_cases("topk dropout", lambda dt, t: build_topk(dt, t, True), argtypes,
-                        64, 64))
+    cases = (ptx_cases("topk", build_topk, argtypes, 64, 64)
+             + ptx_cases("topk dropout", lambda dt, t: build_topk(dt, t, True), argtypes,
+                         64, 64))
+    for own in (RELU_EXPM1, SIGMOID, SOFTPICK):
+        cases += ptx_cases(kernel_label("topk", own=own),
+                           lambda dt, t, o=own: build_topk(dt, t, own=o), argtypes, 64, 64)
+    return cases
