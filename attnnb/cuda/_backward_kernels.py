@@ -48,7 +48,7 @@ import numpy as np
 from numba import cuda
 from numba.np.numpy_support import from_dtype as numba_type
 
-from .._codes import SIGMOID, SOFTMAX1, SOFTPICK
+from .._codes import RELU_EXPM1, SIGMOID, SOFTMAX1, SOFTPICK
 from ._backward_pair import pair_functions, pair_stream
 from ._backward_tiling import (
     KNOWN_GATE_FAILURES,
@@ -573,7 +573,8 @@ def ptx_signatures():
     """``[(name, python function, argument types, options)]`` for the PTX check: both
     kernels, one stream (dense, sparse, top-k) at D = 64 and 128, one stream of a
     differential pair (each mode's) and two streams at d = 64, Dv = 128, the builds of
-    ``sigmoid`` and ``softpick`` at D = 64 and 128; the helper kernels."""
+    ``sigmoid`` and ``softpick`` at D = 64 and 128, top-k's builds of ``relu_expm1``,
+    ``sigmoid`` and ``softpick`` at D = 64; the helper kernels."""
     from numba import types
 
     from ._micro import ptx_cases
@@ -627,6 +628,14 @@ def ptx_signatures():
                                    lambda dt, t, b=build, o=own: b(dt, t, "dense", own=o),
                                    argtypes, d, d,
                                    tiles=lambda *a, o=own, f=tiles: f(*a, own=o))
+        # top-k's builds of the normalizers that weigh the kept keys their own way (the
+        # key-tile tiles as own_build's: relu_expm1's are the production tiles)
+        for own in (RELU_EXPM1, SIGMOID, SOFTPICK):
+            cases += ptx_cases(f"backward topk {kernel_label(label, own=own)}",
+                               lambda dt, t, b=build, o=own: b(dt, t, "topk", own=o),
+                               argtypes, 64, 64,
+                               tiles=lambda *a, o=own, f=tiles: f(
+                                   *a, own=None if o == RELU_EXPM1 else o))
     for name, _, _, options in cases:
         if name in KNOWN_GATE_FAILURES:
             options["known"] = KNOWN_GATE_FAILURES[name]
