@@ -20,7 +20,9 @@ if [ -z "$python_oldest" ]; then
     echo "CI: no Python 3.10 on this machine for the oldest-versions run" >&2
     exit 1
 fi
-venv="$(mktemp -d)/venv-oldest"
+scratch="$(mktemp -d)"  # the virtualenv and the kernel cache, removed when this ends
+trap 'rm -rf "$scratch"' EXIT
+venv="$scratch/venv-oldest"
 "$python_oldest" -m venv "$venv"
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
@@ -28,7 +30,7 @@ python -m pip install -q -e . "numba==0.60.0" "numpy==1.26.4" "scipy==1.11.4" \
     "pytest>=8" "pytest-xdist>=3" "hypothesis>=6"
 python -m attnnb info
 # a cache of its own: the main run's entries were written with the patches on
-export NUMBA_CACHE_DIR="$(mktemp -d)"
+export NUMBA_CACHE_DIR="$scratch/numba-cache"
 python -W "ignore::RuntimeWarning" -m attnnb check --backend reference --backend cpu \
     --only "attention plain GQA float64" --only "tome bipartite N=77 r=20 float64"
 python -m pytest -q -p no:cacheprovider tests/cpu/test_numba_patches.py tests/cpu/test_views.py
