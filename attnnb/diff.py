@@ -76,15 +76,14 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         of the discussion attnnb grew from read literally (docs/contract.md
         §2.4): ``lam`` is subtracted from ``A1`` wherever ``A1 > lam A2``
         (``H(x) = 1`` for ``x > 0``, else 0); the gate is held fixed in the
-        gradients, so ``A2`` gets none.  Not on the cuda backend or with Dask
-        arrays yet.
+        gradients, so ``A2`` gets none.  Not with Dask arrays yet.
     dropout_p : float
         Attention dropout on the combined weights: weight ``(b, h, i, j)`` of
         pair ``h`` (``A1 - lam A2``, or its rectified value) is dropped with
         probability ``dropout_p`` and kept ones are scaled by ``1 / (1 -
         dropout_p)``; in the difference mode both maps' entries go together.
         The decisions are those of :func:`attnnb.attention` for head ``h``
-        and the same seed (not on the cuda backend yet).
+        and the same seed (not with Dask arrays).
     seed : int in ``[0, 2**64)``, optional
         Required when ``dropout_p > 0``.
     sinks : real array broadcastable to ``(*batch, 2H)``, optional
