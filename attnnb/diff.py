@@ -76,7 +76,7 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         of the discussion attnnb grew from read literally (docs/contract.md
         §2.4): ``lam`` is subtracted from ``A1`` wherever ``A1 > lam A2``
         (``H(x) = 1`` for ``x > 0``, else 0); the gate is held fixed in the
-        gradients, so ``A2`` gets none.  Not with Dask arrays yet.
+        gradients, so ``A2`` gets none.
     dropout_p : float
         Attention dropout on the combined weights: weight ``(b, h, i, j)`` of
         pair ``h`` (``A1 - lam A2``, or its rectified value) is dropped with
@@ -90,8 +90,8 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         Learned attention sinks, one per *component map*: query head ``2h + c``'s
         sink enters the denominator of map ``c`` of pair ``h``, ``A_c =
         e^s / (e^sink + sum e^s)`` (:func:`attnnb.attention`'s ``sinks``), in
-        every mode; :func:`attnnb.vjp` gives its gradient.  Not with Dask arrays
-        yet.
+        every mode; :func:`attnnb.vjp` gives its gradient.  With Dask arrays a
+        NumPy array.
     mask_mod, score_mod : optional
         As in :func:`attnnb.attention` (:mod:`attnnb.mods`), for both maps of
         a pair; ``h`` is the pair's index.
@@ -118,15 +118,9 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
         from ._dask.ops import diff_attention as lazy
 
         refuse_lazy_dropout(dropout_p)
-        if mode == "heaviside":  # its gate needs both maps' global normalisers at once
-            raise NotImplementedError("diff_attention(mode='heaviside') with Dask arrays: not "
-                                      "yet; compute the arrays first")
-        if sinks is not None:
-            raise NotImplementedError("diff_attention(sinks=...) with Dask arrays: not yet; "
-                                      "compute the arrays first")
         return lazy(q, k, v, lam, mask=mask, bias=bias, key_size=key_size, causal=causal,
-                    scale=scale, mode=mode, mask_mod=mask_mod, score_mod=score_mod,
-                    backend=backend)
+                    scale=scale, mode=mode, sinks=sinks, mask_mod=mask_mod,
+                    score_mod=score_mod, backend=backend)
     return _eager.diff_attention(q, k, v, lam, mask=mask, bias=bias, key_size=key_size,
                                  causal=causal, scale=scale, mode=mode, dropout_p=dropout_p,
                                  seed=seed, sinks=sinks, mask_mod=mask_mod,

@@ -139,11 +139,9 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
         from ._dask.ops import topk_attention as lazy
 
         refuse_lazy_dropout(dropout_p)
-        if normalizer != "softmax" or sigmoid_bias is not None:
-            raise NotImplementedError("topk_attention with Dask arrays: normalizer='softmax' "
-                                      f"only for now; got normalizer={normalizer!r}")
         return lazy(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size, scale=scale,
-                    return_lse=return_lse, sinks=sinks, mask_mod=mask_mod, score_mod=score_mod,
+                    normalizer=normalizer, return_lse=return_lse, sinks=sinks,
+                    sigmoid_bias=sigmoid_bias, mask_mod=mask_mod, score_mod=score_mod,
                     backend=backend)
     return _eager.topk_attention(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size,
                                  scale=scale, normalizer=normalizer, return_lse=return_lse,

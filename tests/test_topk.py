@@ -404,5 +404,6 @@ def test_normalizers_refusals(rng):
                    sigmoid_bias=np.zeros(2))
     da = pytest.importorskip("dask.array")
     lazy = da.from_array(q)
-    with pytest.raises(NotImplementedError, match="normalizer='softmax' only"):
-        attnnb.topk_attention(lazy, lazy, lazy, 2, normalizer="sigmoid")
+    with pytest.raises(TypeError, match="sigmoid_bias must be a real number here"):
+        attnnb.topk_attention(lazy, lazy, lazy, 2, normalizer="sigmoid",
+                              sigmoid_bias=np.zeros(2))

@@ -94,13 +94,15 @@ def sparse_part(q, k, v, key_size, pattern, *, where, heads, scale, normalizer, 
     return native(out, q), native(lse, q)
 
 
-def topk_solo(q, k, v, mask, key_size, *, top_k, limit, heads, scale, backend, mask_mod=None,
-              score_mod=None):
-    """Top-k attention of a query block that sees one key block: the call itself."""
+def topk_solo(q, k, v, mask, key_size, *, top_k, limit, heads, scale, normalizer, backend,
+              sigmoid_bias=None, mask_mod=None, score_mod=None):
+    """Top-k attention of a query block that sees one key block: the call itself
+    (``sigmoid_bias``: the whole call's)."""
     k, v = key_heads(k, v, heads)
     mask, causal = restrict(mask, limit, q.shape[-2], k.shape[-2])
     out, lse = topk_attention(q, k, v, top_k, mask=mask, causal=causal, key_size=key_size,
-                              scale=scale, return_lse=True, backend=backend, mask_mod=mask_mod,
+                              scale=scale, normalizer=normalizer, return_lse=True,
+                              sigmoid_bias=sigmoid_bias, backend=backend, mask_mod=mask_mod,
                               score_mod=score_mod)
     return native(out, q), native(lse, q)
 
@@ -126,13 +128,16 @@ def streams_part(q, k, v, mask, bias, key_size, *, limit, heads, scale, backend,
 
 
 def diff_solo(q, k, v, mask, bias, key_size, lam, *, limit, heads, scale, mode, backend,
-              mask_mod=None, score_mod=None):
-    """Differential attention of a query block that sees one key block: the call itself."""
+              sinks=None, mask_mod=None, score_mod=None):
+    """Differential attention of a query block that sees one key block: the call itself
+    (``sinks``: the block's pair sinks ``(*batch, H, 2)``, or None)."""
     k, v = key_heads(k, v, heads, pairs=True)
     mask, causal = restrict(mask, limit, q.shape[-2], k.shape[-2])
+    if sinks is not None:  # query head 2h + c holds map c's sink
+        sinks = sinks.reshape(sinks.shape[:-2] + (-1,))
     out = diff_attention(q, k, v, lam, mask=mask, bias=bias, key_size=key_size, causal=causal,
-                         scale=scale, mode=mode, backend=backend, mask_mod=mask_mod,
-                         score_mod=score_mod)
+                         scale=scale, mode=mode, sinks=sinks, backend=backend,
+                         mask_mod=mask_mod, score_mod=score_mod)
     return native(out, q)
 
 
@@ -154,10 +159,7 @@ def rectified_part(q, k, v, mask, bias, key_size, lam, local, total, *, limit, h
     mask, causal = restrict(mask, limit, q.shape[-2], k.shape[-2])
     xp = namespace(q)
     (l1, l2), (t1, t2) = local, total
-    rows = tuple(l1.shape)
-    lam = lambda_rows(lam, rows[:-2], int(np.prod(rows[:-2], dtype=np.int64)), rows[-2],
-                      rows[-1], np.float64).reshape(rows)
-    lam = xp.asarray(lam)
+    lam = xp.asarray(lam_rows(lam, tuple(l1.shape), np.float64))
     with np.errstate(invalid="ignore", over="ignore"):
         l1, l2, t1, t2 = (x.astype(np.float64) for x in (l1, l2, t1, t2))
         nan = xp.isnan(l1) | xp.isnan(l2) | xp.isnan(t1) | xp.isnan(t2)
@@ -172,7 +174,8 @@ def rectified_part(q, k, v, mask, bias, key_size, lam, local, total, *, limit, h
                          bias=bias, key_size=key_size, causal=causal, scale=scale,
                          mode="rectified", backend=backend, **mods)
     out = native(out, q).astype(np.float64)
-    out = xp.where(ok[..., None], a1[..., None] * out, 0)
+    with np.errstate(invalid="ignore"):  # non-finite values of rows that are not ok
+        out = xp.where(ok[..., None], a1[..., None] * out, 0)
     rest = ~ok & ~nan & (lam < 0) & xp.isfinite(l2)
     if bool(rest.any()):
         o2, _ = attention(q[..., 1::2, :, :], k[..., 1::2, :, :], v, mask=mask, bias=bias,
@@ -180,6 +183,20 @@ def rectified_part(q, k, v, mask, bias, key_size, lam, local, total, *, limit, h
                           backend=backend, **mods)
         out = xp.where(rest[..., None], (-lam * a2)[..., None] * native(o2, q), out)
     return xp.where(nan[..., None], np.nan, out).astype(q.dtype)
+
+
+def lam_rows(lam, rows, dtype):
+    """``lam`` (a chunk broadcastable to the block's rows) as an array of shape ``rows``."""
+    B = int(np.prod(rows[:-2], dtype=np.int64))
+    return lambda_rows(lam, rows[:-2], B, rows[-2], rows[-1], dtype).reshape(rows)
+
+
+def with_sinks(total, sink):
+    """Both maps' LSEs over every key block, ``(lse1, lse2)``, with each map's learned sink
+    added to its denominator: ``log(e^lse_c + e^sink_c)`` (``sink`` ``(*batch, H, 2)``)."""
+    xp = namespace(total[0])
+    return tuple(xp.logaddexp(t, xp.asarray(sink[..., c])[..., None].astype(t.dtype))
+                 for c, t in enumerate(total))
 
 
 # -- merges (lists of parts in key-block order) --------------------------------------------
@@ -214,7 +231,8 @@ def merge_lses(parts):
     for c in range(len(parts[0])):
         lse = parts[0][c]
         for p in parts[1:]:
-            lse = namespace(lse).logaddexp(lse, p[c])
+            with np.errstate(invalid="ignore"):  # NaN rows stay NaN
+                lse = namespace(lse).logaddexp(lse, p[c])
         out.append(lse)
     return tuple(out)
 
@@ -239,12 +257,14 @@ def finish_attention(merged, sink=None, *, softmax1, out_dtype, lse_dtype):
     return out.astype(out_dtype), lse.astype(lse_dtype)
 
 
-def finish_difference(merged, lam, *, out_dtype):
-    """``o1 - lam * o2`` from the merged streams, in the output dtype."""
-    o1, l1, o2, _ = merged
-    rows = tuple(l1.shape)
-    lam = lambda_rows(lam, rows[:-2], int(np.prod(rows[:-2], dtype=np.int64)), rows[-2],
-                      rows[-1], o1.dtype).reshape(rows)
+def finish_difference(merged, lam, sink=None, *, out_dtype):
+    """``o1 - lam * o2`` from the merged streams, in the output dtype; ``sink``: the learned
+    sinks of the block's pairs, ``(*batch, H, 2)`` (NumPy), one per map."""
+    o1, l1, o2, l2 = merged
+    if sink is not None:  # each map finished with its own sink (its query head's)
+        o1, o2 = (finish_softmax1(o, lse, namespace(lse).asarray(sink[..., c])[..., None])
+                  for c, (o, lse) in enumerate(((o1, l1), (o2, l2))))
+    lam = lam_rows(lam, tuple(l1.shape), o1.dtype)
     with np.errstate(invalid="ignore"):  # inf - inf: the propagation one call gives too
         return (o1 - namespace(o1).asarray(lam)[..., None] * o2).astype(out_dtype)
 

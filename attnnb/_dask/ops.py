@@ -35,7 +35,7 @@ from .._validate import (
     lse_dtype,
     sigmoid_offset,
 )
-from . import any_dask, blocks, select
+from . import any_dask, blocks, gates, select
 from .graph import Graph
 from .grid import known_sizes, make_grid, spans
 from .visible import dense_blocks, pattern_blocks
@@ -83,10 +83,13 @@ class Call:
         self.grid = g = make_grid(q, k, v, pairs=pairs)
         self.scale = check_scale(scale, g.shape[4])
         self.backend = requested_backend(backend)
+        sinks = self._sinks(sinks, normalizer)
+        # a pair's two sinks are read by the finish tasks as literal blocks (sinks_at)
+        self.pair_sinks = sinks if pairs else None
         extras = {"mask": self._pairwise("mask", mask, np.bool_),
                   "bias": self._pairwise("bias", bias, g.compute_dtype),
                   "key_size": self._sizes(key_size), "lam": self._lam(lam),
-                  "sinks": self._sinks(sinks, normalizer)}
+                  "sinks": None if pairs else sinks}
         self.extras = {n: g.extra(x, ROLES[n]) for n, x in extras.items()}
         arrays = [g.q, g.k, g.v] + [e.array for e in self.extras.values() if e is not None]
         self.mask_mod, self.score_mod = self._mods(*mods)
@@ -212,7 +215,8 @@ class Call:
 
     def _sinks(self, sinks, normalizer):
         """Learned sinks, checked as the eager functions check them, in the user's
-        ``(*batch, Hq)`` (NumPy: a logit per head, read by the finish tasks)."""
+        ``(*batch, Hq)`` (NumPy: a logit per head, read by the finish tasks); for
+        differential attention ``(*batch, H, 2)``, a pair's two maps' sinks."""
         if sinks is None:
             return None
         if any_dask(sinks):
@@ -221,7 +225,20 @@ class Call:
         batch, squeeze, B = self._facts()
         Hq = self.grid.shape[0]
         rows = check_sinks(sinks, normalizer, batch, squeeze, B, Hq, self.grid.compute_dtype)
+        if self.grid.pairs:
+            return rows.reshape(batch + (Hq // 2, 2))
         return rows.reshape(batch + (() if squeeze else (Hq,)))
+
+    def sinks_at(self, index):
+        """The pair sinks of query block ``index``, ``(*batch, H, 2)`` (NumPy), or None."""
+        if self.pair_sinks is None:
+            return None
+        g = self.grid
+        starts = [sum(g.chunks[f"b{a}"][:index[f"b{a}"]]) for a in range(g.nb)]
+        at = tuple(slice(s, s + g.chunks[f"b{a}"][index[f"b{a}"]])
+                   for a, s in enumerate(starts))
+        lo, hi = g.heads.rows[index["h"]], g.heads.rows[index["h"] + 1]
+        return np.ascontiguousarray(self.pair_sinks[at + (slice(lo, hi),)])
 
     # -- tasks ------------------------------------------------------------------------------
     def keys(self, index, kb, names):
@@ -384,27 +401,35 @@ def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer=
 
 
 def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, scale=None,
-                   return_lse=False, sinks=None, mask_mod=None, score_mod=None, backend=None):
-    """:func:`attnnb.topk_attention` on Dask arrays: an exact, global selection."""
+                   normalizer="softmax", return_lse=False, sinks=None, sigmoid_bias=None,
+                   mask_mod=None, score_mod=None, backend=None):
+    """:func:`attnnb.topk_attention` on Dask arrays: an exact, global selection (softmax's
+    ranking), then the normalizer's parts over the kept keys, merged as
+    :func:`attention`'s are."""
     return_lse = check_bool("return_lse", return_lse)
     top_k = check_top_k(top_k)
     causal = check_bool("causal", causal)
-    c = Call("topk", q, k, v, mask=mask, key_size=key_size, sinks=sinks, scale=scale,
-             backend=backend, params=(top_k, causal), mods=(mask_mod, score_mod))
+    check_normalizer(normalizer)
+    c = Call("topk", q, k, v, mask=mask, key_size=key_size, sinks=sinks, normalizer=normalizer,
+             scale=scale, backend=backend, params=(top_k, causal, normalizer, sigmoid_bias),
+             mods=(mask_mod, score_mod))
     Lk = c.grid.shape[3]
+    offset, merge = part_rules(sigmoid_bias, normalizer, Lk)
+    weighing = dict(normalizer=normalizer, sigmoid_bias=offset)
     visible = c.without_hidden(dense_blocks(c.grid.q_edges, c.grid.k_edges, causal))
     k_starts = c.grid.k_edges
     names = ("q", "k", "v", "mask", "key_size")
     for index in c.grid.query_blocks():
         row = visible[index["q"]] if top_k else []
+        norm = part_normalizer(normalizer, row)
         if top_k >= Lk or len(row) <= 1:
             if top_k >= Lk or not row:  # every allowed key is kept: plain masked attention
-                parts = dense_parts(c, index, row, "softmax")
+                parts = dense_parts(c, index, row, norm, offset)
             else:
-                fn = partial(blocks.topk_solo, top_k=top_k, **c.common(index, row[0][1]),
-                             **c.mods_at(index, row[0][0]))
+                fn = partial(blocks.topk_solo, top_k=top_k, **weighing,
+                             **c.common(index, row[0][1]), **c.mods_at(index, row[0][0]))
                 parts = [c.part("part", index, row[0][0], fn, names)]
-            c.lse_finish(index, parts, False)
+            c.lse_finish(index, parts, norm != normalizer, merge)
             continue
         found = [c.part("candidates", index, kb,
                         partial(select.candidates, start=k_starts[kb], top_k=top_k,
@@ -415,31 +440,35 @@ def topk_attention(q, k, v, top_k, *, mask=None, causal=False, key_size=None, sc
         chosen = c.graph.add("selection", c.position(index),
                              (partial(select.selection, top_k=top_k), merged))
         parts = [c.part("part", index, kb,
-                        partial(select.topk_part, start=k_starts[kb], **c.common(index, spec),
+                        partial(select.topk_part, start=k_starts[kb], normalizer=norm,
+                                sigmoid_bias=offset, **c.common(index, spec),
                                 **c.mods_at(index, kb)),
                         names, chosen) for kb, spec in row]
-        c.lse_finish(index, parts, False)
+        c.lse_finish(index, parts, norm != normalizer, merge)
     return c.outputs(return_lse)
 
 
 def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=False,
-                   scale=None, mode="difference", mask_mod=None, score_mod=None, backend=None):
+                   scale=None, mode="difference", sinks=None, mask_mod=None, score_mod=None,
+                   backend=None):
     """:func:`attnnb.diff_attention` on Dask arrays."""
     check_mode(mode)
     causal = check_bool("causal", causal)
-    c = Call("diff", q, k, v, mask=mask, bias=bias, key_size=key_size, lam=lam, scale=scale,
-             backend=backend, pairs=True, params=(causal, mode), mods=(mask_mod, score_mod))
+    c = Call("diff", q, k, v, mask=mask, bias=bias, key_size=key_size, lam=lam, sinks=sinks,
+             scale=scale, backend=backend, pairs=True, params=(causal, mode),
+             mods=(mask_mod, score_mod))
     visible = c.without_hidden(dense_blocks(c.grid.q_edges, c.grid.k_edges, causal))
     names = ("q", "k", "v", "mask", "bias", "key_size")
     cast = partial(blocks.finish_cast, dtype=c.grid.out_dtype)
     for index in c.grid.query_blocks():
         row = visible[index["q"]]
         lam_key = c.keys(index, 0, ("lam",))[0]
+        sink = c.sinks_at(index)
         if not row:
             c.empty(index)
         elif len(row) == 1:
             kb, spec = row[0]
-            fn = partial(blocks.diff_solo, mode=mode, **c.common(index, spec),
+            fn = partial(blocks.diff_solo, mode=mode, sinks=sink, **c.common(index, spec),
                          **c.mods_at(index, kb))
             c.finish(index, cast, c.part("part", index, kb, fn, names + ("lam",)),
                      picks=(None, None))
@@ -449,17 +478,21 @@ def diff_attention(q, k, v, lam, *, mask=None, bias=None, key_size=None, causal=
                                     **c.mods_at(index, kb)), names) for kb, spec in row]
             merged = c.reduce("merge", index, parts, blocks.merge_streams)
             c.finish(index, partial(blocks.finish_difference, out_dtype=c.grid.out_dtype),
-                     merged, lam_key, picks=(None, None))
-        else:
+                     merged, lam_key, sink, picks=(None, None))
+        else:  # the maps' LSEs over every key block first, then each block's share
             local = {kb: c.part("lse", index, kb,
                                 partial(blocks.streams_part, lse_only=True,
                                         **c.common(index, spec), **c.mods_at(index, kb)), names)
                      for kb, spec in row}
             total = c.reduce("lmerge", index, list(local.values()), blocks.merge_lses)
+            if sink is not None:
+                total = c.graph.add("sinks", c.position(index), (blocks.with_sinks, total, sink))
+            rectified = mode == "rectified"  # the Heaviside gate needs the global maps only
+            share = blocks.rectified_part if rectified else gates.heaviside_part
             parts = [c.part("part", index, kb,
-                            partial(blocks.rectified_part, **c.common(index, spec),
-                                    **c.mods_at(index, kb)),
-                            names + ("lam",), local[kb], total) for kb, spec in row]
+                            partial(share, **c.common(index, spec), **c.mods_at(index, kb)),
+                            names + ("lam",), *((local[kb],) if rectified else ()), total)
+                     for kb, spec in row]
             c.finish(index, cast, c.reduce("merge", index, parts, blocks.merge_sum),
                      picks=(None, None))
     return c.outputs(False)

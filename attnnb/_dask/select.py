@@ -16,13 +16,14 @@ are among the ``top_k`` best of each block, so:
    key ``j`` is kept when ``x > thr``, or ``x == thr`` and ``j <= cut``,
    the rule of :mod:`attnnb._selection`;
 4. each key block then runs :func:`attnnb.attention` masked to its kept
-   keys (:func:`topk_part`), and the parts merge through their LSEs.
+   keys (:func:`topk_part`), with the call's normalizer, and the parts merge
+   as that normalizer's parts do (:func:`attnnb._dask.ops.part_rules`).
 
-The ranking logits are computed here in the compute dtype
-(``(q * scale) @ k^T + log key_size``), block by block (an ``(nq, nk)``
-array per head of the block); the weights are the backend's.  The product
-is :func:`attnnb._dask.products.ordered_products`, whose entries do not
-depend on where a key sits: a BLAS product's rounding depends on the
+The ranking logits are computed on the host in the compute dtype
+(``(q * scale) @ k^T + log key_size``, :func:`attnnb._dask.logits.block_logits`),
+block by block (an ``(nq, nk)`` array per head of the block); the weights are
+the backend's.  The product is :func:`attnnb._dask.products.ordered_products`,
+whose entries do not depend on where a key sits: a BLAS product's rounding depends on the
 matrix shape and even on the column (OpenBLAS's AVX2 kernel), so it could
 give two equal keys in different blocks logits one unit in the last place
 apart, and the lower index would then not win their tie.  A row with
@@ -36,51 +37,7 @@ import numpy as np
 
 from .._eager import attention
 from .blocks import key_heads, namespace, native
-from .products import ordered_products
-
-
-def ranking_logits(q, k, mask, key_size, limit, scale, mask_mod=None, score_mod=None):
-    """``x = f((q * scale) @ k^T) + log key_size``, ``-inf`` where not allowed; and the
-    allowed set.
-
-    ``q`` ``S + (Hq, nq, D)``, ``k`` ``S + (Hk, nk, D)`` (query head ``h`` reads
-    key head ``h // (Hq // Hk)``); ``f`` the score function placed at the block (none:
-    the identity), and the mask function's pairs out of the allowed set; returns ``x``
-    ``S + (Hq, nq, nk)`` in ``q``'s dtype and the boolean allowed set (broadcastable
-    to it).
-    """
-    xp = namespace(q)
-    *batch, hq, nq, d = q.shape
-    hk, nk = k.shape[-3], k.shape[-2]
-    qs = (q * q.dtype.type(scale)).reshape(*batch, hk, (hq // hk) * nq, d)
-    kt = xp.broadcast_to(xp.swapaxes(k, -1, -2), (*batch, hk, d, nk))
-    x = ordered_products(xp, qs, kt).reshape(*batch, hq, nq, nk)
-    if score_mod is not None or mask_mod is not None:
-        x, mask = _with_mods(xp, x, mask, mask_mod, score_mod)
-    if key_size is not None:
-        logs = xp.log(xp.asarray(key_size).astype(np.float64)).astype(q.dtype)
-        x = x + xp.broadcast_to(logs, (*batch, nk))[..., None, None, :]
-    if limit is not None:
-        diagonal = xp.asarray(limit.mask(nq, nk))
-        mask = diagonal if mask is None else xp.logical_and(mask, diagonal)
-    allowed = xp.ones((nq, nk), bool) if mask is None else xp.asarray(mask)
-    return xp.where(allowed, x, -np.inf), allowed
-
-
-def _with_mods(xp, x, mask, mask_mod, score_mod):
-    """The block's logits through the score function and its mask through the mask
-    function (host float64 loops of :mod:`attnnb._mod_compile`, as the reference's)."""
-    from .._mod_compile import mask_values, score_values
-
-    shape = x.shape
-    flat = (int(np.prod(shape[:-3], dtype=np.int64)), *shape[-3:])
-    if score_mod is not None:
-        s, _ = score_values(score_mod, np.asarray(x, np.float64).reshape(flat), shape[-2])
-        x = xp.asarray(s.reshape(shape).astype(x.dtype))
-    if mask_mod is not None:
-        allowed = xp.asarray(mask_values(mask_mod, flat).reshape(shape))
-        mask = allowed if mask is None else xp.logical_and(mask, allowed)
-    return x, mask
+from .logits import block_logits
 
 
 def _best(values, index, top_k):
@@ -105,7 +62,7 @@ def candidates(q, k, mask, key_size, *, start, top_k, limit, heads, scale, mask_
                score_mod=None):
     """Phase 1 on one key block: ``(values, key indices, nan rows)`` of its best keys."""
     k, _ = key_heads(k, None, heads)
-    x, _ = ranking_logits(q, k, mask, key_size, limit, scale, mask_mod, score_mod)
+    x, _ = block_logits(q, k, mask, key_size, limit, scale, mask_mod, score_mod)
     xp = namespace(x)
     nan = xp.isnan(x).any(axis=-1)
     x = xp.where(xp.isnan(x), -np.inf, x)
@@ -138,18 +95,20 @@ def selection(merged, *, top_k):
     return kth, cut, nan
 
 
-def topk_part(q, k, v, mask, key_size, chosen, *, start, limit, heads, scale, backend,
-              mask_mod=None, score_mod=None):
+def topk_part(q, k, v, mask, key_size, chosen, *, start, limit, heads, scale, normalizer,
+              backend, sigmoid_bias=None, mask_mod=None, score_mod=None):
     """Phase 2 on one key block: ``(out, lse)`` of attention over the keys it keeps (the
-    score function weighs them as it ranked them)."""
+    score function weighs them as it ranked them; ``normalizer`` and the whole call's
+    ``sigmoid_bias`` weigh the kept keys)."""
     k, v = key_heads(k, v, heads)
-    x, allowed = ranking_logits(q, k, mask, key_size, limit, scale, mask_mod, score_mod)
+    x, allowed = block_logits(q, k, mask, key_size, limit, scale, mask_mod, score_mod)
     xp = namespace(x)
     thr, cut, nan = chosen
     index = xp.arange(start, start + x.shape[-1])
     thr, cut = thr[..., None], cut[..., None]
     keep = (x > thr) | ((x == thr) & (index <= cut))
     keep = xp.where(nan[..., None], allowed, keep)
-    out, lse = attention(q, k, v, mask=keep, key_size=key_size, scale=scale, return_lse=True,
+    out, lse = attention(q, k, v, mask=keep, key_size=key_size, scale=scale,
+                         normalizer=normalizer, return_lse=True, sigmoid_bias=sigmoid_bias,
                          backend=backend, score_mod=score_mod)
     return native(out, q), native(lse, q)

@@ -62,13 +62,15 @@ def chunked(arrays, chunks):
 
 
 def extras(rng):
-    """A padding mask, a shared bias, key sizes and a per-head lam (with a negative entry)."""
+    """A padding mask, a shared bias, key sizes, a per-head lam (with a negative entry) and
+    differential attention's sinks (one per map)."""
     mask = rng.random((2, 1, 1, 23)) < 0.8
     mask[1, ..., :] = False
     mask[1, ..., 5:] = True  # batch 1: the first keys are padding
     return {"mask": mask, "bias": rng.standard_normal((20, 23)),
             "key_size": rng.integers(1, 4, (2, 23)).astype(np.float64),
-            "lam": np.array([[0.5], [-0.3], [0.8], [0.1]])}
+            "lam": np.array([[0.5], [-0.3], [0.8], [0.1]]),
+            "sinks": rng.standard_normal((2, 8))}
 
 
 def run_attention(q, k, v, x, normalizer, causal):
@@ -89,17 +91,31 @@ CASES = {
         normalizer="softmax1", return_lse=True),
     "topk causal": lambda q, k, v, x: attnnb.topk_attention(
         q, k, v, 3, mask=x["mask"], causal=True, key_size=x["key_size"], return_lse=True),
+    "topk softpick, sizes": lambda q, k, v, x: attnnb.topk_attention(
+        q, k, v, 4, key_size=x["key_size"], normalizer="softpick", return_lse=True),
+    "topk sigmoid causal": lambda q, k, v, x: attnnb.topk_attention(
+        q, k, v, 5, causal=True, normalizer="sigmoid", return_lse=True),
+    "topk softmax1, relu_expm1": lambda q, k, v, x: tuple(attnnb.topk_attention(
+        q, k, v, 2, mask=x["mask"], normalizer=n, return_lse=True)[i]
+        for n in ("softmax1", "relu_expm1") for i in (0, 1)),
 }
 DIFF_CASES = {
     "difference": lambda q, k, v, x: attnnb.diff_attention(
         q, k, v, x["lam"], bias=x["bias"], key_size=x["key_size"], causal=True),
     "rectified": lambda q, k, v, x: attnnb.diff_attention(
         q, k, v, x["lam"], mask=x["mask"], causal=True, mode="rectified"),
+    "heaviside": lambda q, k, v, x: attnnb.diff_attention(
+        q, k, v, x["lam"], mask=x["mask"], bias=x["bias"], key_size=x["key_size"], causal=True,
+        mode="heaviside"),
+    "sinks, every mode": lambda q, k, v, x: tuple(attnnb.diff_attention(
+        q, k, v, x["lam"], mask=x["mask"], causal=c, mode=m, sinks=x["sinks"])
+        for m, c in (("difference", False), ("rectified", True), ("heaviside", True))),
 }
 
 
 def check(result, expected):
-    for a, b, what in zip(_items(result), _items(expected), ("out", "lse")):
+    assert len(_items(result)) == len(_items(expected))
+    for a, b, what in zip(_items(result), _items(expected), ("out", "lse") * 3):
         assert isinstance(a, np.ndarray) and a.dtype == b.dtype
         assert_close(a, b, rtol=RTOL, what=what)
 
@@ -200,6 +216,24 @@ def test_nan_rows_stay_where_they_are(rng):
         check(lazy(fn(*chunked(arrays, CHUNKINGS["all"]).values())), expected)
 
 
+@pytest.mark.parametrize("mode", ["rectified", "heaviside"])
+def test_diff_values_that_are_not_finite_and_large_logits(rng, mode):
+    """Infinite and NaN values, a NaN key and logits of about 1e4: the same infinities,
+    NaNs and signs as one call (a key whose weight is zero carries no value)."""
+    arrays = data(rng, DIFF_SHAPES)
+    arrays["q"][1, 2] *= 3000
+    arrays["k"][0, 1, 15] = np.nan
+    arrays["v"][1, 0, 2, 1] = np.inf
+    arrays["v"][0, 1, 7, 3] = -np.inf
+    arrays["v"][0, 0, 3, 2] = np.nan
+    lam = np.array([[0.5], [-0.3], [0.8], [0.0]])
+    expected = attnnb.diff_attention(*arrays.values(), lam, causal=True, mode=mode)
+    assert np.isinf(expected).any() and np.isnan(expected).any()
+    res = attnnb.diff_attention(*chunked(arrays, DIFF_CHUNKINGS["all"]).values(), lam,
+                                causal=True, mode=mode)
+    check(lazy(res), expected)
+
+
 def part_count(x, stage="part"):
     """Tasks of one stage in the graph of ``x``."""
     return sum(1 for key in dict(x.__dask_graph__())
@@ -275,9 +309,11 @@ def test_bad_arguments_are_refused_before_any_work(rng):
                               np.nan)
     with pytest.raises(ValueError, match="must have a head axis"):
         attnnb.diff_attention(q[0, 0], k[0, 0], v[0, 0], 0.5)
-    with pytest.raises(NotImplementedError, match="heaviside.*Dask"):
+    with pytest.raises(TypeError, match="sigmoid_bias must be a real number here"):
+        attnnb.topk_attention(q, k, v, 3, normalizer="sigmoid", sigmoid_bias=np.zeros(4))
+    with pytest.raises(ValueError, match="sinks of shape \\(4,\\) cannot be broadcast"):
         attnnb.diff_attention(*chunked(data(rng, DIFF_SHAPES), DIFF_CHUNKINGS["keys"]).values(),
-                              0.5, mode="heaviside")
+                              0.5, sinks=np.zeros(4))
 
     def boom():
         raise AssertionError("an input was computed while the graph was built")
