@@ -321,3 +321,24 @@ def test_softpick_counts_a_key_whose_bias_is_minus_inf(backend):
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
     masked = attnnb.attention(q, k, v, mask=np.arange(6) != 2, backend=backend, **kw)[1]
     np.testing.assert_allclose(np.exp(lse) - np.exp(masked), 1.0, rtol=1e-12)
+
+
+def test_cpu_float32_sigmoid_rows_whose_weights_underflow():
+    """float32 sigmoid weights below float32's ``exp`` range are 0, not ``key_size /
+    e^88`` (the vectorised ``exp`` clamps its argument): a row whose every logit is
+    below about -88 is an underflowed row, zeros and ``lse = -inf`` with no gradient,
+    as float64 rows below about -745 are; rows in range agree with the reference."""
+    rng = np.random.default_rng(13)
+    q, k, v = _qkv(rng, B=1, Hq=4, Hk=1, Lq=3, Lk=70, dtype=np.float32)
+    bias = np.array([-20.0, -80.0, -95.0, -800.0]).reshape(4, 1, 1) + np.linspace(0, -3, 70)
+    kw = dict(bias=bias.astype(np.float32), normalizer="sigmoid", sigmoid_bias=0.0,
+              return_lse=True, scale=0.0)
+    (out, lse), pull = attnnb.vjp(attnnb.attention, q, k, v, backend="cpu", **kw)
+    ref, ref_lse = attnnb.attention(q, k, v, backend="reference", **kw)
+    np.testing.assert_allclose(lse[0, :2], ref_lse[0, :2], rtol=2e-6)
+    np.testing.assert_allclose(out[0, :2], ref[0, :2], rtol=2e-5, atol=1e-6 * np.abs(
+        ref[0, :2]).max())
+    assert np.isneginf(lse[0, 2:]).all() and not out[0, 2:].any()
+    grads = pull(np.ones_like(out), np.ones_like(lse))
+    assert all(np.isfinite(g).all() for g in grads.values())
+    assert grads["bias"].shape == (4, 1, 70) and not grads["bias"][2:].any()

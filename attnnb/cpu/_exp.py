@@ -189,7 +189,8 @@ def _exp_tile_accumulate_impl(src, dst, m, l, nq):
 
 def sigmoid_tile_accumulate(src, f, dst, m, l, nq, nk):
     """``sigmoid``'s weights of a tile in one pass: ``dst[r, c] = f[r, c] / (1 +
-    exp(-src[r, c]))`` (exactly 0 for a ``-inf`` logit, a key outside the set) and
+    exp(-src[r, c]))``, exactly 0 where ``exp(-src)`` is out of range (a ``-inf``
+    logit, a key outside the set; float32 logits below ``-EXP_MAX``), and
     ``l[r] += sum_c dst[r, c]`` for the rows ``r < nq`` whose ``m[r]`` is not NaN
     (other rows are left untouched); ``src``, ``f``, ``dst`` flat ``(nq, nk)``.
 
@@ -211,6 +212,20 @@ def _vector_exp_impl(x):
     return lambda x: math.exp(x)
 
 
+def exp_overflows(x):
+    """True where :func:`_vector_exp` of ``x`` is out of the dtype's range: float32's
+    polynomial clamps at ``EXP_MAX`` (a finite value), float64's libm gives ``inf``, so
+    ``1 / (1 + exp(x))`` is then 0 as IEEE arithmetic has it."""
+    raise NotImplementedError  # only callable from Numba code
+
+
+@overload(exp_overflows, jit_options={"fastmath": FASTMATH, "forceinline": True})
+def _exp_overflows_impl(x):
+    if x == types.float32:
+        return lambda x: x > EXP_MAX
+    return lambda x: x == np.inf
+
+
 @register_jitable(fastmath=FASTMATH, forceinline=True)
 def _sigmoid_rows(src, f, dst, m, l, nq, w):
     wide_vectors()
@@ -222,7 +237,8 @@ def _sigmoid_rows(src, f, dst, m, l, nq, w):
         for j in range(w):
             x = src[o + j]
             e = _vector_exp(-x)
-            dst[o + j] = zero if x == -np.inf else quotient(f[o + j], one + e)
+            # 0 where e^-x is out of range (a -inf logit among them), not f / clamped e^-x
+            dst[o + j] = zero if exp_overflows(-x) else quotient(f[o + j], one + e)
         l[r] += sum_at(dst, o, w)  # a loop of its own: see sum_at
 
 

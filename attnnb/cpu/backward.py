@@ -55,7 +55,7 @@ from .._mod_compile import sum_param_grads
 from ._blocks import ROWS
 from ._decoding import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS
 from ._dropout import keep_factors, kernel_dropout
-from ._exp import exp_shifted, quotient
+from ._exp import exp_overflows, exp_shifted, quotient
 from ._grad_tiles import (
     by_key_tile,
     dense_tiles,
@@ -328,8 +328,8 @@ def sigmoid_row_gradients(s, f, w, ds, dp, delta):
         w[c] = -s[c]
     exp_shifted(w, s, 0.0, n)  # e^-s over the logits: separate arrays vectorise
     for c in range(n):
-        # exactly 0 for a masked key (-s = inf: float32's exp clamps)
-        sig = quotient(one, one + s[c]) if w[c] != np.inf else zero
+        # exactly 0 where e^-s is out of range (a masked key among them), as the forward
+        sig = zero if exp_overflows(w[c]) else quotient(one, one + s[c])
         p = f[c] * sig
         grad = dp[c] - delta
         live = p != 0.0  # a key the row does not weigh: its value never reaches it
