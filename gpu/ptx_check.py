@@ -5,6 +5,10 @@ through nvJitLink (both from ``pip install "numba-cuda[cu13]"``).  Every
 module ``attnnb.cuda.<name>`` that defines ``ptx_signatures()`` is compiled
 for compute capability 9.0 with each of its signatures (float32 and float64).
 
+The float64 builds of a kernel's variants (another head size, dropout, mods, a
+normalizer or mode: ``"variant"`` in the case's options) are compiled with
+``--every-float64`` only; their float32 builds, the same code, always are.
+
 Checks, every kernel:
 
 * a float32 kernel fails when its PTX holds any ``.f64`` instruction
@@ -35,9 +39,10 @@ its gate failures are printed as ``KNOWN`` with the reason and listed at the
 end, and do not fail the run (a known failure that passes is reported too,
 so that the mark is removed).
 
-Usage: ``python gpu/ptx_check.py [--cc 9.0] [--show] [--jobs N]``; exit status 1 on a
-failure.  ``--jobs`` processes compile the kernels at once (default: the cores, at
-most 4); the output is in the same order whatever the number.
+Usage: ``python gpu/ptx_check.py [--cc 9.0] [--show] [--jobs N] [--only TEXT]``; exit
+status 1 on a failure.  ``--jobs`` processes compile the kernels at once (default: the
+cores, at most 4); the output is in the same order whatever the number.  ``--only``
+keeps the kernels whose name contains ``TEXT``.
 """
 
 from __future__ import annotations
@@ -178,12 +183,12 @@ def examine(index: int, cc) -> dict:
             "seconds": time.perf_counter() - t0}
 
 
-def examine_all(count: int, cc, jobs: int):
-    """:func:`examine` of every case, in order: ``jobs`` processes compile at once
-    (the cases are independent; NVRTC and ptxas are single-threaded)."""
+def examine_all(indices: list, cc, jobs: int):
+    """:func:`examine` of the cases at ``indices``, in order: ``jobs`` processes compile at
+    once (the cases are independent; NVRTC and ptxas are single-threaded)."""
     if jobs <= 1:
         _start_worker(cc)
-        return [examine(i, cc) for i in range(count)]
+        return [examine(i, cc) for i in indices]
     import concurrent.futures
     import multiprocessing
 
@@ -191,7 +196,7 @@ def examine_all(count: int, cc, jobs: int):
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context,
                                                 initializer=_start_worker,
                                                 initargs=(cc,)) as pool:
-        return list(pool.map(examine, range(count), [cc] * count))
+        return list(pool.map(examine, indices, [cc] * len(indices)))
 
 
 def main(argv=None) -> int:
@@ -200,18 +205,25 @@ def main(argv=None) -> int:
     parser.add_argument("--show", action="store_true", help="print offending PTX lines")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
                         help="processes compiling at once (default: the cores, at most 4)")
+    parser.add_argument("--only", default="", metavar="TEXT",
+                        help="only the kernels whose name contains TEXT (while working on them)")
+    parser.add_argument("--every-float64", action="store_true",
+                        help="compile the float64 builds of the variants too")
     args = parser.parse_args(argv)
     cc = tuple(int(x) for x in args.cc.split("."))
     _no_device_needed(cc)
 
     failures = 0
     known, fixed = [], []
-    cases = kernel_cases()
+    every = kernel_cases()
+    indices = [i for i, case in enumerate(every) if args.only in case[1] and (
+        args.every_float64 or not (case[4:] and case[4].get("variant")))]
+    cases = [every[i] for i in indices]
     if not cases:
         print("no CUDA kernels found")
         return 1
     table = []
-    results = examine_all(len(cases), cc, args.jobs)
+    results = examine_all(indices, cc, args.jobs)
     for (module, name, _pyfunc, _argtypes, *rest), result in zip(cases, results):
         options = rest[0] if rest else {}
         if "error" in result:
@@ -252,8 +264,11 @@ def main(argv=None) -> int:
         print(f"known gate failure: {line}")
     for name in fixed:
         print(f"marked as a known failure but passes the gate now: {name}")
+    skipped = "" if args.every_float64 else (
+        f"; {sum(1 for case in every if case[4:] and case[4].get('variant'))} float64 builds "
+        "of variants not compiled (--every-float64)")
     print(f"{len(cases) - failures - len(known)} of {len(cases)} kernels passed, "
-          f"{len(known)} known gate failures (cc {args.cc})")
+          f"{len(known)} known gate failures (cc {args.cc}){skipped}")
     return 1 if failures else 0
 
 

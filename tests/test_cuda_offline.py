@@ -89,3 +89,19 @@ def test_ptx_gate_reads_ptxas_figures_and_fails_slow_kernels():
         "// fma.rn.f32 in a comment",
     ])
     assert check.fma_per_shared_load(ptx) == (2, 2)
+
+
+def test_the_gate_leaves_out_only_float64_builds_of_variants():
+    """The float64 builds the check compiles by default: every kernel's float32 build,
+    and a float64 build of each kernel family; only a variant's float64 twin (its float32
+    build being the same code) waits for ``--every-float64``."""
+    pytest.importorskip("numba.cuda")
+    cases = _ptx_check().kernel_cases()
+    names = {name for _module, name, *_ in cases}
+    variants = [name for _module, name, _fn, _types, *rest in cases
+                if rest and rest[0].get("variant")]
+    assert variants and all("float64" in name for name in variants)
+    assert all(name.replace("float64", "float32") in names for name in variants)
+    kept = {module for module, name, _fn, _types, *rest in cases
+            if "float64" in name and not (rest and rest[0].get("variant"))}
+    assert kept == {module for module, *_ in cases}

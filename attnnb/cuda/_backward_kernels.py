@@ -604,30 +604,31 @@ def ptx_signatures():
             return backward_tiling(dtype, d, dv, streams, label, own)
 
         for d in (64, 128):
-            cases += ptx_cases(f"backward {label}", build, argtypes, d, d, tiles=tiles)
+            cases += ptx_cases(f"backward {label}", build, argtypes, d, d, tiles=tiles,
+                               variant=d != 64)
         cases += ptx_cases(f"backward dropout {label}",
                            lambda dt, t, b=build: b(dt, t, "dense", True), argtypes, 64, 64,
-                           tiles=tiles)
+                           tiles=tiles, variant=True)
         # the difference mode: one stream of the pair (the second, which adds to dV)
         cases += ptx_cases(f"backward diff {label}", lambda dt, t, b=build: b(dt, t, "stream1"),
                            argtypes, 64, 128, tiles=tiles)
         # the rectified mode: one clipped stream of the pair (the second)
         cases += ptx_cases(f"backward rectified {label}",
                            lambda dt, t, b=build: b(dt, t, "clipped1"), argtypes, 64, 128,
-                           tiles=tiles)
+                           tiles=tiles, variant=True)
         # the Heaviside mode: its one gated stream
         cases += ptx_cases(f"backward heaviside {label}",
                            lambda dt, t, b=build: b(dt, t, "gated0"), argtypes, 64, 128,
-                           tiles=tiles)
+                           tiles=tiles, variant=True)
         # the two-stream kernels, the other design of both modes (off by default)
         cases += ptx_cases(f"backward two-stream {label}", build, argtypes, 64, 128,
-                           streams=2, tiles=tiles)
+                           streams=2, tiles=tiles, variant=True)
         for own in (SIGMOID, SOFTPICK):  # the normalizers with builds of their own
             for d in (64, 128):
                 cases += ptx_cases(f"backward {kernel_label(label, own=own)}",
                                    lambda dt, t, b=build, o=own: b(dt, t, "dense", own=o),
                                    argtypes, d, d,
-                                   tiles=lambda *a, o=own, f=tiles: f(*a, own=o))
+                                   tiles=lambda *a, o=own, f=tiles: f(*a, own=o), variant=True)
         # top-k's builds of the normalizers that weigh the kept keys their own way (the
         # key-tile tiles as own_build's: relu_expm1's are the production tiles)
         for own in (RELU_EXPM1, SIGMOID, SOFTPICK):
@@ -635,7 +636,7 @@ def ptx_signatures():
                                lambda dt, t, b=build, o=own: b(dt, t, "topk", own=o),
                                argtypes, 64, 64,
                                tiles=lambda *a, o=own, f=tiles: f(
-                                   *a, own=None if o == RELU_EXPM1 else o))
+                                   *a, own=None if o == RELU_EXPM1 else o), variant=True)
     for name, _, _, options in cases:
         if name in KNOWN_GATE_FAILURES:
             options["known"] = KNOWN_GATE_FAILURES[name]

@@ -157,12 +157,16 @@ def tiled_kernel(name: str, build, dtype, tiling: Tiling):
 
 
 def ptx_cases(label: str, build, argtypes, d: int, dv: int, streams: int = 1,
-              tiles=None) -> list:
+              tiles=None, variant: bool = False) -> list:
     """``[(name, python function, argument types, options)]`` of a register-tiled kernel
     for the PTX check: float32 (gated) and float64, production tiles at ``d``, ``dv``.
 
     ``argtypes(ty)`` gives the kernel's argument types for the Numba float type ``ty``;
     ``tiles(dtype, d, dv, streams)`` the tiling (default :func:`tiling_for`).
+    ``variant``: a build of a kernel whose plain build is listed too (another head size,
+    dropout, mods, a normalizer or mode); its float64 case is marked ``"variant"``, which
+    the check compiles only when asked for every float64 build (its float32 case, the
+    same code, is always compiled and gated).
     """
     cases = []
     for dtype in (np.dtype(np.float32), np.dtype(np.float64)):
@@ -170,7 +174,8 @@ def ptx_cases(label: str, build, argtypes, d: int, dv: int, streams: int = 1,
         size = f"D={d}" if d == dv else f"d={d}"  # d: the score depth, values wider
         cases.append((f"{label} {dtype.name} {size}",
                       build(dtype, tiling), argtypes(numba.from_dtype(dtype)),
-                      {"threads": tiling.threads, "tiled": True}))
+                      {"threads": tiling.threads, "tiled": True,
+                       "variant": variant and dtype == np.float64}))
     return cases
 
 

@@ -131,12 +131,16 @@ def ptx_signatures():
         return build, types_of
 
     ids = np.repeat(np.arange(2), 4)
-    cases = [case for d in (64, 128) for case in ptx_cases("dense", build_dense, argtypes, d, d)]
+    cases = [case for d in (64, 128)
+             for case in ptx_cases("dense", build_dense, argtypes, d, d, variant=d != 64)]
     cases += ptx_cases("dense dropout", lambda dt, t: build_dense(dt, t, True), argtypes,
-                       64, 64)
-    cases += ptx_cases("dense alibi", *with_mods(score_mod=m.alibi(np.ones(2))), 64, 64)
-    cases += ptx_cases("dense document", *with_mods(mask_mod=m.document(ids)), 64, 64)
+                       64, 64, variant=True)
+    cases += ptx_cases("dense alibi", *with_mods(score_mod=m.alibi(np.ones(2))), 64, 64,
+                       variant=True)
+    cases += ptx_cases("dense document", *with_mods(mask_mod=m.document(ids)), 64, 64,
+                       variant=True)
     for own in (SIGMOID, SOFTPICK):
         cases += ptx_cases(kernel_label("dense", own=own),
-                           lambda dt, t, o=own: build_dense(dt, t, own=o), argtypes, 64, 64)
+                           lambda dt, t, o=own: build_dense(dt, t, own=o), argtypes, 64, 64,
+                           variant=True)
     return cases

@@ -348,4 +348,4 @@ def ptx_signatures():
     return (ptx_cases("diff", build_diff, argtypes, 64, 128, streams=2)
             + ptx_cases("diff clip", build_clip, argtypes, 64, 128, streams=2)
             + ptx_cases("diff dropout", lambda dt, t: build_diff(dt, t, dropout=True), argtypes,
-                        64, 128, streams=2))
+                        64, 128, streams=2, variant=True))

@@ -136,4 +136,4 @@ def ptx_signatures():
 
     return (ptx_cases("sparse", build_sparse, argtypes, 64, 64)
             + ptx_cases("sparse dropout", lambda dt, t: build_sparse(dt, t, True), argtypes,
-                        64, 64))
+                        64, 64, variant=True))

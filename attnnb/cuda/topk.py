@@ -266,8 +266,9 @@ def ptx_signatures():
 
     cases = (ptx_cases("topk", build_topk, argtypes, 64, 64)
              + ptx_cases("topk dropout", lambda dt, t: build_topk(dt, t, True), argtypes,
-                         64, 64))
+                         64, 64, variant=True))
     for own in (RELU_EXPM1, SIGMOID, SOFTPICK):
         cases += ptx_cases(kernel_label("topk", own=own),
-                           lambda dt, t, o=own: build_topk(dt, t, own=o), argtypes, 64, 64)
+                           lambda dt, t, o=own: build_topk(dt, t, own=o), argtypes, 64, 64,
+                           variant=True)
     return cases
