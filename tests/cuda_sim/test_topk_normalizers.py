@@ -62,8 +62,13 @@ def _check(rng, case, normalizer, dtype, **extra):
     return _compare_vjp(attnnb.topk_attention, (q, k, v, top_k), kw, dtype, rng)[0]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("normalizer", NORMALIZERS)
+# each case with two normalizers, each normalizer in three or four cases (the simulator
+# runs a Python thread per GPU thread: the whole product would double the file's time)
+PAIRS = [(case, NORMALIZERS[(at + shift) % len(NORMALIZERS)])
+         for at, case in enumerate(CASES) for shift in (0, 1)]
+
+
+@pytest.mark.parametrize("case, normalizer", PAIRS)
 def test_float64(rng, case, normalizer):
     _check(rng, case, normalizer, np.float64)
 
@@ -74,11 +79,10 @@ def test_float32(rng, case, normalizer):
     _check(rng, case, normalizer, np.float32)
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_sigmoid_bias(rng, dtype):
+def test_sigmoid_bias(rng):
     """A non-default ``sigmoid_bias`` weighs the kept keys and leaves the ranking alone."""
-    out = _check(rng, "GQA, key sizes", "sigmoid", dtype, sigmoid_bias=1.3)
-    other = _check(rng, "GQA, key sizes", "sigmoid", dtype, sigmoid_bias=-0.4)
+    out = _check(rng, "GQA, key sizes", "sigmoid", np.float32, sigmoid_bias=1.3)
+    other = _check(rng, "GQA, key sizes", "sigmoid", np.float32, sigmoid_bias=-0.4)
     assert not np.allclose(out, other)
 
 
