@@ -73,9 +73,9 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
     Arguments: ``q, k, v, dout`` (4-D, the forward's head layout), ``scale``,
     ``bias`` / ``mask`` / ``logks`` with their flags, ``causal``, the
     normalizer code, ``row_terms (B, H, NR, Lq)`` (per-row values, see
-    :func:`pair_functions`), ``thr`` / ``cut`` and ``selected`` (top-k),
-    ``diff_mode`` (the two-stream kernels' differential mode code), ``clip`` (the clip
-    bits of the ``"clipped"`` and ``"gated"`` variants), the
+    :func:`pair_functions`), ``selected`` (top-k), ``diff_mode`` (the two-stream
+    kernels' differential mode code), ``clip`` (the clip bits of the ``"clipped"`` and
+    ``"gated"`` variants; top-k's selection, in the same layout), the
     pattern's ``p_heads``, CSR ``indptr`` / ``indices`` and ``csr`` flag, the
     tile lists ``tile_ptr, tile_idx, tile_full``, ``dq`` and ``mods`` (the mods' arrays;
     ``()`` without, and ``mods=None``).  Grid ``(B * H, query tiles)``.
@@ -118,7 +118,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
     PHASES = 2 if STREAMS == 2 or PAIR else 1  # a first sweep for the rows' sums
 
     def dq_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                  normalizer, row_terms, thr_a, cut_a, selected, diff_mode, clip, p_heads, indptr,
+                  normalizer, row_terms, selected, diff_mode, clip, p_heads, indptr,
                   indices, csr, seed_lo, seed_hi, batch0, head0, threshold, keep, tile_ptr,
                   tile_idx, tile_full, dq, mods):
         Lq, Lk = q.shape[2], k.shape[2]
@@ -134,7 +134,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
         rows, flag = smem[O_ROWS:O_FLAG], smem[O_FLAG:]
         t, row0, key0, _ = thread_place()
         colq = (key0 // TN) * TD
-        S1, S2, F, dP, terms, thr, cutr = pair_registers()
+        S1, S2, F, dP, terms = pair_registers()
         keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
         R = cuda.local.array(N_S, nt)  # a score function's raw logits
         part1, part2 = row_zeros()  # with two streams: the rows' d1 and e
@@ -142,7 +142,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
         if t == 0:
             flag[0] = CAST(-1)
         nq = min(BQ, Lq - i0)
-        load_rows(row_terms, b, h, i0, row0, Lq, terms, thr_a, cut_a, selected, thr, cutr)
+        load_rows(row_terms, b, h, i0, row0, Lq, terms)
         if PAIR:  # the first sweep weighs by the map alone: e is needed where lam = 0 too
             for r in range(TM):
                 terms[TM + r] = ONE
@@ -166,7 +166,7 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
                 stage_dT(vh, j0, nk, ONE, Vt, BK)
                 cuda.syncthreads()
                 tile_gradients(Qt, Qt[N_QS:], KV, KV[N_KS:], dOt, Vt, dSt, partial, S1, S2, F,
-                               dP, terms, thr, cutr, selected, diff_mode, clip, CLIPPED,
+                               dP, terms, selected, diff_mode, clip, CLIPPED,
                                False, clip_row, words, part1, part2, i0, row0, j0, key0, nq, Lq,
                                Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
                                normalizer, keys, (seed_lo, seed_hi, batch0, head0, threshold, keep),
@@ -289,7 +289,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
                 A[(U32(row0) + U32(r)) * U32(BK) + U32(key0) + U32(c)] = X[r * TN + c]
 
     def dkdv_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                    normalizer, row_terms, thr_a, cut_a, selected, diff_mode, clip, p_heads, indptr,
+                    normalizer, row_terms, selected, diff_mode, clip, p_heads, indptr,
                     indices, csr, seed_lo, seed_hi, batch0, head0, threshold, keep, col_ptr,
                     col_qt, col_full, need_dbias, dk, dv, dbias, dlogks, mods, mod_grads):
         Lq, Lk = q.shape[2], k.shape[2]
@@ -312,7 +312,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
         ty = t // NX
         colk = ty * TDK
         colv = ty * TVK
-        S1, S2, F, dP, terms, thr, cutr = pair_registers()
+        S1, S2, F, dP, terms = pair_registers()
         keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
         R = cuda.local.array(N_S, nt)  # a score function's raw logits
         if MOD_GRADS:  # this block's slot of the gradient buffers
@@ -331,7 +331,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
                 i0 = col_qt[p] * BQ
                 nq = min(BQ, Lq - i0)
                 partial = csr and not col_full[p]
-                load_rows(row_terms, b, h, i0, row0, Lq, terms, thr_a, cut_a, selected, thr, cutr)
+                load_rows(row_terms, b, h, i0, row0, Lq, terms)
                 if GATED:  # in the ratio's place (the map's is 1): the gate's weight, -lam
                     for r in range(TM):
                         terms[TM + r] = row_terms[b, h, 3, min(i0 + row0 + r, Lq - 1)]
@@ -344,7 +344,7 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
                 stage_dT(dout[b, h], i0, nq, ONE, OO, BQ)
                 cuda.syncthreads()
                 tile_gradients(QQ, QQ[N_QQ:], Kt, Kt[N_KS:], OO, Vt, Wt, partial, S1, S2, F, dP,
-                               terms, thr, cutr, selected, diff_mode, clip, CLIPPED, GATED,
+                               terms, selected, diff_mode, clip, CLIPPED, GATED,
                                U32((b * H + h) * Lq + i0), words, part, part, i0, row0,
                                j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
                                has_mask, logks, has_ks, normalizer, keys,
@@ -585,8 +585,8 @@ def ptx_signatures():
     def common(ty):
         arr4 = ty[:, :, :, ::1]
         return (arr4, arr4, arr4, arr4, ty, arr4, boolean, types.boolean[:, :, :, ::1],
-                boolean, ty[:, ::1], boolean, boolean, types.int64, arr4, ty[:, :, ::1],
-                types.int64[:, :, ::1], boolean, types.int64, types.uint32[::1], types.int64, i64,
+                boolean, ty[:, ::1], boolean, boolean, types.int64, arr4,
+                boolean, types.int64, types.uint32[::1], types.int64, i64,
                 i32, boolean, types.int64, types.int64, types.int64, types.int64, types.int64,
                 ty, i64, i32, flags)
 
@@ -600,8 +600,8 @@ def ptx_signatures():
 
     cases = []
     for label, build, argtypes in (("dq", build_dq, dq_types), ("dkdv", build_dkdv, dkdv_types)):
-        def tiles(dtype, d, dv, streams, label=label, own=None):
-            return backward_tiling(dtype, d, dv, streams, label, own)
+        def tiles(dtype, d, dv, streams, label=label, own=None, selected=False):
+            return backward_tiling(dtype, d, dv, streams, label, own, selected)
 
         for d in (64, 128):
             cases += ptx_cases(f"backward {label}", build, argtypes, d, d, tiles=tiles,
@@ -629,14 +629,16 @@ def ptx_signatures():
                                    lambda dt, t, b=build, o=own: b(dt, t, "dense", own=o),
                                    argtypes, d, d,
                                    tiles=lambda *a, o=own, f=tiles: f(*a, own=o), variant=True)
-        # top-k's builds of the normalizers that weigh the kept keys their own way (the
-        # key-tile tiles as own_build's: relu_expm1's are the production tiles)
-        for own in (RELU_EXPM1, SIGMOID, SOFTPICK):
+        # top-k's builds: softmax's, and those of the normalizers that weigh the kept keys
+        # their own way (the key-tile tiles as own_build's: relu_expm1's are the
+        # production tiles)
+        for own in (None, RELU_EXPM1, SIGMOID, SOFTPICK):
             cases += ptx_cases(f"backward topk {kernel_label(label, own=own)}",
                                lambda dt, t, b=build, o=own: b(dt, t, "topk", own=o),
                                argtypes, 64, 64,
                                tiles=lambda *a, o=own, f=tiles: f(
-                                   *a, own=None if o == RELU_EXPM1 else o), variant=True)
+                                   *a, own=None if o in (None, RELU_EXPM1) else o,
+                                   selected=True), variant=True)
     for name, _, _, options in cases:
         if name in KNOWN_GATE_FAILURES:
             options["known"] = KNOWN_GATE_FAILURES[name]

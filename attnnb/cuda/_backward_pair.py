@@ -27,14 +27,12 @@ denominator alone) ``ds = a delta`` and ``d log key_size += c (e^s - 1) delta
 / (D + eps)``; a logit of ``-inf`` inside the set still counts there.  Both
 run in builds of their own (:func:`attnnb.cuda._micro.own_build`).
 
-Top-k (``selected``): the softmax family's builds drop the keys the selection
-``(thr, cut)`` leaves out by their modified logits, which are the ranking
-logits.  The builds of a normalizer that weighs the kept keys its own way
-(``relu_expm1``, ``sigmoid``, ``softpick``: ``own``,
-:func:`attnnb.cuda.topk.topk_build`) compare the ranking logits instead
-(``s + log key_size`` after a score function, before any bias), formed from
-the raw logits before the modification, and drop the others with ``s' =
--inf`` and ``F = 0`` after it.
+Top-k (``selected``): the forward kernel writes each row's selection, one bit a
+(query, key) pair in the clip's layout (:func:`attnnb.cuda.topk.topk_selection`),
+and the keys whose bit is clear are dropped after the modification, ``s' = -inf``
+and ``F = 0``, in every build (the softmax family's and those of a normalizer that
+weighs the kept keys its own way): no ranking logit is formed again here, and no
+threshold is held in registers.
 
 and for differential attention's two streams (every mode; ``A_c = exp(s_c
 - lse_c)``, ``W = A1 - lam A2``, clipped at 0 with ``G = 0`` there when
@@ -81,7 +79,6 @@ import math
 
 import numpy as np
 from numba import cuda
-from numba import uint64 as U64
 
 from .._codes import (
     HEAVISIDE,
@@ -133,33 +130,31 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None, own=None):
     ONE_WORD = 32 % tiling.bk == 0
     SCORE_FN = micro.SCORE_FN
     dscores = micro.scores_product(round_up4(tiling.dv))
-    # an own build's top-k selection is on the ranking logits, before the modification
-    RERANK = OWN and STREAMS == 1
-    assert N_S <= 64  # (the dropped keys of a micro-tile: one 64-bit word)
-    CAST, index = base.CAST, base.index
-    rank_value = micro_functions(np.dtype(dtype), tiling, mods, None).modify_value
+
+    # a micro-tile row's keys start at a multiple of TN: with TN dividing 32, in one word
+    ROW_WORD = 32 % TN == 0
 
     @cuda.jit(device=True)
-    def unselected(S, thr, cutr, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, mask, has_mask,
-                   logks, has_ks, mods):
-        """Bit ``x`` set where the key of the thread's micro-tile element ``x`` (raw logits
-        ``S``) is not selected, by its ranking logit: softmax's modification, no bias (a
-        key outside the set gets ``-inf`` from the modification whatever its bit)."""
-        bits = U64(0)
+    def drop_unselected(S, F, selection, sel_row, words, row0, j0, key0, nq, Lk):
+        """``S = -inf``, ``F = 0`` where the top-k ``selection`` (flat, one bit a pair: row
+        ``i`` of the tile at ``sel_row + i``, ``words`` a row; keys past ``Lk`` clear) leaves
+        the key of the thread's micro-tile out; rows past ``nq`` are left (not live)."""
         for r in range(TM):
-            i = min(i0 + row0 + r, Lq - 1)  # rows past Lq: read a real row, not kept
-            for c in range(TN):
-                j = j0 + key0 + c
-                s = S[r * TN + c]
-                if SCORE_FN:
-                    s = rank_value(s, i, j, Lk, diag, b, h, bias, False, mask, has_mask, logks,
-                                   has_ks, SOFTMAX, mods)[0]
-                elif has_ks:
-                    s += CAST(logks[index(b, logks.shape[0]),
-                                    index(min(j, Lk - 1), logks.shape[1])])
-                if not (s > thr[r] or s != s or (s == thr[r] and j <= cutr[r])):
-                    bits |= U64(1) << U64(r * TN + c)
-        return bits
+            if row0 + r < nq:
+                at = (sel_row + U32(row0 + r)) * words
+                j = j0 + key0
+                word = U32(0)
+                if ROW_WORD and j < Lk:  # one load a row (registers)
+                    word = selection[at + U32(j >> 5)] >> U32(j & 31)
+                for c in range(TN):
+                    keep = (word >> U32(c)) & U32(1) != U32(0)
+                    if not ROW_WORD:  # keys of the row in two words: a load a key
+                        j = j0 + key0 + c
+                        keep = j < Lk and (selection[at + U32(j >> 5)] >> U32(j & 31)) & U32(
+                            1) != U32(0)
+                    if not keep:
+                        S[r * TN + c] = NINF
+                        F[r * TN + c] = ZERO
 
     @cuda.jit(device=True)
     def drop_factor(key, j, threshold, keep):
@@ -170,14 +165,14 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None, own=None):
         return keep if kept(key, column_word(I64(j)), threshold) else ZERO
 
     @cuda.jit(device=True)
-    def single(S, F, dP, terms, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
-               clipped, gated, clip_row, words, keys, threshold, keep):
+    def single(S, F, dP, terms, row0, j0, key0, nq, normalizer, clip, clipped, gated, clip_row,
+               words, keys, threshold, keep):
         """One stream: ``S`` becomes ``ds``, ``dP`` becomes ``w g`` (a key size's term;
         0 where the weight is), ``F`` the weights that reach the values.  With dropout
         (``keys``: the rows' keys, ``threshold``, ``keep = 1 / (1 - p)``) the factor
         ``z`` (``keep`` or 0) scales ``dP`` before ``g = z dP - delta`` and the weights
-        in ``F`` (``z w``).  ``terms``: the rows' ``lse, r, delta``; ``thr``, ``cutr``: the
-        top-k selection when ``selected``.  Rows past ``nq`` get zeros.  ``S``, ``F``:
+        in ``F`` (``z w``).  ``terms``: the rows' ``lse, r, delta``.  Rows past ``nq`` get
+        zeros.  ``S``, ``F``:
         the modified logits and their factors.  ``clipped``: a rectified pair's stream,
         ``clip[b, h, i, j // 32]`` bit ``j % 32`` the clip of weight ``(i, j)``; where it
         is clear the weight is 0 and ``g = -delta`` (the clip has derivative 0, the
@@ -211,11 +206,7 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None, own=None):
                 floor = t / (ONE + EPS * t) if lse >= ZERO else ONE / (t + EPS)
             for c in range(TN):
                 x = r * TN + c
-                s = S[x]
-                # (an own build's selection: dropped in tile_gradients, before this)
-                if selected and not RERANK and not (
-                        s > thr[r] or s != s or (s == thr[r] and j0 + key0 + c <= cutr[r])):
-                    s = NINF
+                s = S[x]  # (top-k's unselected keys: -inf already, tile_gradients)
                 w = ZERO
                 ds = ZERO
                 g = ZERO
@@ -313,29 +304,23 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None, own=None):
 
     @cuda.jit(device=True)
     def pair_registers():
-        """The thread's register arrays of a pair: ``S1, S2, F, dP`` (micro-tiles),
-        ``terms`` (three or five values a row), ``thr``, ``cutr`` (the top-k selection)."""
+        """The thread's register arrays of a pair: ``S1, S2, F, dP`` (micro-tiles) and
+        ``terms`` (three or five values a row)."""
         return (cuda.local.array(N_S, nt), cuda.local.array(N_S, nt),
                 cuda.local.array(N_S, nt), cuda.local.array(N_S, nt),
-                cuda.local.array(N_TERM_REGS, nt), cuda.local.array(TM, nt),
-                cuda.local.array(TM, np.int64))
+                cuda.local.array(N_TERM_REGS, nt))
 
     @cuda.jit(device=True)
-    def load_rows(row_terms, b, h, i0, row0, Lq, terms, thr_a, cut_a, selected, thr, cutr):
+    def load_rows(row_terms, b, h, i0, row0, Lq, terms):
         """``terms[k * TM + r] = row_terms[b, h, k, row i0 + row0 + r]`` (rows past ``Lq``: the
-        last) and, when ``selected``, the rows' top-k threshold and tie cut."""
+        last)."""
         for r in range(TM):
             ii = min(i0 + row0 + r, Lq - 1)
             for k in range(N_TERMS):
                 terms[k * TM + r] = row_terms[b, h, k, ii]
-            thr[r] = thr_a[0, 0, 0]
-            cutr[r] = 0
-            if selected:
-                thr[r] = thr_a[b, h, ii]
-                cutr[r] = cut_a[b, h, ii]
 
     @cuda.jit(device=True)
-    def tile_gradients(Q1, Q2, K1, K2, Ot, Vt, Mt, partial, S1, S2, F, dP, terms, thr, cutr,
+    def tile_gradients(Q1, Q2, K1, K2, Ot, Vt, Mt, partial, S1, S2, F, dP, terms,
                        selected, diff_mode, clip, clipped, gated, clip_row, words, part1, part2,
                        i0, row0, j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
                        has_mask, logks, has_ks, normalizer, keys, drop, mods, R):
@@ -358,22 +343,15 @@ def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None, own=None):
         if SCORE_FN:
             for x in range(N_S):
                 R[x] = S1[x]
-        dropped = U64(0)
-        if RERANK and selected:
-            dropped = unselected(S1, thr, cutr, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias,
-                                 mask, has_mask, logks, has_ks, mods)
         modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                     has_mask, logks, has_ks, normalizer if STREAMS == 1 else SOFTMAX, mods)
         if partial:  # after the score function, which may map -inf to a number
             apply_tile_mask(S1, F, Mt, row0, key0)
-        if RERANK and selected:
-            for x in range(N_S):
-                if (dropped >> U64(x)) & U64(1):
-                    S1[x] = NINF
-                    F[x] = ZERO
+        if selected:  # top-k: ``clip`` holds the selection
+            drop_unselected(S1, F, clip, clip_row, words, row0, j0, key0, nq, Lk)
         if STREAMS == 1:
-            single(S1, F, dP, terms, thr, cutr, selected, row0, j0, key0, nq, normalizer, clip,
-                   clipped, gated, clip_row, words, keys, drop[4], drop[5])
+            single(S1, F, dP, terms, row0, j0, key0, nq, normalizer, clip, clipped, gated,
+                   clip_row, words, keys, drop[4], drop[5])
         else:
             modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
                         has_mask, logks, has_ks, SOFTMAX, mods)

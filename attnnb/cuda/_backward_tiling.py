@@ -24,6 +24,7 @@ ptxas figures, sm_90".
 
 from __future__ import annotations
 
+from .._codes import SIGMOID
 from ._micro import Tiling, tiling_for
 
 
@@ -104,6 +105,10 @@ _PRODUCTION_TWO_STREAMS = dict(_PRODUCTION, dkdv=((64, (64, 32, 4, 1)), (128, (3
 # 64 x 8 of 4 x 1 to 148-154 registers (float32, sm_90), 8 x 32 of 1 x 2 keeps to 128 at
 # 4.2-5.3 FMA per shared load; at D <= 128 the production tiles keep to 128
 _OWN_DKDV = ((64, (8, 32, 1, 2)), (128, (16, 32, 1, 2)))
+# top-k's key-tile kernel of sigmoid's build: reading the selection's bits takes 8 x 32
+# of 1 x 2 to 137 registers at D <= 64, 16 x 32 of 1 x 2 keeps to 128 (4.8 FMA per
+# shared load)
+_TOPK_SIGMOID_DKDV = ((64, (16, 32, 1, 2)), (128, (16, 32, 1, 2)))
 # float32 kernels that do not meet the register-tiling gate yet, and why (the gate reports
 # them as known failures; gpu/RESULTS.md has their figures)
 KNOWN_GATE_FAILURES = {
@@ -114,26 +119,20 @@ KNOWN_GATE_FAILURES = {
                                              "per shared load: two score streams, Dv = 128 "
                                              "(not the default route of any mode)",
 }
-# top-k's key-tile kernel holds the selection's registers: softmax's top-k build takes
-# 136 at D = 64 (not a gated case); the builds of the normalizers that weigh the kept keys
-# their own way rank each key again there, 141-151 (float32, sm_90)
-for _name in ("relu_expm1", "sigmoid", "softpick"):
-    KNOWN_GATE_FAILURES[f"backward topk dkdv-{_name} float32 D=64"] = (
-        "more than 128 registers: top-k's key-tile kernel (softmax's takes 136 too), the "
-        "selection made again on the ranking logits")
 
 _PARTS = {"dq": dq_parts, "dkdv": dkdv_parts}
 
 
 def backward_tiling(dtype, d: int, dv: int, streams: int = 1, kernel: str = "dq",
-                    own=None) -> Tiling:
+                    own=None, selected: bool = False) -> Tiling:
     """The tiling of one backward kernel (``"dq"`` or ``"dkdv"``) for a compute dtype and
     head sizes; ``own``: ``sigmoid``'s or ``softpick``'s builds
-    (:func:`attnnb.cuda._micro.own_build`), whose key-tile kernel has tiles of its own."""
+    (:func:`attnnb.cuda._micro.own_build`), whose key-tile kernel has tiles of its own
+    (``selected``: top-k's, sigmoid's different again)."""
     parts = _PARTS[kernel]
     production = (_PRODUCTION_TWO_STREAMS if streams == 2 else
                   _PRODUCTION_NARROW_D if d < dv <= 128 else _PRODUCTION)[kernel]
     if own is not None and kernel == "dkdv":
-        production = _OWN_DKDV
+        production = (_TOPK_SIGMOID_DKDV if selected and own == SIGMOID else _OWN_DKDV)
     return tiling_for(dtype, d, dv, streams, elements=lambda candidate: sum(parts(candidate)),
                       production=production)

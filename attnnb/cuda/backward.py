@@ -21,8 +21,9 @@ One stream (dense, sparse, top-k): a kernel forms the rows' terms (``lse``,
 the row factor, ``delta``), then the query-tile kernel and the key-tile
 kernel sweep the tile lists (:func:`_sweep`; a dense problem's lists are
 every key tile up to the causal limit).  Top-k keeps the forward's
-selection: the top-k forward kernel is run again for its thresholds
-(:func:`attnnb.cuda.topk.topk_selection`).  Differential attention takes
+selection: the top-k forward kernel is run again and writes it, one bit a
+(query, key) pair (:func:`attnnb.cuda.topk.topk_selection`), which the
+kernels read as the rectified mode's clip bits.  Differential attention takes
 both streams' LSEs from its forward kernel, run again.  By default no mode
 runs the two-stream kernels: each gradient is two one-stream backwards
 ("pair streams", stream 1's with row ratio ``-lam``), each query-tile kernel
@@ -159,20 +160,16 @@ def _sweep(problem, arrays, streams, row_terms, dout, pattern=None, selection=No
         dq, dk, dv, dbias, dlogks = grads
     own = own_build(problem.normalizer)
     t_dq = backward_tiling(arrays.dtype, D, Dv, streams, "dq")
-    t_kv = backward_tiling(arrays.dtype, D, Dv, streams, "dkdv", own)
+    t_kv = backward_tiling(arrays.dtype, D, Dv, streams, "dkdv", own, selection is not None)
     p_heads, indptr, indices, csr, query_tile_lists, _ = _tile_lists(problem, t_dq, pattern)
     key_tile_lists = _tile_lists(problem, t_kv, pattern)[5]
     if selection is not None:  # top-k: a normalizer that weighs the kept keys its own way
         own = topk_build(problem.normalizer)  # (its key-tile tiles stay own_build's)
-    if selection is None:
-        thr, cut = cuda.to_device(np.zeros((1, 1, 1), dt)), cuda.to_device(
-            np.zeros((1, 1, 1), np.int64))
-    else:
-        thr, cut = selection
-    clip_d = cuda.device_array(1, np.uint32) if clip is None else clip.reshape(clip.size)
+    bits = clip if selection is None else selection  # (top-k's selection: the clip's layout)
+    clip_d = cuda.device_array(1, np.uint32) if bits is None else bits.reshape(bits.size)
     common = (arrays.q, arrays.k, arrays.v, dout, dt.type(problem.scale), arrays.bias,
               arrays.has_bias, arrays.mask, arrays.has_mask, arrays.logks, arrays.has_ks,
-              problem.causal, NORMALIZER_CODES[problem.normalizer], row_terms, thr, cut,
+              problem.causal, NORMALIZER_CODES[problem.normalizer], row_terms,
               selection is not None, diff_mode, clip_d, p_heads, indptr, indices, csr,
               *kernel_dropout(problem, dt))
     n_qt, n_kt = -(-Lq // t_dq.bq), -(-Lk // t_kv.bk)
@@ -255,11 +252,11 @@ def _single(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_k=None
     return _single_piece(problem, out, lse, dout, dlse, dbias_shape, pattern, top_k)
 
 
-def key_tile_blocks(problem, dtype) -> int:
+def key_tile_blocks(problem, dtype, selected=False) -> int:
     """The blocks of the key-tile kernel of a one-stream problem (``B * Hk`` times its
-    key tiles)."""
+    key tiles; ``selected``: top-k's)."""
     B, _, Hk, _, Lk, D, Dv = problem.shape
-    tiling = backward_tiling(dtype, D, Dv, 1, "dkdv", own_build(problem.normalizer))
+    tiling = backward_tiling(dtype, D, Dv, 1, "dkdv", own_build(problem.normalizer), selected)
     return B * Hk * -(-Lk // tiling.bk)
 
 
@@ -269,7 +266,7 @@ def _single_piece(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_
     arrays = device_problem(problem)
     dt = arrays.dtype
     mod_grads = () if problem.score_mod is None else gradient_buffers(
-        problem, key_tile_blocks(problem, dt))
+        problem, key_tile_blocks(problem, dt, top_k is not None))
     tail = () if problem.score_mod is None else (parameter_gradients(problem, ()),)
     if not (B * Hq and Lq and Lk):
         return _zeros(problem, dt, dbias_shape) + tail
@@ -277,7 +274,7 @@ def _single_piece(problem, out, lse, dout, dlse, dbias_shape, pattern=None, top_
     if top_k is not None:  # the forward's own kernel makes the selection again
         from .topk import topk_selection
 
-        selection = topk_selection(problem, top_k, arrays)[2:]
+        selection = topk_selection(problem, top_k, arrays, want_bits=True)[2]
     dout = _on_device(dout)
     row_terms = cuda.device_array((B, Hq, 3, Lq), dt)
     grid, threads = element_grid(B * Hq * Lq)

@@ -20,7 +20,10 @@ so that the softmax family's build carries none of that code.
 
 Scratch is two ``Lk`` rows per query row in flight, never ``Lq x Lk`` per
 head: the query tiles are launched in chunks so that the scratch stays
-under ``SCRATCH_ELEMENTS``.
+under ``SCRATCH_ELEMENTS``.  For the backward the kernel also writes each
+row's selection, one bit a key (``Lq x ceil(Lk / 32)`` words per head, as
+the rectified mode's clip bits), so that the backward forms no ranking
+logit again and holds no threshold in registers.
 """
 
 from __future__ import annotations
@@ -60,8 +63,9 @@ def build_topk(dtype, tiling, dropout=False, mods=None, own=None):
     of this launch), the scratch ``R`` and ``buf`` (``(B * Hq, rows, Lk)``), the
     dropout's ``seed_lo, seed_hi, batch0, head0, threshold, keep`` (read by the ``dropout``
     build: the kept keys' weights are dropped after the selection),
-    ``out``, ``lse`` and the selection ``thr``, ``cut`` (``(B, Hq, Lq)``: each row's
-    threshold and tie cut, which the backward reuses), the normalizer code
+    ``out``, ``lse``, ``want_bits`` and ``bits`` (``(B, Hq, Lq, ceil(Lk / 32))``
+    uint32: with ``want_bits`` each row's selection, bit ``j % 32`` of word ``j // 32``
+    set where key ``j`` is kept, which the backward reads), the normalizer code
     (``softmax``, or ``softmax1`` with learned sinks, which only the finish reads),
     ``sinks`` (sink logits, as the dense kernel's) and ``mods``
     (mask and score functions, as the dense kernel's: rows rank the modified logits).
@@ -140,9 +144,23 @@ def build_topk(dtype, tiling, dropout=False, mods=None, own=None):
                     S[r * TN + c] = NINF
                     F[r * TN + c] = ZERO
 
+    @cuda.jit(device=True)
+    def store_selection(row, n, thr, cut, words, dst):
+        """``dst[w]``, ``w < words``: the kept keys of a row of ``n`` stored ranking logits,
+        one bit a key (keys from ``n`` on: not kept)."""
+        for w in range(words):
+            word = U32(0)
+            for e in range(32):
+                j = w * 32 + e
+                if j < n:
+                    s = row[j]
+                    if s > thr or s != s or (s == thr and j <= cut):
+                        word |= U32(1) << U32(e)
+            dst[w] = word
+
     def topk_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
                               top_k, qt0, R, buf, seed_lo, seed_hi, batch0, head0, threshold,
-                              keep, out, lse, thr_out, cut_out, normalizer, sinks, mods):
+                              keep, out, lse, want_bits, bits, normalizer, sinks, mods):
         Lq, Lk = q.shape[2], k.shape[2]
         b, h, g, i0 = block_tile(q.shape[1], k.shape[1], qt0)
         # F, the factors: unused by softmax (pass 1), pass 2's in an own build
@@ -177,9 +195,9 @@ def build_topk(dtype, tiling, dropout=False, mods=None, own=None):
                                  buf[cuda.blockIdx.x, cuda.blockIdx.y * BQ + t])
             rows[U32(t)] = x
             cuts[t] = y
-            if i0 + t < Lq:
-                thr_out[b, h, i0 + t] = x
-                cut_out[b, h, i0 + t] = y
+            if want_bits and i0 + t < Lq:
+                store_selection(Rows[t], min(Lk, last * BK), x, y, bits.shape[3],
+                                bits[b, h, i0 + t])
         cuda.syncthreads()
         for r in range(TM):  # rows is rewritten only after the next barrier
             thr[r] = rows[U32(row0) + U32(r)]
@@ -209,20 +227,21 @@ def build_topk(dtype, tiling, dropout=False, mods=None, own=None):
     return topk_attention_kernel
 
 
-def topk_selection(problem, top_k, a=None):
-    """Run the top-k kernel; returns device arrays ``(out, lse, thr, cut)``.
+def topk_selection(problem, top_k, a=None, want_bits=False):
+    """Run the top-k kernel; returns device arrays ``(out, lse, bits)``.
 
-    ``thr``, ``cut`` (``(B, Hq, Lq)``) are each row's selection: key ``j``
-    is kept when its ranking logit ``s > thr`` (``s + log key_size``, after a score
-    function, before any bias), or ``s == thr`` and ``j <= cut``, or ``s`` is NaN.
-    ``a``: the problem's device arrays when already made
-    (:func:`~attnnb.cuda._arrays.device_problem`).
+    ``bits`` (``(B, Hq, Lq, ceil(Lk / 32))`` uint32, with ``want_bits``; else
+    None) is each row's selection, bit ``j % 32`` of word ``j // 32`` for key
+    ``j``: set where its ranking logit ``s`` (``s + log key_size``, after a score
+    function, before any bias) is above the row's threshold, or equal to it
+    at a key up to the row's tie cut, or NaN.  ``a``: the problem's device
+    arrays when already made (:func:`~attnnb.cuda._arrays.device_problem`).
     """
     B, Hq, _, Lq, Lk, D, Dv = problem.shape
     a = device_problem(problem) if a is None else a
     out, lse = outputs((B, Hq, Lq, Dv), (B, Hq, Lq), a)
-    thr = cuda.device_array((B, Hq, Lq), a.dtype)
-    cut = cuda.device_array((B, Hq, Lq), np.int64)
+    bits = cuda.device_array((B, Hq, Lq, (Lk + 31) // 32) if want_bits else (1, 1, 1, 1),
+                             np.uint32)
     if Lq and B * Hq:
         tiling = tiling_for(a.dtype, D, Dv)
         tq = tiling.bq
@@ -240,15 +259,15 @@ def topk_selection(problem, top_k, a=None):
             kernel[(B * Hq, min(chunk, n_qt - qt0)), tiling.threads](
                 a.q, a.k, a.v, a.dtype.type(problem.scale), a.bias, a.has_bias, a.mask,
                 a.has_mask, a.logks, a.has_ks, problem.causal, int(top_k), qt0, R, buf,
-                *kernel_dropout(problem, a.dtype), out, lse, thr, cut,
+                *kernel_dropout(problem, a.dtype), out, lse, want_bits, bits,
                 NORMALIZER_CODES[problem.normalizer], a.sinks, a.mods)
-    return out, lse, thr, cut
+    return out, lse, bits if want_bits else None
 
 
 def topk_attention(problem, top_k):
     """Top-k attention of a canonical problem; returns ``(out, lse)``."""
     a = device_problem(problem)
-    out, lse, _, _ = topk_selection(problem, top_k, a)
+    out, lse, _ = topk_selection(problem, top_k, a)
     return finish(a, out, lse)
 
 
@@ -262,7 +281,8 @@ def ptx_signatures():
                 types.boolean,
                 ty[:, ::1], types.boolean, types.boolean, types.int64, types.int64, arr3, arr3,
                 types.int64, types.int64, types.int64, types.int64, types.int64, ty, arr4, arr3,
-                arr3, types.int64[:, :, ::1], types.int64, ty[:, ::1], types.Tuple(()))
+                types.boolean, types.uint32[:, :, :, ::1], types.int64, ty[:, ::1],
+                types.Tuple(()))
 
     cases = (ptx_cases("topk", build_topk, argtypes, 64, 64)
              + ptx_cases("topk dropout", lambda dt, t: build_topk(dt, t, True), argtypes,

@@ -120,3 +120,21 @@ def test_score_and_mask_functions(rng, normalizer):
         for g, w in zip(*((x,) if isinstance(x, np.ndarray) else x for x in (got[name],
                                                                             want[name]))):
             assert_close(g, w, np.float64, rtol=1e-12, what=name)
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "sigmoid"])
+def test_selection_bits_over_several_words(rng, normalizer):
+    """The backward reads the forward's selection, one bit a key: rows of 45 keys (two
+    words, a partial one), micro-tiles of two keys a thread (one word a row) and key
+    tiles that end inside a word."""
+    from attnnb.cuda import _micro
+
+    old = _micro.set_micro_tiles((4, 8, 1, 2))
+    try:
+        q, k, v = qkv(rng, batch=(1,), hq=2, hk=1, lq=n(7), lk=n(45), d=4, dv=3,
+                      dtype=np.float64, scale=1.5)
+        kw = dict(normalizer=normalizer, causal=True, return_lse=True,
+                  key_size=rng.integers(1, 3, (1, n(45))).astype(np.float64))
+        _compare_vjp(attnnb.topk_attention, (q, k, v, 19), kw, np.float64, rng)
+    finally:
+        _micro.set_micro_tiles(old)
