@@ -320,7 +320,14 @@ def sparse_attention_vjp(problem, pattern, out, lse, dout, dlse=None):
 
 def topk_attention_vjp(problem, top_k, out, lse, dout, dlse=None):
     """Gradients of top-k attention, the forward's selection held fixed (recomputed by the
-    top-k forward kernel itself, so it is the forward's exactly, ties included)."""
+    top-k forward kernel itself, so it is the forward's exactly, ties included, and
+    written as one bit a pair, ``Lq * Lk / 8`` bytes a head)."""
+    B, Hq, _, Lq, Lk = problem.shape[:5]
+    if B * Hq * Lq * -(-Lk // 32) >= 2**32:  # (the kernels index the words with 32 bits)
+        raise NotImplementedError("topk_attention's backward past 2**32 selection words "
+                                  f"(16 GiB; B * Hq * Lq * ceil(Lk / 32) = "
+                                  f"{B * Hq * Lq * -(-Lk // 32)}) on the cuda backend: not "
+                                  "yet; split the batch or the heads")
     return _single(problem, out, lse, dout, dlse, None, top_k=top_k)
 
 

@@ -138,3 +138,15 @@ def test_selection_bits_over_several_words(rng, normalizer):
         _compare_vjp(attnnb.topk_attention, (q, k, v, 19), kw, np.float64, rng)
     finally:
         _micro.set_micro_tiles(old)
+
+
+def test_a_backward_past_2_32_selection_words_is_refused():
+    """The kernels index the selection's words with 32 bits: a problem with more is
+    refused by name before anything is allocated."""
+    from types import SimpleNamespace
+
+    from attnnb.cuda.backward import topk_attention_vjp
+
+    huge = SimpleNamespace(shape=(2, 1 << 12, 1, 1 << 15, 1000, 64, 64))  # 2**33 words
+    with pytest.raises(NotImplementedError, match=r"past 2\*\*32 selection words"):
+        topk_attention_vjp(huge, 8, None, None, None)
