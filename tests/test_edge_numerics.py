@@ -373,3 +373,28 @@ def test_a_value_at_a_tile_edge_behind_a_zero_weight(rng, dtype, lq, key, column
     assert not np.isfinite(seen[..., column]).any()
     assert np.isfinite(np.delete(seen, column, axis=-1)).all()
     assert_close(seen, attnnb.attention(q, k, v, backend="reference"), dtype)
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_nan_row_has_a_nan_query_gradient(rng, backend, dtype):
+    """docs/contract.md §5.3: a NaN row's own query gets a NaN gradient, for every
+    normalizer, top-k and each differential mode; the other rows' stay finite."""
+    q, k, v = qkv(rng, batch=(1,), hq=2, hk=1, lq=5, lk=70, d=4, dv=3, dtype=dtype)
+    q[0, 0, 2, 1] = np.nan
+    calls = [(attnnb.attention, (), dict(normalizer=n)) for n in
+             ("softmax", "softmax1", "relu_expm1", "sigmoid", "softpick")]
+    calls.append((attnnb.topk_attention, (3,), {}))
+    calls += [(attnnb.diff_attention, (0.5,), dict(mode=m))
+              for m in ("difference", "rectified", "heaviside")]
+    for fn, extra, kw in calls:
+        args = (q, k, v) + extra
+        if fn is attnnb.diff_attention:  # one pair: the NaN is in its first map
+            args = (q, np.concatenate([k, k], axis=1), v) + extra
+        out, pull = attnnb.vjp(fn, *args, backend=backend, **kw)
+        dq = pull(np.ones_like(out))["q"]
+        what = f"{fn.__name__} {kw}"
+        assert np.isnan(dq[0, 0, 2]).all(), what
+        rows = np.ones(dq.shape[:3], bool)
+        rows[0, :, 2] = False  # (the pair's second map shares the NaN row's output)
+        assert np.isfinite(dq[rows]).all(), what

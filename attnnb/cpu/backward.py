@@ -355,7 +355,8 @@ def softpick_row_gradients(s, f, w, ds, dp, lse, ratio, delta):
         u = ratio * f[c] * (w[c] - floor)
         grad = dp[c] - delta
         above = x > 0.0
-        below = x < 0.0 and x != -np.inf  # (-inf: a key the row may not attend)
+        # (-inf: a key the row may not attend; NaN: below, so that its row's dq is NaN)
+        below = not x >= 0.0 and x != -np.inf
         w[c] = u if above else 0.0
         ds[c] = a * grad if above else (a * delta if below else 0.0)
         dp[c] = u * grad if above else (u * delta if below else 0.0)

@@ -127,9 +127,9 @@ def _softmax_backward(s, allowed, log_key_size, normalizer, dw, dlse, sink=0.0):
         counted = allowed & ~(s <= 0)  # as the forward: a NaN logit stays counted
     else:
         counted = allowed
-    log_z = np.logaddexp(lse, np.reshape(sink, np.shape(sink)[:-1])) \
-        if normalizer == "softmax1" else lse
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        log_z = np.logaddexp(lse, np.reshape(sink, np.shape(sink)[:-1])) \
+            if normalizer == "softmax1" else lse  # (a NaN row's lse: NaN, quietly)
         # a row is live when it has weight; NaN rows stay live so that NaN propagates
         live = counted & ~np.isneginf(lse)[..., None]
         # c_j phi'(s_ij) / Z_i and / S_i (phi' = e^s for both kernels where counted)

@@ -157,3 +157,23 @@ def test_zero_weight_and_bad_values_diff(rng, mode):
     want = attnnb.diff_attention(q, k, v, 0.4, bias=bias, mode=mode, backend="reference")
     assert_close(got, want, np.float32)
     assert np.isfinite(got[..., :2]).all()
+
+
+def test_a_nan_row_has_a_nan_query_gradient(rng):
+    """docs/contract.md §5.3 on cuda: a NaN row's own query gets a NaN gradient, for
+    every normalizer, top-k and each differential mode; the other rows' stay finite."""
+    q, k, v = qkv(rng, batch=(1,), hq=2, hk=1, lq=n(5), lk=n(9), d=4, dv=3,
+                  dtype=np.float64)
+    q[0, 0, 2, 1] = np.nan
+    calls = [(attnnb.attention, (q, k, v), dict(normalizer=name)) for name in
+             ("softmax", "softmax1", "relu_expm1", "sigmoid", "softpick")]
+    calls.append((attnnb.topk_attention, (q, k, v, 3), {}))
+    calls += [(attnnb.diff_attention, (q, np.concatenate([k, k], axis=1), v, 0.5),
+               dict(mode=m)) for m in ("difference", "rectified", "heaviside")]
+    for fn, args, kw in calls:
+        out, pull = attnnb.vjp(fn, *args, backend="cuda", **kw)
+        dq = pull(np.ones_like(out))["q"]
+        assert np.isnan(dq[0, 0, 2]).all(), (fn.__name__, kw)
+        rows = np.ones(dq.shape[:3], bool)
+        rows[0, :, 2] = False
+        assert np.isfinite(dq[rows]).all(), (fn.__name__, kw)
