@@ -60,7 +60,7 @@ def weighted_sums(weights, v):
         sums = w @ xp.where(finite, values, 0)
         if not bool(finite.all()):  # count the infinities and NaNs that nonzero weights carry
             up, down = (w > 0).astype(np.float64), (w < 0).astype(np.float64)
-            pos, neg = (f(values).astype(np.float64) for f in (xp.isposinf, xp.isneginf))
+            pos, neg = ((values == x).astype(np.float64) for x in (np.inf, -np.inf))
             rising = up @ pos + down @ neg
             falling = up @ neg + down @ pos
             nans = (up + down) @ xp.isnan(values).astype(np.float64)
