@@ -8,7 +8,10 @@ the rectified clip, the gate does not scale with the maps (a gated key loses
 gives the block's share: the weights are formed here, key by key, from the
 block's logits (:func:`attnnb._dask.logits.block_logits`) in float64, as the
 reference forms them, and weigh the values with IEEE sums (a zero weight
-carries no value).
+carries no value).  For float32 inputs a map below float32's smallest normal
+number counts as 0, as in the kernels: the literal gate opens wherever ``A1 >
+lam A2``, however small both are, so a float64 gate would subtract ``lam`` at
+keys that a float32 call, or a query block that sees one key block, leaves at 0.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ def heaviside_part(q, k, v, mask, bias, key_size, lam, total, *, limit, heads, s
 
     ``total`` are the maps' LSEs over every key block ``(T1, T2)``; the other
     arguments as in :mod:`attnnb._dask.blocks` (``backend`` is not used: the
-    block's work is on the host).  Keys neither map weighs (both ``A_c`` zero in
-    float64) stay closed, as in one call; a row whose LSE is NaN gets NaN.
+    block's work is on the host).  Keys neither map weighs (both ``A_c`` zero: in
+    float64, or below float32's smallest normal number for float32 inputs) stay
+    closed, as in one call; a row whose LSE is NaN gets NaN.
     """
     k, v = key_heads(k, v, heads, pairs=True)
     xp = namespace(q)
@@ -38,7 +42,12 @@ def heaviside_part(q, k, v, mask, bias, key_size, lam, total, *, limit, heads, s
         lse = lse.astype(np.float64)
         lse = xp.where(lse == -np.inf, 0, lse)[..., None]  # an empty row: x is -inf too
         with np.errstate(invalid="ignore", over="ignore"):
-            maps.append(xp.exp(x.astype(np.float64) - lse))
+            a = xp.exp(x.astype(np.float64) - lse)
+        # a float32 map below float32's smallest normal number is 0, as the kernels'
+        # float32 exponential gives it: the gate of a key neither map weighs stays closed
+        # (in float64 it would open wherever A1 > lam A2, and subtract lam there)
+        maps.append(xp.where(a < np.finfo(q.dtype).tiny, 0, a) if q.dtype == np.float32
+                    else a)
     with np.errstate(invalid="ignore"):
         gap = maps[0] - lam * maps[1]
         gate = xp.where(xp.isnan(gap), np.nan, (gap > 0).astype(np.float64))

@@ -93,7 +93,8 @@ class Call:
         self.extras = {n: g.extra(x, ROLES[n]) for n, x in extras.items()}
         arrays = [g.q, g.k, g.v] + [e.array for e in self.extras.values() if e is not None]
         self.mask_mod, self.score_mod = self._mods(*mods)
-        self.graph = Graph(op, arrays, self.scale, self.backend, *params,
+        # (a pair's sinks are literal values of its tasks, not an input: named here)
+        self.graph = Graph(op, arrays, self.scale, self.backend, *params, self.pair_sinks,
                            *(_mod_token(m) for m in (self.mask_mod, self.score_mod)))
         self.finals = {}
 

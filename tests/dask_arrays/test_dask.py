@@ -452,3 +452,34 @@ def test_topk_equal_keys_in_blocks_of_other_widths(seed):
     out, lse = lazy(res)
     assert_close(out, expected[0], np.float32)
     assert_close(lse, expected[1], np.float32)
+
+
+def test_diff_sinks_are_part_of_the_graphs_name(rng):
+    """A pair's sinks are values inside its tasks: two calls that differ only in their
+    sinks get graphs of their own, and computed together each is its own call."""
+    arrays = data(rng, DIFF_SHAPES)
+    sinks = [rng.standard_normal((2, 8)), rng.standard_normal((2, 8))]
+    lazy_calls = [attnnb.diff_attention(*chunked(arrays, DIFF_CHUNKINGS["all"]).values(), 0.5,
+                                        mode=mode, sinks=s)
+                  for mode in ("difference", "rectified") for s in sinks]
+    assert len({x.name for x in lazy_calls}) == 4
+    results = dask.compute(*lazy_calls, scheduler="threads")
+    for (mode, s), got in zip([(m, s) for m in ("difference", "rectified") for s in sinks],
+                              results):
+        check(got, attnnb.diff_attention(*arrays.values(), 0.5, mode=mode, sinks=s))
+
+
+@pytest.mark.parametrize("lam", [-0.3, 0.6])
+def test_float32_heaviside_gate_of_keys_neither_map_weighs(rng, lam):
+    """Large logits: many keys' maps are below float32's smallest normal number in both
+    maps.  The literal gate would open at those where ``A1 > lam A2`` (everywhere for
+    ``lam < 0``) in float64; the kernels' float32 maps are 0 there and the gate stays
+    closed, so the key blocks' shares must count them as 0 too."""
+    arrays = {name: (a * (6 if name == "q" else 1)).astype(np.float32)
+              for name, a in data(rng, DIFF_SHAPES).items()}
+    kw = dict(mode="heaviside", causal=True, scale=3.0)
+    expected = attnnb.diff_attention(*arrays.values(), lam, **kw)
+    res = lazy(attnnb.diff_attention(*chunked(arrays, DIFF_CHUNKINGS["keys"]).values(), lam,
+                                     **kw))[0]
+    assert res.dtype == np.float32
+    assert_close(res, expected, rtol=1e-5)
