@@ -18,3 +18,14 @@ def sigmoid(x, one):
     ``softmax1``'s row factor ``sigmoid(lse)``."""
     a = math.exp(-abs(x))
     return one / (one + a) if x >= 0 else a / (one + a)
+
+
+def log_add_exp(x, y):
+    """``log(e^x + e^y)`` without overflow: a normaliser with a learned sink added,
+    ``log(e^lse + e^sink)``.  NaN stays NaN; ``-inf`` and ``-inf`` give ``-inf``."""
+    if x != x or y != y:
+        return x + y
+    top = max(x, y)
+    if top - top != top - top:  # +-inf (NaN is handled above); no literal: x's type stays
+        return top
+    return top + math.log1p(math.exp(min(x, y) - top))

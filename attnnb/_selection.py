@@ -60,3 +60,9 @@ def tie_cut(row, n, top_k, thr):
             if need == 0:
                 return j
     return n
+
+
+def kept(s, j, thr, cut):
+    """Whether key ``j`` with ranking logit ``s`` is kept by a row's ``(thr, cut)``: above
+    the threshold, or at it up to the cut, or NaN (so that a NaN row's NaN reaches it)."""
+    return s > thr or s != s or (s == thr and j <= cut)

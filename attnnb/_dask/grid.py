@@ -153,6 +153,11 @@ class Grid:
     def _batch(self, index):
         return tuple(index[f"b{a}"] for a in range(self.nb))
 
+    def batch_spans(self, index) -> list[tuple[int, int]]:
+        """``[(start, size), ...]``: the batch block of ``index`` along each batch axis."""
+        return [(sum(self.chunks[f"b{a}"][:index[f"b{a}"]]), self.chunks[f"b{a}"][index[f"b{a}"]])
+                for a in range(self.nb)]
+
     def block_shape(self, index, width) -> tuple[int, ...]:
         """Shape of the output block at ``index``, ``width`` values per row (None: none)."""
         sizes = [self.chunks[f"b{a}"][index[f"b{a}"]] for a in range(self.nb)]

@@ -146,8 +146,7 @@ class Call:
         not consecutive in the flat batch (an inner batch axis split while an outer one
         spans several) is refused when a function reads ``b``."""
         g = self.grid
-        starts = [sum(g.chunks[f"b{a}"][:index[f"b{a}"]]) for a in range(g.nb)]
-        sizes = [g.chunks[f"b{a}"][index[f"b{a}"]] for a in range(g.nb)]
+        starts, sizes = zip(*g.batch_spans(index)) if g.nb else ((), ())
         reads_b = any(mod is not None and reads_argument(mod, 0)
                       for mod in (mask_mod, score_mod))
         spread = any(sizes[a] > 1 and any(sizes[c] != g.batch_shape[c]
@@ -235,9 +234,7 @@ class Call:
         if self.pair_sinks is None:
             return None
         g = self.grid
-        starts = [sum(g.chunks[f"b{a}"][:index[f"b{a}"]]) for a in range(g.nb)]
-        at = tuple(slice(s, s + g.chunks[f"b{a}"][index[f"b{a}"]])
-                   for a, s in enumerate(starts))
+        at = tuple(slice(start, start + size) for start, size in g.batch_spans(index))
         lo, hi = g.heads.rows[index["h"]], g.heads.rows[index["h"] + 1]
         return np.ascontiguousarray(self.pair_sinks[at + (slice(lo, hi),)])
 

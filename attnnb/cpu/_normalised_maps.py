@@ -17,10 +17,9 @@ adds ``P @ v_tile`` to the output directly:
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
+from .. import _scalars
 from ._exp import exp_shifted
 from ._jit import inner
 from ._tiles import view2d
@@ -35,15 +34,16 @@ def _map_row(srow, prow, lse, nk):
         exp_shifted(srow, prow, lse, nk)
 
 
+_log_add_exp = inner(_scalars.log_add_exp)  # shared with the cuda backend
+
+
 @inner
 def add_sink(lse_rows, sink):
     """``lse_rows = log(e^lse + e^sink)`` in place: ``exp(s - lse)`` then weighs as
     ``e^s / (e^sink + sum e^s)``.  An empty row's normaliser becomes the sink (its
     logits stay ``-inf``, its weights 0); NaN rows stay NaN."""
     for r in range(lse_rows.shape[0]):
-        x = lse_rows[r]
-        top = max(x, sink) if x == x else x
-        lse_rows[r] = top + math.log(math.exp(x - top) + math.exp(sink - top))
+        lse_rows[r] = _log_add_exp(lse_rows[r], sink)
 
 
 @inner

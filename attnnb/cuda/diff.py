@@ -33,6 +33,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from .. import _scalars
 from .._codes import DIFF_MODE_CODES, DIFFERENCE, HEAVISIDE, RECTIFIED, SOFTMAX
 from ._arrays import device_problem, finish
 from ._dropout import kernel_dropout
@@ -115,15 +116,14 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
         for r in range(TM):
             m[r] = map_lse(m[r], part[r])
 
+    log_add_exp = cuda.jit(device=True)(_scalars.log_add_exp)  # shared with the cpu backend
+
     @cuda.jit(device=True)
     def add_sink(lse, sink):
         """``lse = log(e^lse + e^sink)`` in place: ``exp(s - lse)`` then weighs as
         ``e^s / (e^sink + sum e^s)``; an empty row's becomes the sink, NaN stays NaN."""
         for r in range(TM):
-            x = lse[r]
-            if x == x:
-                top = max(x, sink)
-                lse[r] = top + math.log1p(math.exp(min(x, sink) - top))
+            lse[r] = log_add_exp(lse[r], sink)
 
     @cuda.jit(device=True)
     def normalise(S, lse):

@@ -89,6 +89,7 @@ def build_topk(dtype, tiling, dropout=False, mods=None, own=None):
     # the selection rules the cpu backend compiles too (attnnb/_selection.py)
     kth_smallest = cuda.jit(device=True)(_selection.kth_smallest)
     tie_cut = cuda.jit(device=True)(_selection.tie_cut)
+    kept = cuda.jit(device=True)(_selection.kept)
 
     @cuda.jit(device=True)
     def row_threshold(row, n, top_k, buf):
@@ -124,7 +125,7 @@ def build_topk(dtype, tiling, dropout=False, mods=None, own=None):
                 s = NINF
                 if j + c < Lk:
                     s = Rows[row0 + r, j + c]
-                    if not (s > thr[r] or s != s or (s == thr[r] and j + c <= cut[r])):
+                    if not kept(s, j + c, thr[r], cut[r]):
                         s = NINF
                 S[r * TN + c] = s
 
@@ -136,11 +137,7 @@ def build_topk(dtype, tiling, dropout=False, mods=None, own=None):
         factor)."""
         for r in range(TM):
             for c in range(TN):
-                keep = False
-                if j + c < Lk:
-                    s = Rows[row0 + r, j + c]
-                    keep = s > thr[r] or s != s or (s == thr[r] and j + c <= cut[r])
-                if not keep:
+                if not (j + c < Lk and kept(Rows[row0 + r, j + c], j + c, thr[r], cut[r])):
                     S[r * TN + c] = NINF
                     F[r * TN + c] = ZERO
 
@@ -152,10 +149,8 @@ def build_topk(dtype, tiling, dropout=False, mods=None, own=None):
             word = U32(0)
             for e in range(32):
                 j = w * 32 + e
-                if j < n:
-                    s = row[j]
-                    if s > thr or s != s or (s == thr and j <= cut):
-                        word |= U32(1) << U32(e)
+                if j < n and kept(row[j], j, thr, cut):
+                    word |= U32(1) << U32(e)
             dst[w] = word
 
     def topk_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
