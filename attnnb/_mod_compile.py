@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dis
 import hashlib
-import inspect
 import math
 import weakref
 from collections.abc import Callable
@@ -40,13 +39,6 @@ COMPLEX_STEP = 1e-30
 
 _jitted: dict = {}
 _compiled: dict = {}
-
-
-def _skip(fn) -> bool:
-    """Whether ``fn`` is left as it is: a library's, or one with a compiled overload."""
-    module = getattr(fn, "__module__", "") or ""
-    return module.split(".")[0] in ("numpy", "numba", "math", "builtins", "llvmlite") or (
-        fn in (mods.capped_tanh, mods.like))
 
 
 # Eigen's rational approximation of tanh on [-7.9, 7.9] (float32: within 3.3e-7
@@ -108,30 +100,6 @@ def like_compiled(s, x):
     return lambda s, x: float(x)
 
 
-def jit(fn: Callable, target: Target = CPU) -> Any:
-    """``fn`` compiled for ``target`` (on the cpu: inlined, no cache); plain Python
-    functions it calls by a global name are compiled alike (a helper need not be
-    decorated)."""
-    if isinstance(fn, numba.core.registry.CPUDispatcher):
-        fn = fn.py_func
-    key = (fn, id(fn.__globals__), target.name)
-    found = _jitted.get(key)
-    if found is not None:
-        return found
-    names = set(fn.__code__.co_names)
-    helpers = {n: fn.__globals__[n] for n in names
-               if inspect.isfunction(fn.__globals__.get(n)) and not _skip(fn.__globals__[n])}
-    source = fn
-    if helpers:
-        scope = dict(fn.__globals__)
-        scope.update({n: jit(h, target) for n, h in helpers.items()})
-        source = type(fn)(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-        source.__qualname__ = fn.__qualname__
-    found = target.decorate(source)
-    _jitted[key] = found
-    return found
-
-
 @dataclass(frozen=True)
 class CompiledMask:
     allowed: Any
@@ -146,58 +114,55 @@ class CompiledScore:
     fingerprint: str
 
 
-def _closure_text(fn) -> str:
-    cells = getattr(getattr(fn, "py_func", fn), "__closure__", None) or ()
-    return repr(tuple(c.cell_contents for c in cells))
-
-
 _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def fingerprint(mod: MaskMod | ScoreMod) -> str:
-    """A short hash of the mod's functions (source, closure) and composition: mods with
-    one fingerprint share their compiled functions and kernels.  The globals a function
-    reads are not part of it (a module-level function's are its module's)."""
+    """A short hash of the mod's functions, what they read (constants by value, helpers
+    by content, arrays by place: :mod:`attnnb._mod_reads`) and the composition: mods
+    with one fingerprint share their compiled functions and kernels, in this process and
+    in the disk cache.  ``mod`` must be resolved (:func:`attnnb.mods.resolved`)."""
     found = _fingerprints.get(mod)
     if found is None:
-        found = _fingerprints[mod] = _fingerprint(mod)
+        text = mod.fingerprint()
+        found = _fingerprints[mod] = hashlib.sha256(text.encode()).hexdigest()[:20]
     return found
 
 
-def _fingerprint(mod: MaskMod | ScoreMod) -> str:
-    funcs = []
-
-    def walk(m):
-        if m.kind == "fn":
-            funcs.extend(_closure_text(f) for f in (m.fn, getattr(m, "grad_s", None),
-                                                      getattr(m, "grad_arrays", None)))
-        for p in m.parts:
-            walk(p)
-
-    walk(mod)
-    text = mod.fingerprint() + "|" + "|".join(funcs)
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-def _leaf_call(callee: Callable, head: str, offset: int, n: int, grads: bool = False):
-    """A function ``(head..., [grads,] args)`` that calls ``callee(head..., [its grads,]
-    args[offset], ..., args[offset + n - 1])``: a leaf's arrays at their static places
-    in the flat ``args`` (Numba indexes a heterogeneous tuple by constants only)."""
+def _leaf_call(callee: Callable, head: str, offset: int, n: int, before: range = range(0),
+               grads: bool = False):
+    """A function ``(head..., [grads,] args)`` that calls ``callee(args[before]...,
+    head..., [its grads,] args[offset], ..., args[offset + n - 1])``: a leaf's arrays at
+    their static places in the flat ``args`` (Numba indexes a heterogeneous tuple by
+    constants only), those its function reads by name (``before``) first."""
+    read = "".join(f"args[{p}], " for p in before)
     arrays = "".join(f", args[{offset + n_}]" for n_ in range(n))
     own_grads = ""
     if grads:
         own_grads = ", (" + "".join(f"grads[{offset + n_}], " for n_ in range(n)) + ")"
     params = head + (", grads" if grads else "") + ", args"
-    source = f"def leaf({params}):\n    return callee({head}{own_grads}{arrays})\n"
+    source = f"def leaf({params}):\n    return callee({read}{head}{own_grads}{arrays})\n"
     scope = {"callee": callee}
     exec(source, scope)  # noqa: S102 - the text above, with integers only
     return scope["leaf"]
 
 
+def _read_slots(leaf, offset: int) -> list:
+    """The places in ``args`` of the arrays each of a leaf's functions reads by name
+    (after the leaf's own arrays, in the order of :func:`attnnb.mods.implicit_arrays`)."""
+    at = offset + len(leaf.arrays)
+    out = []
+    for node in leaf.reads:
+        n = 0 if node is None else len(node.arrays)
+        out.append(range(at, at + n))
+        at += n
+    return out
+
+
 def arity(mod: MaskMod | ScoreMod) -> int:
     """How many arrays ``mod`` reads: its slots in the flat ``args``."""
     if mod.kind == "fn":
-        return len(mod.arrays)
+        return len(mod.arrays) + len(mods.implicit_arrays(mod))
     return (mod.kind == "at") + sum(arity(p) for p in mod.parts)
 
 
@@ -230,7 +195,8 @@ def compile_mask(mod: MaskMod, offset: int = 0, target: Target = CPU) -> Compile
     if found is not None:
         return found
     if mod.kind == "fn":
-        allowed = _leaf_call(jit(mod.fn, target), "b, h, i, j", offset, len(mod.arrays))
+        allowed = _leaf_call(mod.reads[0].compiled(target.decorate), "b, h, i, j", offset,
+                             len(mod.arrays), _read_slots(mod, offset)[0])
     elif mod.kind == "at":
         allowed = _shifted(compile_mask(mod.parts[0], offset + 1, target).allowed,
                            "b, h, i, j", offset)
@@ -265,19 +231,21 @@ def compile_score(mod: ScoreMod, offset: int = 0, target: Target = CPU) -> Compi
         return found
     if mod.kind == "fn":
         n = len(mod.arrays)
-        f = jit(mod.fn, target)
-        value = _leaf_call(f, "s, b, h, i, j", offset, n)
+        fn_reads, slope_reads, agrad_reads = _read_slots(mod, offset)
+        f = mod.reads[0].compiled(target.decorate)
+        value = _leaf_call(f, "s, b, h, i, j", offset, n, fn_reads)
         if mod.grad_s is not None:
-            slope = _leaf_call(jit(mod.grad_s, target), "s, b, h, i, j", offset, n)
+            slope = _leaf_call(mod.reads[1].compiled(target.decorate), "s, b, h, i, j",
+                               offset, n, slope_reads)
         else:
-            at = target.decorate(_leaf_call(f, "s, b, h, i, j", offset, n))
+            at = target.decorate(_leaf_call(f, "s, b, h, i, j", offset, n, fn_reads))
 
             def slope(s, b, h, i, j, args):
                 return at(complex(s, COMPLEX_STEP), b, h, i, j, args).imag / COMPLEX_STEP
 
         if mod.grad_arrays is not None:
-            agrad = _leaf_call(jit(mod.grad_arrays, target), "g, s, b, h, i, j", offset, n,
-                               grads=True)
+            agrad = _leaf_call(mod.reads[2].compiled(target.decorate), "g, s, b, h, i, j",
+                               offset, n, agrad_reads, grads=True)
         else:
             def agrad(g, s, b, h, i, j, grads, args):
                 pass
@@ -354,7 +322,7 @@ def bind(mod: MaskMod | ScoreMod, Lq: int, Lk: int) -> tuple:
     C-contiguous."""
     if mod.kind == "fn":
         return tuple(np.array([Lk - Lq], np.int64) if a is OFFSET else _readable(a)
-                     for a in mod.arrays)
+                     for a in mod.arrays + mods.implicit_arrays(mod))
     if mod.kind == "at":  # (the call's shape, not the block's)
         return (mod.arrays[0],) + bind(mod.parts[0], *(int(n) for n in mod.arrays[1]))
     return sum((bind(p, Lq, Lk) for p in mod.parts), ())
@@ -382,8 +350,8 @@ def param_grads(mod: ScoreMod, grads: tuple) -> tuple:
             out += param_grads(p, grads[at:at + arity(p)])
             at += arity(p)
         return out
-    own = tuple(None if mod.constant or a.dtype.kind != "f" else g
-                for a, g in zip(mod.arrays, grads) if a is not OFFSET)
+    own = tuple(None if mod.constant or a.dtype.kind != "f" else g  # (by name: constants)
+                for a, g in zip(mod.arrays, grads[:len(mod.arrays)]) if a is not OFFSET)
     if mod.to_params is not None:
         own = mod.to_params(own)
     dtypes = [_as_numpy("a parameter", p).dtype for p in mod.params]
@@ -436,6 +404,7 @@ def check_types(mask: MaskMod | None, score: ScoreMod | None, Lq: int, Lk: int,
     """Compile the mods for this call's argument types; a ``TypeError`` names the function
     when one does not compile or returns the wrong type."""
     i64 = numba.types.int64
+    mask, score = mods.resolved(mask), mods.resolved(score)
     if mask is not None:
         args = bind(mask, Lq, Lk)
         ret = _compile_for("mask_mod", mask, compile_mask(mask).allowed,
@@ -457,6 +426,7 @@ def check_types(mask: MaskMod | None, score: ScoreMod | None, Lq: int, Lk: int,
 def check_slope(score: ScoreMod, Lq: int, Lk: int, dtype=np.float64) -> None:
     """Compile ``d score / d s``; a ``TypeError`` says to pass ``grad_s=`` when the
     complex step does not compile (a function that compares or clips ``s``)."""
+    score = mods.resolved(score)
     args = bind(score, Lq, Lk)
     s = numba.from_dtype(np.dtype(dtype))
     i64 = numba.types.int64
@@ -513,6 +483,7 @@ def mask_values(mod: MaskMod, shape: tuple, origin=(0, 0), rows=None) -> np.ndar
     """bool ``(B, H, n, Lk)``: the mask mod at query rows ``rows`` (all ``Lq`` by default)
     of a problem of ``shape`` ``(B, H, Lq, Lk)`` (``origin``: ``(b0, h0)`` of the problem's
     first batch element and head in the call)."""
+    mod = mods.resolved(mod)
     B, H, Lq, Lk = shape
     index = _rows(rows, Lq)
     out = np.empty((B, H, index.size, Lk), np.bool_)
@@ -525,6 +496,7 @@ def score_values(mod: ScoreMod, s: np.ndarray, Lq: int, origin=(0, 0), rows=None
     """``(value, slope)`` float64 of the score mod at every logit of ``s (B, H, n, Lk)``,
     the rows ``rows`` (all ``Lq`` by default) of a problem with ``Lq`` queries; ``slope``
     is None unless asked."""
+    mod = mods.resolved(mod)
     s = np.ascontiguousarray(s, np.float64)
     c = compile_score(mod)
     args, index = bind(mod, Lq, s.shape[3]), _rows(rows, Lq)
@@ -540,6 +512,7 @@ def score_values(mod: ScoreMod, s: np.ndarray, Lq: int, origin=(0, 0), rows=None
 def array_gradients(mod: ScoreMod, g: np.ndarray, s: np.ndarray, origin=(0, 0)) -> tuple:
     """The parameters' gradients (:func:`param_grads`) from ``g = dL / d value`` and the
     logits ``s``, both float64 ``(B, H, Lq, Lk)``."""
+    mod = mods.resolved(mod)
     args = bind(mod, s.shape[2], s.shape[3])
     grads = zero_grads(args)
     _agrad_loop(compile_score(mod).agrad, args, grads, np.ascontiguousarray(g, np.float64),
@@ -572,6 +545,7 @@ def blocks_allowed(mod: MaskMod, shape: tuple, q_edges, k_edges) -> np.ndarray:
     its functions read are walked), blocks cut at ``q_edges`` and ``k_edges``.  Exact:
     a block is False only when every pair of it was tested (an allowed pair ends a
     block's walk)."""
+    mod = mods.resolved(mod)
     B, H, Lq, Lk = shape
     q_edges, k_edges = (np.asarray(e, np.int64) for e in (q_edges, k_edges))
     out = np.zeros((q_edges.size - 1, k_edges.size - 1), np.bool_)
@@ -590,6 +564,7 @@ def check_derivatives(mod: ScoreMod, *, points: int, seed: int, shape: tuple,
         raise TypeError(f"mods.check takes a score mod; got {type(mod).__name__}")
     B, H, Lq, Lk = shape
     rng = np.random.default_rng(seed)
+    mod = mods.resolved(mod)
     c = compile_score(mod)
     args = _copied(bind(mod, Lq, Lk))  # perturbed below: never the user's arrays
     check_types(None, mod, Lq, Lk)

@@ -399,9 +399,10 @@ def check_mods(mask_mod, score_mod, on_device: bool, Lq: int, Lk: int, dtype):
     """``mask_mod=`` and ``score_mod=`` as :mod:`attnnb.mods` objects, compiled for this
     call's types on the cpu (a ``TypeError`` names a function that does not compile;
     device inputs, ``on_device``, are checked in their compute dtype alike)."""
-    from .mods import as_mask_mod, as_score_mod, parameters
+    from .mods import as_mask_mod, as_score_mod, parameters, resolved
 
-    mask, score = as_mask_mod(mask_mod), as_score_mod(score_mod)
+    # what the functions read, taken once for the whole call (attnnb._mod_reads)
+    mask, score = resolved(as_mask_mod(mask_mod)), resolved(as_score_mod(score_mod))
     for role, mod in (("mask_mod", mask), ("score_mod", score)):
         for n, param in enumerate(parameters(mod) if mod is not None else ()):
             if getattr(param, "requires_grad", False):

@@ -51,7 +51,6 @@ Nothing here imports Numba: functions compile on first use
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
 import math
 from collections.abc import Callable
@@ -92,19 +91,12 @@ class _Offset:
 OFFSET = _Offset()
 
 
-def _fingerprint_of(fn: Callable | None) -> str:
-    """A stable text naming ``fn`` and its code: module, qualified name and a hash of its
-    source (of its bytecode and constants when the source cannot be read)."""
-    if fn is None:
-        return "-"
-    fn = getattr(fn, "py_func", fn)  # a numba.njit function: its Python function
-    try:
-        body = inspect.getsource(fn).encode()
-    except (OSError, TypeError):
-        code = fn.__code__
-        body = code.co_code + repr(code.co_consts).encode() + repr(code.co_names).encode()
-    digest = hashlib.sha256(body).hexdigest()[:16]
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}:{digest}"
+def _keys(leaf) -> str:
+    """The content keys of a resolved leaf's functions (``-`` where it has none)."""
+    if not leaf.reads:
+        raise RuntimeError(f"{leaf.name}: a mod's fingerprint is taken of its snapshot at "
+                           "a call (attnnb.mods.resolved)")
+    return ";".join("-" if node is None else node.key for node in leaf.reads)
 
 
 def _name_of(fn: Callable) -> str:
@@ -215,6 +207,7 @@ class MaskMod:
     arrays: tuple = ()
     parts: tuple = ()
     name: str = ""
+    reads: tuple = ()
 
     def __and__(self, other: MaskMod) -> MaskMod:
         return MaskMod("and", parts=(self, _as_mask(other, "&")),
@@ -228,9 +221,11 @@ class MaskMod:
         return MaskMod("not", parts=(self,), name=f"~{self.name}")
 
     def fingerprint(self) -> str:
-        """Text that names the functions and the composition (not the arrays' values)."""
+        """Text that names the functions by their content and what they read (constants
+        by value, helpers by content, arrays by place: :mod:`attnnb._mod_reads`) and the
+        composition; of a mod :func:`resolved` at a call."""
         if self.kind == "fn":
-            return f"mask[{_fingerprint_of(self.fn)};{len(self.arrays)}]"
+            return f"mask[{_keys(self)};{len(self.arrays)}]"
         return f"{self.kind}(" + ",".join(p.fingerprint() for p in self.parts) + ")"
 
     def __repr__(self) -> str:
@@ -270,6 +265,7 @@ class ScoreMod:
     constant: bool = False
     parts: tuple = ()
     name: str = ""
+    reads: tuple = ()
 
     def __add__(self, other: ScoreMod) -> ScoreMod:
         if not isinstance(other, ScoreMod):
@@ -278,8 +274,7 @@ class ScoreMod:
 
     def fingerprint(self) -> str:
         if self.kind == "fn":
-            return (f"score[{_fingerprint_of(self.fn)};{_fingerprint_of(self.grad_s)};"
-                    f"{_fingerprint_of(self.grad_arrays)};{len(self.arrays)}]")
+            return f"score[{_keys(self)};{len(self.arrays)}]"
         return f"{self.kind}(" + ",".join(p.fingerprint() for p in self.parts) + ")"
 
     def __repr__(self) -> str:
@@ -353,6 +348,37 @@ def score_mod(fn: Callable, *arrays: Any, grad_s: Callable | None = None,
     return ScoreMod("fn", fn=fn, arrays=arrs, grad_s=grad_s, grad_arrays=grad_arrays,
                     params=tuple(a for a in arrays if a is not OFFSET), constant=constant,
                     name=_name_of(fn))
+
+
+def resolved(mod: MaskMod | ScoreMod | None) -> MaskMod | ScoreMod | None:
+    """``mod`` as its functions read now: every leaf with the snapshot of what its
+    functions read (:func:`attnnb._mod_reads.snapshot`: the arrays it reads by name,
+    its constants and helpers), taken once per call so that the compiled code, its
+    cache key and the arrays passed agree.  A leaf already resolved is kept (a Dask
+    graph's tasks run with the values of the call that built it)."""
+    if mod is None:
+        return None
+    if mod.kind != "fn":
+        parts = tuple(resolved(p) for p in mod.parts)
+        if all(p is q for p, q in zip(parts, mod.parts)):
+            return mod
+        return dataclasses.replace(mod, parts=parts)
+    if mod.reads:
+        return mod
+    from ._mod_reads import snapshot
+
+    roles = ("mask_mod",) if isinstance(mod, MaskMod) else ("score_mod", "grad_s",
+                                                             "grad_arrays")
+    fns = (mod.fn,) if isinstance(mod, MaskMod) else (mod.fn, mod.grad_s, mod.grad_arrays)
+    return dataclasses.replace(mod, reads=tuple(
+        None if fn is None else snapshot(fn, role) for fn, role in zip(fns, roles)))
+
+
+def implicit_arrays(leaf: MaskMod | ScoreMod) -> tuple:
+    """The arrays a resolved leaf's functions read by name, after its own arrays: those
+    of ``fn``, then ``grad_s``'s, then ``grad_arrays``'."""
+    _keys(leaf)  # (raises for a leaf not resolved)
+    return sum((node.arrays for node in leaf.reads if node is not None), ())
 
 
 def as_mask_mod(value: Any) -> MaskMod | None:
@@ -483,6 +509,9 @@ def like(s, x):
     return float(x)
 
 
+like._attnnb_overloaded = True  # compiled by its overload (attnnb._mod_reads.OVERLOADED)
+
+
 def _alibi(s, b, h, i, j, offset, slopes):
     return s + slopes[h] * like(s, j - i - offset[0])
 
@@ -510,6 +539,9 @@ def capped_tanh(s, cap):
     """``tanh(s / cap)``.  Compiled, a float32 ``s`` takes a vectorisable rational
     approximation in float32 (:func:`attnnb._mod_compile.capped_tanh_compiled`)."""
     return math.tanh(s / cap)
+
+
+capped_tanh._attnnb_overloaded = True
 
 
 def _softcap(s, b, h, i, j, cap):

@@ -88,6 +88,9 @@ def ptx_mods(dtype, score_mod=None, mask_mod=None) -> tuple:
     check."""
     import numba
 
+    from ..mods import resolved
+
+    score_mod, mask_mod = resolved(score_mod), resolved(mask_mod)
     problem = SimpleNamespace(score_mod=score_mod, mask_mod=mask_mod)
     arrays = _host_arrays(score_mod, mask_mod, (0, 0), 8, 8, dtype)
     return device_mods(problem), numba.typeof(arrays)

@@ -68,7 +68,7 @@ def problem_logits(problem, k, with_slope=False, rows=None):
     raw = logits(q, k, problem.scale)
     s, slope = raw, None
     if problem.score_mod is not None:
-        from .._mod_compile import score_values
+        from ._mods import score_values
 
         s, slope = score_values(problem.score_mod, raw, Lq, problem.dropout_origin, rows,
                                 with_slope)
@@ -83,7 +83,7 @@ def mask_mod_values(problem, shape, rows=None):
     a problem of ``shape`` ``(B, H, Lq, Lk)``; None without one."""
     if problem.mask_mod is None:
         return None
-    from .._mod_compile import mask_values
+    from ._mods import mask_values
 
     return mask_values(problem.mask_mod, shape, problem.dropout_origin, rows)
 

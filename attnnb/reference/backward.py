@@ -292,7 +292,8 @@ def _modded_vjp(problem, dout, dlse, dbias_shape):
 def _mod_array_gradients(mod, ds, raw, origin):
     """A score mod's parameter gradients from ``ds`` (of its values) and its logits ``raw``
     (``(B, H, Lq, Lk)``); None when it has none to give (vjp refused that before)."""
-    from .._mod_compile import array_gradients, missing_array_gradients
+    from .._mod_compile import missing_array_gradients
+    from ._mods import array_gradients
 
     return None if missing_array_gradients(mod) else array_gradients(mod, ds, raw, origin)
 
