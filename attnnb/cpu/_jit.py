@@ -13,6 +13,9 @@ overlapping arrays.
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import numba
 
 from ._numba_patches.cache_lookup import fast_lookup
@@ -120,5 +123,42 @@ def launch(kernel_fn, *args):
             twin = numba.njit(parallel=False, cache=False, fastmath=FASTMATH)(kernel_fn.py_func)
             _SERIAL_TWINS[kernel_fn] = twin
         return twin(*args)
-    with launch_lock():
+    with launch_lock(), _compile_notice(kernel_fn):
         return kernel_fn(*args)
+
+
+# A first call that waits this long on compiling a mask or score function's kernels says
+# so on stderr, once per function, as `warmup` shows its progress.
+NOTICE_AFTER_S = 2.0
+_noticed: set = set()
+
+
+class _compile_notice:
+    """Around a launch of a kernel copy with mods (:mod:`._respecialise`) that has no
+    compiled code in this process yet: a line on stderr if it is still running after
+    :data:`NOTICE_AFTER_S` (compiling, or loading from the disk cache)."""
+
+    def __init__(self, kernel_fn):
+        name = getattr(getattr(kernel_fn, "py_func", None), "__qualname__", "")
+        tag = name.partition("__mod_")[2]
+        self.timer = None
+        if tag and tag not in _noticed and not kernel_fn.overloads:
+            self.timer = threading.Timer(NOTICE_AFTER_S, self._say, (tag,))
+            self.timer.daemon = True
+
+    @staticmethod
+    def _say(tag):
+        if tag in _noticed:
+            return
+        _noticed.add(tag)
+        sys.stderr.write("attnnb: compiling the cpu kernels of a new mask or score function "
+                         "(its first use; then cached on disk) ...\n")
+        sys.stderr.flush()
+
+    def __enter__(self):
+        if self.timer is not None:
+            self.timer.start()
+
+    def __exit__(self, *exc):
+        if self.timer is not None:
+            self.timer.cancel()
