@@ -389,6 +389,8 @@ def needs_array_gradients(mod: ScoreMod) -> list[str]:
 
 
 def _compile_for(role: str, mod, disp, argtypes: tuple, what: str):
+    if argtypes in disp.overloads:  # (compile() takes Numba's lock even then)
+        return disp.overloads[argtypes].signature.return_type
     try:
         disp.compile(argtypes)
     except numba.core.errors.NumbaError as err:

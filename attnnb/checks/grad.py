@@ -54,6 +54,9 @@ def cases():
             (f"grad attention 8 key heads, one sweep {tag}",
              _case(29, dtype, attention, hq=8, hk=4, mask=(70, 131), bias=(8, 1, 131),
                    key_size=(2, 131), causal=True, return_lse=True)),
+            # a mask array alone: the kernels a mask function's first calls run
+            # (attnnb/cpu/_first_tier.py)
+            (f"grad attention mask {tag}", _case(30, dtype, attention, mask=(70, 131))),
             (f"grad attention softmax1 {tag}", _case(22, dtype, attention, normalizer="softmax1")),
             (f"grad attention relu_expm1 {tag}",
              _case(23, dtype, attention, normalizer="relu_expm1", causal=True)),

@@ -52,6 +52,7 @@ from .._bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
 from .._codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID, SOFTPICK
 from .._dropout import keep_scale
 from .._mod_compile import sum_param_grads
+from . import _first_tier as first_tier
 from ._blocks import ROWS
 from ._decoding import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS
 from ._dropout import keep_factors, kernel_dropout
@@ -640,6 +641,7 @@ def attention_vjp(problem, out, lse, dout, dlse, dbias_shape=None):
     :data:`~attnnb._bias_chunks.CHUNK_BYTES` the backward runs in chunks
     of batch elements or key heads instead (:mod:`attnnb._bias_chunks`).
     """
+    problem = first_tier.stand_in(problem, dkdv_kernel) or problem
     chunks = bias_chunks(problem.shape, problem.q.dtype.itemsize, dbias_shape,
                          min_heads=ONE_SWEEP_TASKS)
     if chunks is not None:

@@ -44,8 +44,8 @@ _stamp: tuple | None = None
 
 
 # Backend-neutral modules whose code or constants the kernels compile in.
-_NEUTRAL = ("_codes.py", "_dropout.py", "_mod_compile.py", "_scalars.py", "_selection.py",
-            "mods.py")
+_NEUTRAL = ("_codes.py", "_dropout.py", "_mod_compile.py", "_mod_reads.py", "_scalars.py",
+            "_selection.py", "mods.py")
 
 
 def package_sources() -> list[str]:
