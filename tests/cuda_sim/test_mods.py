@@ -18,6 +18,24 @@ def _scaled_square(s, b, h, i, j, weights):
     return s * weights[b, h] + 0.05 * s * s
 
 
+TILT = np.array([0.25, -0.5])
+
+
+def _tilted(s, b, h, i, j):
+    """Reads a global float array by name (contract §2.10: read at every call)."""
+    return s + TILT[h] * (j - i)
+
+
+def _same_group(ids, offset):
+    """A factory: a closure over an array, a constant and a helper of its own."""
+    def group(x):
+        return ids[x]
+
+    def mask(b, h, i, j):
+        return group(i + offset) == group(j)
+    return mask
+
+
 def _problem(rng, dtype, B=2, Hq=2, Hk=1, Lq=7, Lk=10, D=4, Dv=3):
     q = rng.standard_normal((B, Hq, n(Lq), D)).astype(dtype)
     k = rng.standard_normal((B, Hk, n(Lk), D)).astype(dtype)
@@ -34,12 +52,13 @@ def _cases(rng, lq, lk):
             score_mod=mods.score_mod(_scaled_square, rng.uniform(0.5, 1.5, (2, 2)),
                                      constant=True) + mods.softcap(3.0),
             mask_mod=mods.sliding_window(4), bias=rng.standard_normal((lq, lk))),
+        "read by name": dict(mask_mod=_same_group(ids, lk - lq), score_mod=_tilted),
     }
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("case", ["alibi", "document & causal",
-                                  "user score, softcap, window, bias"])
+                                  "user score, softcap, window, bias", "read by name"])
 def test_cuda_mods_equal_the_reference(rng, dtype, case):
     """Outputs, LSEs and every gradient (q, k, v, bias) against the float64 reference:
     GQA, Lq != Lk, sizes crossing the tiles' borders."""
