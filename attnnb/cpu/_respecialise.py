@@ -9,8 +9,8 @@ functions, and decorates each copy as its original was decorated
 that reach no hook are shared, not copied.
 
 Each copy's qualified name ends in the mod's fingerprint
-(:func:`attnnb._mod_compile.fingerprint`: its functions' source and closure,
-and the composition), so Numba's on-disk cache keeps it in files of its own,
+(:func:`attnnb._mod_compile.fingerprint`: its functions' code, the constants
+and helpers they read, and the composition), so Numba's on-disk cache keeps it in files of its own,
 and a later process finds it there without compiling: Numba's index key
 holds the code and the signature, not the globals, so copies of one kernel
 must differ by name.  Each copy gets the package-wide source stamp
