@@ -10,8 +10,9 @@ that reach no hook are shared, not copied.
 
 Each copy's qualified name ends in the mod's fingerprint
 (:func:`attnnb._mod_compile.fingerprint`: its functions' code, the constants
-and helpers they read, and the composition), so Numba's on-disk cache keeps it in files of its own,
-and a later process finds it there without compiling: Numba's index key
+and helpers they read, and the composition), so Numba's on-disk cache keeps
+it in files of its own, and a later process finds it there without
+compiling: Numba's index key
 holds the code and the signature, not the globals, so copies of one kernel
 must differ by name.  Each copy gets the package-wide source stamp
 (:mod:`attnnb.cpu._numba_patches.source_stamp`), so that an edit to the backend
