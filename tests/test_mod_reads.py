@@ -261,3 +261,19 @@ def test_edits_between_processes_compile_anew_and_nothing_else_does(tmp_path):
     before = _cache_files(tmp_path)
     _run(tmp_path, 5, "d <= 2 * WINDOW", "(i - j <= 10) & (j <= i)")
     assert _cache_files(tmp_path) == before
+
+
+def test_check_skips_arrays_read_by_name():
+    """mods.check verifies the bound arrays' gradients; one read by name is a constant."""
+    mods.check(mods.score_mod(slope_by_name), shape=(1, 1, 4, 4), points=8)
+    shift = np.array([0.5, -0.5])
+    mods.check(mods.score_mod(_shifted_by_name_and_bound, shift,
+                              grad_arrays=_shifted_grad), shape=(1, 2, 4, 4), points=8)
+
+
+def _shifted_by_name_and_bound(s, b, h, i, j, shift):
+    return s + shift[h] + SLOPE_TABLE[0] * i
+
+
+def _shifted_grad(g, s, b, h, i, j, grads, shift):
+    grads[0][h] += g
