@@ -277,3 +277,28 @@ def _shifted_by_name_and_bound(s, b, h, i, j, shift):
 
 def _shifted_grad(g, s, b, h, i, j, grads, shift):
     grads[0][h] += g
+
+
+def test_torch_tensors_read_by_name():
+    """A CPU tensor read by name is read at every call (FlexAttention's captured tensors);
+    one that requires grad is refused by name (bind it to the mod for its gradient)."""
+    torch = pytest.importorskip("torch")
+    global TORCH_IDS
+    q, k, v = _qkv(30)
+    for seed in (1, 2):
+        ids = _documents(seed, 30)
+        TORCH_IDS = torch.from_numpy(ids)
+        got = attnnb.attention(q, k, v, mask_mod=torch_documents, backend="cpu")
+        want = attnnb.attention(q, k, v, mask=ids[:, None] == ids[None, :],
+                                backend="reference")
+        assert_close(got, want, rtol=1e-12)
+    TORCH_IDS = torch.zeros(30, requires_grad=True)
+    with pytest.raises(TypeError, match=r"'TORCH_IDS'.*requires grad"):
+        attnnb.attention(q, k, v, mask_mod=torch_documents, backend="cpu")
+
+
+TORCH_IDS = None
+
+
+def torch_documents(b, h, i, j):
+    return TORCH_IDS[i] == TORCH_IDS[j]
