@@ -118,6 +118,13 @@ KNOWN_GATE_FAILURES = {
     "backward two-stream dkdv float32 d=64": "more than 128 registers and fewer than 4 FMA "
                                              "per shared load: two score streams, Dv = 128 "
                                              "(not the default route of any mode)",
+    # at most 128 where they were built on 2026-12-07 (gpu/RESULTS.md), more here: the
+    # same numba-cuda and nvJitLink on another host type
+    "backward rectified dq float32 d=64": "130 registers on some build hosts (128 on others)",
+    "backward topk dq-sigmoid float32 D=64": "139 registers on some build hosts (128 on "
+                                             "others)",
+    "backward topk dkdv-relu_expm1 float32 D=64": "135 registers on some build hosts (128 "
+                                                  "on others)",
 }
 
 _PARTS = {"dq": dq_parts, "dkdv": dkdv_parts}
