@@ -5,7 +5,7 @@
 # the patches off.  It runs two float64 cases of `python -m attnnb check` (dense attention
 # and Token Merging, on the cpu backend against the reference, to 1e-12) and the fence's
 # own tests: without the patches, Numba 0.60 takes over a minute for each kernel family
-# on this 2-core machine (all 96 cases: over 40 minutes; docs/performance.md, "Numba's
+# on this 2-core machine (all 96 cases: over 40 minutes; docs/notes/performance.md, "Numba's
 # internals behind one gate").
 set -euo pipefail
 cd "$(dirname "$0")/.."

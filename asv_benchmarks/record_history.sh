@@ -65,7 +65,7 @@ if ! grep -q "\"$MACHINE\"" "$HOME/.asv-machine.json" 2>/dev/null; then
     exit 2
 fi
 
-# A busy core doubles a parallel kernel's time (docs/performance.md, "The sparse point
+# A busy core doubles a parallel kernel's time (docs/notes/performance.md, "The sparse point
 # that doubled"): say so before recording.
 load="$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo 0)"
 if awk -v l="$load" 'BEGIN { exit !(l > 0.5) }'; then

@@ -44,7 +44,7 @@ def bias_chunks(shape, itemsize, dbias_shape, min_heads=1):
     heads (counted over its batch elements) where the problem has them, so that it
     keeps the backward's one-sweep form (``ONE_SWEEP_TASKS`` in
     :mod:`attnnb.cpu.backward`): chunks too small for it cost more than the memory
-    they save (docs/performance.md, "Figures moved out of the code's comments").
+    they save (docs/notes/performance.md, "Figures moved out of the code's comments").
     The buffer is then at most ``CHUNK_BYTES`` or ``min_heads`` key heads' rows.
     """
     B, Hq, Hk, Lq, Lk = shape[:5]

@@ -42,7 +42,7 @@ _compiled: dict = {}
 
 
 # Eigen's rational approximation of tanh on [-7.9, 7.9] (float32: within 3.3e-7
-# relative on [-12, 12], docs/performance.md, "Mask and score functions"; +-1 to
+# relative on [-12, 12], docs/notes/performance.md, "Mask and score functions"; +-1 to
 # rounding beyond)
 _F = np.float32
 TANH_CLAMP = _F(7.90531110763549805)
@@ -209,7 +209,7 @@ def compile_mask(mod: MaskMod, offset: int = 0, target: Target = CPU) -> Compile
         left = compile_mask(mod.parts[0], offset, target).allowed
         right = compile_mask(mod.parts[1], offset + arity(mod.parts[0]), target).allowed
         # both sides always (no short circuit): a branch per pair keeps the classifier's
-        # loop scalar (docs/performance.md, "Mask and score functions"); each side must
+        # loop scalar (docs/notes/performance.md, "Mask and score functions"); each side must
         # be defined at every position
         if mod.kind == "and":
             def allowed(b, h, i, j, args):

@@ -26,7 +26,7 @@ the host and back.
   operation through :mod:`attnnb._bridge`: the forward is never run twice.
   Each callback pays for a host copy of ``q``, ``k``, ``v`` (JAX hands
   read-only buffers, which the cpu kernels take only as copies) and, in the
-  backward, of the residuals and the cotangent (docs/performance.md, "The JAX
+  backward, of the residuals and the cotangent (docs/notes/performance.md, "The JAX
   bridge's callbacks").
 * **vmap.** The callbacks use ``vmap_method="expand_dims"``: each ``vmap``
   level adds one leading axis to every argument, of size 1 where that

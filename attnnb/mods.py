@@ -36,7 +36,7 @@ with central differences.  Integer and boolean arrays never get one.
 
 Speed: a mask function written without branches (``&``, ``|`` and ``~`` on
 comparisons rather than ``and``, ``or``, ``if``) lets the tile classifier's
-loops vectorise, where a branch per pair leaves them scalar (docs/performance.md,
+loops vectorise, where a branch per pair leaves them scalar (docs/notes/performance.md,
 "Mask and score functions"); the built-ins are written so.
 
 Positions: a user's function gets the row and column indices ``i``, ``j``

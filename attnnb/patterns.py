@@ -823,7 +823,7 @@ def _block_layout(p: Pattern, tile_q: int, tile_k: int, chunk: int = _BLOCK_CHUN
 
     The CSR is read in passes of ``chunk`` entries, so the temporary memory
     is ``O(chunk + rows + tiles)``, not ``O(nnz)``: long sequences with wide windows
-    have too many pairs to count at once (docs/performance.md, "Figures moved out of
+    have too many pairs to count at once (docs/notes/performance.md, "Figures moved out of
     the code's comments").
     Entries come in CSR order, so block codes never decrease from one query
     tile row to the next: only the last tile row of a pass can continue in

@@ -64,7 +64,7 @@ from typing import Any
 
 if "torch" not in sys.modules:
     # PyTorch's OpenMP threads spin after each operator by default and take the cores
-    # from the kernels' threads that start next (docs/performance.md, "Inside a PyTorch
+    # from the kernels' threads that start next (docs/notes/performance.md, "Inside a PyTorch
     # program").  libgomp reads the policy once, when torch loads it, so it can only be
     # chosen before `import torch`; a value the user set is kept.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -28,7 +28,7 @@ import os
 import time
 
 # Torch's OpenMP threads keep spinning after each operator and take the cores
-# from the next attnnb call (docs/performance.md, "Inside a PyTorch program").
+# from the next attnnb call (docs/notes/performance.md, "Inside a PyTorch program").
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402

@@ -6,7 +6,7 @@ other widths, or at other columns, must get bit-equal logits so that the
 lower index wins their tie as in one call.  A BLAS product does not promise
 that: OpenBLAS's AVX2 sgemm kernel rounds the first and last eight columns
 of a panel differently from the others, even at one matrix shape
-(docs/performance.md, "Figures moved out of the code's comments").
+(docs/notes/performance.md, "Figures moved out of the code's comments").
 
 So each entry here is summed over the depth in increasing order, one IEEE
 multiply and one IEEE add per step (no FMA, no reassociation), starting from

@@ -1,7 +1,7 @@
 """Register-blocked tile products for the tiled core (no BLAS).
 
 These loops are faster than ``np.dot`` called from inside ``prange``
-(docs/performance.md, "Figures moved out of the code's comments") because every
+(docs/notes/performance.md, "Figures moved out of the code's comments") because every
 shape is a compile-time constant: :data:`ROWS` query rows times :data:`COLS` columns accumulate in a
 small scratch ``blk`` at constant offsets, which LLVM keeps in vector
 registers for the whole reduction (one loaded vector, ``ROWS`` broadcasts,
@@ -28,7 +28,7 @@ COLS = 64
 # Columns of a block that gemm_block accumulates in one pass over the reduction.
 # With AVX-512's 32 registers of 16 floats a whole 4 x 64 block stays in
 # registers.  AVX2 has 16 registers of 8 floats: a 4 x 64 block (32 of them)
-# spills to the stack on every step (docs/performance.md, "An AVX2 machine type:
+# spills to the stack on every step (docs/notes/performance.md, "An AVX2 machine type:
 # blocks formed 16 columns at a time"), so there the block is formed 16 columns at
 # a time (8 accumulators).  Each element is summed in the same order either way: the
 # result's bits do not depend on the pass width.
@@ -162,7 +162,7 @@ def block_product(a, a0, lda, n, b, b0, ldb, blk, c0, width):
     rows share every loaded vector of ``b``, and the accumulators stay in
     registers.  A 32-wide block is no faster than two 16-wide ones, and each
     width is one more inlined copy to compile.  Narrower than 16 the vectoriser
-    gives up (docs/performance.md, "Head sizes, ViT batches and decoding"), so
+    gives up (docs/notes/performance.md, "Head sizes, ViT batches and decoding"), so
     there is no 8-wide block: callers reach back over columns they already have
     instead.
     """
@@ -193,7 +193,7 @@ def block_product_add(a, a0, lda, a_step, n, b, b0, ldb, blk, dst, d0, ldd, widt
     added by another with variable bounds, the block goes through memory.  A
     16-wide block takes 8 rows (``width``, ``rows`` from :func:`block_rows`): 4
     rows of one 512-bit register each leave the FMAs waiting on each other's
-    latency (docs/performance.md, "Value products that add in registers").
+    latency (docs/notes/performance.md, "Value products that add in registers").
     """
     if width == 64:
         gemm_block(a, a0, lda, a_step, n, b, b0, ldb, blk, 0, 64, ROWS)

@@ -9,7 +9,7 @@ attention itself:
   when many query tiles read each key tile.  With at most
   :data:`LOCAL_TILE_ROWS` query rows a task transposes each key tile itself,
   into a tile of scratch that stays in L1, just before it uses it (the
-  prologue was most of a decoding call: docs/performance.md, "Head sizes, ViT
+  prologue was most of a decoding call: docs/notes/performance.md, "Head sizes, ViT
   batches and decoding");
 * a transposed key tile serves at most 16 rows.  Where the register blocks
   are AVX2's (:data:`LOGITS_FROM_KEYS`), tasks of 4 to 16 rows form a full
@@ -40,7 +40,7 @@ from ._tiles import TILE_K, sigmoid
 # Query rows up to which tasks transpose their key tiles themselves.
 LOCAL_TILE_ROWS = 16
 # Full key tiles of 4 to 16 query rows by tile_logits_keys instead of a transposed copy:
-# with AVX2 the copy costs more than it saves (docs/performance.md, "Decoding from the
+# with AVX2 the copy costs more than it saves (docs/notes/performance.md, "Decoding from the
 # keys as stored").  With AVX-512 its 16-wide blocks of 4 rows would keep 4
 # accumulators (FMA latency-bound, where the transposed tiles' 4 x 64 blocks keep 16):
 # those types keep the transposed tiles until it is measured there.

@@ -2,7 +2,7 @@
 
 llvmlite's wheels carry no vector math library, so ``np.exp`` inside a
 Numba loop is a scalar libm call, which would be much of a tile's time
-(docs/performance.md, "Figures moved out of the code's comments").  For
+(docs/notes/performance.md, "Figures moved out of the code's comments").  For
 float32 we use Cephes' ``expf`` polynomial instead: ``exp(x) = 2**n *
 exp(r)`` with ``n = round(x / ln 2)``, ``|r| <= ln(2) / 2``, and ``2**n``
 built directly in the exponent bits.  The loop is branch-free so LLVM
@@ -121,7 +121,7 @@ def sum_at(a, a0, n):
     falls back to a scalar loop, which adds in another order, when it cannot
     rule it out; scratch arrays come from the allocator at addresses that
     vary with the thread that runs a task, so the sum's last bit did too
-    (a float64 top-k row was an ulp off in some calls: docs/performance.md, "Figures
+    (a float64 top-k row was an ulp off in some calls: docs/notes/performance.md, "Figures
     moved out of the code's comments").  A loop
     that only reads has no such check: its order depends on ``n`` alone.
     """
@@ -151,7 +151,7 @@ def exp_tile_accumulate(src, dst, m, l, nq):
 
     One call per tile: per row the loop has a constant trip count and the
     polynomial's constants stay in registers (a call per row costs more than the
-    row's arithmetic: docs/performance.md, "Figures moved out of the code's
+    row's arithmetic: docs/notes/performance.md, "Figures moved out of the code's
     comments").
     """
     raise NotImplementedError  # only callable from Numba code

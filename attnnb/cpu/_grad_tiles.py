@@ -16,7 +16,7 @@ from ._tiles import KEY_BLOCK_ROWS, TILE_K, TILE_Q, tile_is_finite, transpose_ti
 
 def written_whole(shape, dtype) -> np.ndarray:
     """A gradient buffer that a kernel writes element by element before anything reads
-    it: not zeroed, since zeroing is a visible part of a small call (docs/performance.md,
+    it: not zeroed, since zeroing is a visible part of a small call (docs/notes/performance.md,
     "Gradient buffers left unzeroed").  The tests replace it with NaN-filled buffers, in
     each module that calls it, to see every element written."""
     return np.empty(shape, dtype)

@@ -31,7 +31,7 @@ _PLACEHOLDERS: dict = {}
 def _dummy_pairwise(dtype):
     # Shaped so that Numba types it like a real broadcast mask or bias (readonly, layout
     # 'A'): calls with and without a mask then share one compiled kernel.  Read-only, so
-    # one per dtype serves every call, not a new broadcast each (docs/performance.md,
+    # one per dtype serves every call, not a new broadcast each (docs/notes/performance.md,
     # "Compile time and the first call").
     dtype = np.dtype(dtype)
     placeholder = _PLACEHOLDERS.get(dtype)

@@ -81,7 +81,7 @@ def inner(fn):
     (optimised in different modules), and results differed by an ulp.
     Inlined, a kernel's code depends on its IR alone, at no cost in speed
     and some in compile time, which is why the differential kernel calls each
-    shared loop once (docs/performance.md, "Compile time and the first call").
+    shared loop once (docs/notes/performance.md, "Compile time and the first call").
 
     Being only inlined, a shared loop is linked into kernels as IR and never
     compiled to machine code of its own (:func:`._numba_patches.linking.link_only`),

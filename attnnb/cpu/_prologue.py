@@ -8,7 +8,7 @@ passes), rather than a first ``prange`` copied into every kernel: a
 ``prange`` in an inlined function is not parallelised by Numba, and the
 backward's two sweeps then share one fill instead of each redoing it.
 The second launch costs a few microseconds, which only the smallest calls
-notice (docs/performance.md, "The Zen 5 machine type").
+notice (docs/notes/performance.md, "The Zen 5 machine type").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every CPU kernel first copies the keys into tiles transposed for the
 register-blocked ``Q K^T`` (:func:`attnnb.cpu._tiles.prepare_key_tile`): a
 buffer as large as ``k`` itself.  Fresh memory of that size costs a page fault
 per 4 KiB page on first touch, and two threads faulting at once contend in
-the kernel, a large share of a short call (docs/performance.md, "What each
+the kernel, a large share of a short call (docs/notes/performance.md, "What each
 step gave").  So the buffer is kept after a call and reused by the next one
 that fits in it.
 

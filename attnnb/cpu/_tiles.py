@@ -68,7 +68,7 @@ TILE_K = COLS  # 64: the register blocks' width
 # Query rows per task of the kernels that sweep a contiguous range of key
 # tiles (dense, differential): twice TILE_Q halves the key and value tiles
 # streamed per query (a 128-row task's scratch still fits in L2), which was faster
-# at N = 2048-4096 (docs/performance.md, "Figures moved out of the code's comments").
+# at N = 2048-4096 (docs/notes/performance.md, "Figures moved out of the code's comments").
 # The sparse and top-k
 # kernels keep TILE_Q: a pattern's tiles are chosen per 64 query rows, and
 # wider tasks would visit the union of two rows' tile lists.
@@ -143,7 +143,7 @@ def tile_logits_t(qs, kth, j0, nk, S_flat):
     holds at least ``nq * TILE_K`` elements.  Each key tile is one contiguous
     ``D x TILE_K`` block: with the keys transposed as a whole, ``(D, Lk)``,
     the tile's rows lie ``4 Lk`` bytes apart, a power of two for the usual
-    lengths, so they compete for the same few L1 sets (docs/performance.md,
+    lengths, so they compete for the same few L1 sets (docs/notes/performance.md,
     "Figures moved out of the code's comments").
 
     Register-blocked (:mod:`attnnb.cpu._blocks`), no BLAS, in 4-row blocks
@@ -193,7 +193,7 @@ def tile_logits_rows(qs, kh, j0, nk, S_flat):
     as stored: one dot product per (query, key).
 
     For fewer than 4 query rows (decoding), where transposing a key tile for
-    :func:`tile_logits_t` costs more than the dot products (docs/performance.md,
+    :func:`tile_logits_t` costs more than the dot products (docs/notes/performance.md,
     "Figures moved out of the code's comments").
     ``kh (Lk, D)`` and ``qs (nq, D)`` C-contiguous.
     """
@@ -229,7 +229,7 @@ def tile_logits_keys(qt, kh, vh, j0, nq, St_flat, S_flat, fetch):
 
     Decoding's tasks would otherwise transpose each key tile for :func:`tile_logits_t`
     and use it for 16 rows at most, a transpose that costs more than it saves
-    (docs/performance.md, "Decoding from the keys as stored").  Here
+    (docs/notes/performance.md, "Decoding from the keys as stored").  Here
     the keys are the broadcast operand of the register blocks (4 keys by 16 query
     columns of ``qt``, :func:`transposed_queries`), which gives ``S^T`` in
     ``St_flat`` (``TILE_K * 16``), transposed to ``S`` by four 16 x 16 copies (a
@@ -293,7 +293,7 @@ def key_run(nk, row_bytes):
     A 64-key column block of values whose rows are a multiple of 1 KiB apart falls
     on 16 or fewer of L1's 64 sets (4 KiB a way), more lines to a set than the 8-12
     ways of the project's machines, so each row block read it again from L2
-    (docs/performance.md, "Value rows 1 KiB apart, and the Xeon type's table").
+    (docs/notes/performance.md, "Value rows 1 KiB apart, and the Xeon type's table").
     Such widths take the keys in runs that fit: 32 keys at 1 KiB
     (or 3 KiB) periods, 16 at 2 KiB, 8 at 4 KiB; every other width all ``nk`` at once.
     """
@@ -745,7 +745,7 @@ def transposed_copy(src, r0, nr, c0, nc, dst):
     double loop over the whole tile read or wrote with a stride in its inner
     loop (gathers or scattered stores), and 16 x 16 blocks as double loops still
     stored one element at a time; the vector-IR blocks take a tenth of the time
-    (docs/performance.md, "Figures moved out of the code's comments").  The copy
+    (docs/notes/performance.md, "Figures moved out of the code's comments").  The copy
     is exact: results do not change.
     """
     nr_blocks = nr - nr % 16
@@ -791,7 +791,7 @@ def tile_is_finite(vh, j0):
     run of ``vh`` (C-contiguous), read as one flat loop in its own
     dtype: one vectorised reduction per tile.  Row by row, with a float64
     zero, it was a reduction per row through float64 conversions, a large part
-    of a decoding call (docs/performance.md, "Figures moved out of the code's
+    of a decoding call (docs/notes/performance.md, "Figures moved out of the code's
     comments").
     """
     n_rows, width = vh.shape

@@ -32,7 +32,7 @@ The vectorised passes over the group maxima run over whole chunks of
 with a run-time trip count ends in a scalar remainder of up to 63 values.
 
 It replaced two quickselects whose cost was mostly mispredicted branches
-(docs/performance.md, "Top-k selection" and "Figures moved out of the code's
+(docs/notes/performance.md, "Top-k selection" and "Figures moved out of the code's
 comments").
 """
 

@@ -6,7 +6,7 @@ The online softmax needs each row's maximum of every 64-key tile before
 any weight.  Written as a loop, ``max(mx, x)`` is a reduction LLVM does not
 vectorise without the ``nnan`` flag, which the project leaves out (NaN
 inputs must propagate, see :mod:`attnnb.cpu._jit`): with ``maxnum`` it was
-scalar code, as slow as the tile's exponentials (docs/performance.md, "Value
+scalar code, as slow as the tile's exponentials (docs/notes/performance.md, "Value
 products that add in registers").
 
 :func:`row_max_64` loads the row as 512-bit vectors and reduces them in a
@@ -28,7 +28,7 @@ transposes every key tile once per call, decoding each key tile once per
 task). :func:`transpose_16` loads the block's 16 rows as vectors and swaps
 one bit of the row index with the same bit of the column index per round
 (four rounds of 16 two-vector shuffles), then stores 16 rows, several times
-faster (docs/performance.md, "Value products that add in registers").  It
+faster (docs/notes/performance.md, "Value products that add in registers").  It
 is a copy, exact in any order.
 
 **Prefetch.** :func:`prefetch_line` is LLVM's ``llvm.prefetch`` (x86

@@ -279,7 +279,7 @@ def stream_lses(problem):
     The forward runs on values of width zero: the same kernel (the same types),
     the same logits and so the same LSE bit for bit, without the value
     product, which at ``Dv = 2d`` is two thirds of the forward's work
-    (docs/performance.md, "The rectified backward, chunked bias gradients and first
+    (docs/notes/performance.md, "The rectified backward, chunked bias gradients and first
     calls").
     """
     lses = []

@@ -7,7 +7,7 @@
   per image included); then a stable descending sort of the row maxima
   on the host (:func:`attnnb._tome_order.descending_order`, as the cuda
   backend: a sort inside the kernel was much of its compile time, and
-  sorting ``B x Ta`` keys is no work; docs/performance.md, "ToMe's sort out of
+  sorting ``B x Ta`` keys is no work; docs/notes/performance.md, "ToMe's sort out of
   its kernel, and `warmup` again").
 * :func:`merge`: a segmented reduction; each output token gathers its
   members from a per-batch counting sort of ``slot``, so threads never
@@ -84,7 +84,7 @@ def _row_max(row, start, stop, init):
     """``max(init, row[start:stop])`` ignoring NaN, in 8 independent lanes.
 
     ``s > t ? s : t`` without ``nnan`` does not vectorise as one chain;
-    eight chains do (docs/performance.md, "Figures moved out of the code's comments").
+    eight chains do (docs/notes/performance.md, "Figures moved out of the code's comments").
     """
     t0 = t1 = t2 = t3 = t4 = t5 = t6 = t7 = init
     j = start

@@ -50,7 +50,7 @@ The gate
     (the ones CI runs with the patches on) and when :data:`SWITCH` is not set to
     ``0``.  Otherwise every module above takes its fallback, together: the
     kernels are the same code, compiled by plain Numba, about twice as slow to
-    compile and to run (docs/performance.md, "Numba's internals behind one
+    compile and to run (docs/notes/performance.md, "Numba's internals behind one
     gate"), and give the same results within the contract's tolerances (float64
     results of the process that compiled a kernel may then differ by an ulp from
     those of a process that loaded it, docs/contract.md §1.13).  Outside the

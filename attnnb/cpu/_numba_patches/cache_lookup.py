@@ -7,7 +7,7 @@ serve compilation, and every compile refreshes the contexts itself
 (``numba.core.compiler.CompilerBase``), so a process that loads all its
 kernels never needs them.  The parallel runtime is started by the loaded
 function's own ``reload_init``.  :func:`fast_lookup` gives a kernel's cache a
-lookup that only starts the runtime (docs/performance.md, "Numba's internals
+lookup that only starts the runtime (docs/notes/performance.md, "Numba's internals
 behind one gate").
 
 A specialisation not in the cache compiles in the calling process, as Numba

@@ -12,7 +12,7 @@ Where a kernel's compile time went
     (:func:`.._jit.inner`, :func:`.._jit.blocks`) are compiled stand-alone too,
     each a library of its own, and their machine code never runs: kernels
     inline them.  Only the kernel's own library runs from the on-disk cache.
-    (Figures: docs/performance.md, "Compile time: each loop body optimised once".)
+    (Figures: docs/notes/performance.md, "Compile time: each loop body optimised once".)
 
 What this module changes
     * While an attnnb kernel compiles (:func:`link_parfors_once` marks its
@@ -35,7 +35,7 @@ What this module changes
       caller).
     Kernels link the same IR as without this module, so their outputs are the
     same bits (``tests/test_determinism.py``) and their speed the same
-    (docs/performance.md, "Shared loops optimised once").  Libraries created
+    (docs/notes/performance.md, "Shared loops optimised once").  Libraries created
     outside these (a user's own ``guvectorize``, whose wrapper is cached and
     must be compiled; any other Numba function) are not touched.
 
@@ -48,7 +48,7 @@ A kernel's cache entry
     as its machine code and the names of the symbols it defines (a cache
     entry of kind ``"attnnb-object"``), loaded as Numba loads machine code,
     the engine told the names: half the size, and a faster first call
-    (docs/performance.md, "First calls without parsing the kernels' IR").
+    (docs/notes/performance.md, "First calls without parsing the kernels' IR").
 
 Environments
     After compiling a function Numba points its environment global (the

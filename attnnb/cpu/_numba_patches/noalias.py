@@ -3,7 +3,7 @@
 The register-blocked tile products (:mod:`attnnb.cpu._blocks`) keep a block
 of accumulators in registers only when LLVM knows that the scratch they
 accumulate into does not overlap the tiles they read; otherwise every step
-stores and reloads them (docs/performance.md, "Numba's internals behind one
+stores and reloads them (docs/notes/performance.md, "Numba's internals behind one
 gate").  Numba has an internal flag for it (``Flags.noalias``: every array
 argument gets LLVM's ``noalias`` attribute) but no public option, so this
 module registers a private decorator option, :data:`OPTION`, that maps to it.

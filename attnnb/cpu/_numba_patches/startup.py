@@ -5,7 +5,7 @@ import its lowering modules (``CPUContext.load_additional_registries``).
 One of them, ``numba.np.arraymath``, runs ``_check_blas()`` when imported:
 ``import scipy.linalg.cython_blas``, only to learn whether a BLAS is there,
 and that imports all of ``scipy.linalg`` (a fifth of a first call's time:
-docs/performance.md, "Numba's internals behind one gate").  No kernel of this
+docs/notes/performance.md, "Numba's internals behind one gate").  No kernel of this
 package calls a BLAS function.
 
 :func:`import_arraymath` imports that module first, with Numba's

@@ -16,7 +16,7 @@ arithmetic):
   C-contiguous arrays directly (every array they see is C-contiguous: a
   scratch buffer, or a head of a C-contiguous input).
 
-The cost figures are in docs/performance.md ("One sweep for the gradients, and
+The cost figures are in docs/notes/performance.md ("One sweep for the gradients, and
 what a tile's views cost").  Where the gate (:mod:`attnnb.cpu._numba_patches`) is
 closed, the four names are plain Numba functions with the same meaning: the
 array itself, nothing, ``x.reshape(x.size)`` and
