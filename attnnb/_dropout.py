@@ -137,6 +137,6 @@ def keep_mask(seed: int, p: float, shape, b=None, h=None, i=None, j=None) -> np.
     idx = [np.arange(n, dtype=np.uint64) if x is None else np.asarray(x, np.uint64)
            for x, n in ((b, B), (h, H), (i, Lq), (j, Lk))]
     bb, hh, ii, jj = np.ix_(*idx)
-    lo, hi = (np.uint64(w) for w in seed_words(seed))
+    lo, hi = seed_words(seed)  # Python ints: NumPy 1.26 refuses uint64 ^ int scalars
     keys = row_key(lo, hi, bb, hh, ii)
     return kept(keys, column_word(jj), np.uint64(threshold(p)))
