@@ -37,7 +37,6 @@ from .mods import OFFSET, MaskMod, ScoreMod, _as_numpy
 
 COMPLEX_STEP = 1e-30
 
-_jitted: dict = {}
 _compiled: dict = {}
 
 

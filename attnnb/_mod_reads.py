@@ -436,6 +436,10 @@ def _array_value(who: str, value) -> np.ndarray:
             raise TypeError(f"{who} is a torch tensor on {value.device}: mods read CPU "
                             "arrays")
         value = value.detach().numpy()
+    elif isinstance(value, np.ndarray) and type(value) is not np.ndarray:
+        raise TypeError(f"{who} is a {type(value).__module__}.{type(value).__name__}: mods "
+                        "read plain NumPy arrays (a subclass's mask or meaning would be "
+                        "lost); pass np.asarray of it")
     elif package in ("jax", "jaxlib"):
         if type(value).__name__.endswith("Tracer"):
             raise TypeError(f"{who} is a traced JAX value: mods read concrete arrays")

@@ -302,3 +302,16 @@ TORCH_IDS = None
 
 def torch_documents(b, h, i, j):
     return TORCH_IDS[i] == TORCH_IDS[j]
+
+
+MASKED_IDS = np.ma.masked_array([0, 0, 1], mask=[False, True, False])
+
+
+def reads_a_masked_array(b, h, i, j):
+    return MASKED_IDS[i] == MASKED_IDS[j]
+
+
+def test_an_array_subclass_read_by_name_is_refused():
+    q, k, v = _qkv(3)
+    with pytest.raises(TypeError, match=r"'MASKED_IDS'.*MaskedArray"):
+        attnnb.attention(q, k, v, mask_mod=reads_a_masked_array)
