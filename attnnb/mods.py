@@ -16,6 +16,12 @@ pass the result to :func:`attnnb.attention` (``mask_mod=``, ``score_mod=``)::
     out = attnnb.attention(q, k, v, causal=True,
                            score_mod=mods.score_mod(alibi_like, slopes))
 
+What a function reads by name (globals, closure cells, defaults, helpers to any
+depth) is taken at every call (:mod:`attnnb._mod_reads`, contract §2.10): arrays
+are passed to the kernels as they are then, numbers and strings are constants
+keyed by value, helpers are compiled with the function; anything else is refused
+by name.
+
 Masks compose with ``&``, ``|`` and ``~``; score functions chain with ``+``
 (``a + b`` applies ``a``, then ``b`` to its result: for additive biases the
 sum of both).  The functions are compiled into the tiled kernels (never an
