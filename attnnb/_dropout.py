@@ -33,9 +33,10 @@ compiled mixer.
 from __future__ import annotations
 
 import numbers
-import types
 
 import numpy as np
+
+from ._specialise import global_names, rebind
 
 WORD = 0xFFFFFFFF  # 32 bits
 COLUMN_SALT = 0x3C6EF372  # keeps column words apart from row keys of the same integer
@@ -77,8 +78,9 @@ def rebound(fn, compile_fn):
     ``compile_fn(mix32)``: how a backend compiles this module's text (its own
     decorator for every function, and the calls between them resolved to the
     compiled ones, as a compiler resolves a global name)."""
-    scope = dict(fn.__globals__, mix32=compile_fn(mix32))
-    return compile_fn(types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__))
+    if "mix32" not in global_names(fn.__code__):
+        raise LookupError(f"{fn.__qualname__} calls no mix32")
+    return compile_fn(rebind(fn, {"mix32": compile_fn(mix32)}))
 
 
 def seed_words(seed: int) -> tuple[int, int]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import dis
 import functools
 import hashlib
 import inspect
@@ -46,6 +45,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from ._specialise import global_names, rebind
 
 _LIBRARIES = ("numpy", "numba", "math", "cmath", "operator", "builtins", "llvmlite",
               "attnnb", "_operator")
@@ -105,19 +106,6 @@ def code_digest(code: types.CodeType) -> str:
         digest.update(text.encode())
         digest.update(b"\0")
     return digest.hexdigest()
-
-
-@functools.lru_cache(maxsize=4096)
-def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    """The global names ``code`` (and the code nested in it) loads, in order."""
-    names: list[str] = []
-    for ins in dis.get_instructions(code):
-        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval not in names:
-            names.append(ins.argval)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names += [n for n in _global_names(const) if n not in names]
-    return tuple(names)
 
 
 def _as_array(value: Any) -> np.ndarray | None:
@@ -186,19 +174,9 @@ class Node:
         return self._rebound({n: h.python() for n, h in self.helpers.items()})
 
     def _rebound(self, replaced: dict) -> types.FunctionType:
-        """``py``'s own code over a copy of its globals and new closure cells, with the
-        names in ``replaced`` bound to their values there."""
-        py = self.py
-        scope = dict(py.__globals__)
-        scope.update((n, v) for n, v in replaced.items() if n in _global_names(py.__code__))
-        cells = py.__closure__
-        if cells:
-            cells = tuple(types.CellType(replaced[name]) if name in replaced else cell
-                          for name, cell in zip(py.__code__.co_freevars, cells))
-        out = types.FunctionType(py.__code__, scope, py.__name__, py.__defaults__, cells)
-        out.__qualname__, out.__module__ = py.__qualname__, py.__module__
-        out.__kwdefaults__ = py.__kwdefaults__
-        return out
+        """``py``'s own code with the names in ``replaced`` bound to their values (its
+        globals copied, its closure cells new)."""
+        return rebind(self.py, replaced)
 
     def _rebuilt(self, helpers: dict) -> types.FunctionType:
         """``py`` recompiled from its source with its arrays as leading parameters, and
@@ -340,7 +318,7 @@ class _Walk:
         parts = [py.__qualname__, code_digest(py.__code__)]
         cells = dict(zip(py.__code__.co_freevars, py.__closure__ or ()))
         names = [(n, "cell") for n in py.__code__.co_freevars] + [
-            (n, "global") for n in _global_names(py.__code__) if n not in cells]
+            (n, "global") for n in global_names(py.__code__) if n not in cells]
         for name, where in names:
             parts.append(self._read(node, name, where, cells))
         for param, value in _defaults(py):

@@ -18,23 +18,28 @@ import threading
 
 import numba
 
+from .._specialise import template
 from ._numba_patches.cache_lookup import fast_lookup
 from ._numba_patches.linking import link_only, link_parfors_once
 from ._numba_patches.noalias import NOALIAS, OPTION
-from ._numba_patches.source_stamp import track_sources
+from ._numba_patches.source_stamp import restamp, track_sources
 from ._numba_patches.vector_width import wide_vectors  # noqa: F401 - the kernels' import
 from ._threading import in_forked_child, launch_lock
 
 FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
 
-# the attribute that keeps the decorator a kernel or shared loop was made with, so
-# that attnnb.cpu._respecialise can make a copy of it the same way
-REMAKE = "_attnnb_remake"
 
+def _remade_by(dispatcher, make):
+    """``dispatcher`` as a template of :func:`attnnb._specialise.specialise`: its copies
+    are made by ``make``, the decorator that made it, and get the package's source stamp
+    (so that an edit to the backend recompiles them as it recompiles the originals)."""
 
-def _remade_by(dispatcher, remake):
-    setattr(dispatcher, REMAKE, remake)
-    return dispatcher
+    def remake(fn):
+        copied = make(fn)
+        restamp(copied)
+        return copied
+
+    return template(dispatcher, remake)
 
 
 def _targets_avx512() -> bool:
@@ -134,8 +139,8 @@ _noticed: set = set()
 
 
 class _compile_notice:
-    """Around a launch of a kernel copy with mods (:mod:`._respecialise`) that has no
-    compiled code in this process yet: a line on stderr if it is still running after
+    """Around a launch of a kernel copy with mods (:func:`attnnb._specialise.specialise`)
+    that has no compiled code in this process yet: a line on stderr if it is still running after
     :data:`NOTICE_AFTER_S` (compiling, or loading from the disk cache)."""
 
     def __init__(self, kernel_fn):

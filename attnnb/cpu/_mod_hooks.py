@@ -3,7 +3,7 @@
 The kernels call the tile loops below on every tile.  As compiled in this
 module they do nothing (``SCORE_FN`` and ``MASK_FN`` are False, constants
 that Numba folds), so a call without mods runs the kernels it always ran.
-For a call with mods, :mod:`attnnb.cpu._respecialise` compiles copies of the
+For a call with mods, :func:`attnnb._specialise.specialise` compiles copies of the
 kernels in which ``SCORE_FN``/``MASK_FN`` are True and ``mod_value``,
 ``mod_slope``, ``mod_agrad`` and ``mod_allowed`` are the mod's own compiled
 functions (:mod:`attnnb._mod_compile`), inlined into the loops.

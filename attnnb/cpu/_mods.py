@@ -1,7 +1,7 @@
 """The host side of mask and score functions on the cpu backend (:mod:`attnnb.mods`).
 
 :func:`mod_kernel` gives the copy of a kernel with a problem's mods compiled
-in (:mod:`attnnb.cpu._respecialise`), :func:`mods_argument` the ``mods``
+in (:func:`attnnb._specialise.specialise`), :func:`mods_argument` the ``mods``
 argument every kernel takes (:mod:`attnnb.cpu._mod_hooks`), and
 :func:`tile_map` the tile map of the problem's mask array and mask function
 together (:mod:`attnnb.cpu._mask_tiles`).
@@ -31,6 +31,8 @@ from .._mod_compile import (
     param_grads,
     reads_argument,
 )
+from .._specialise import specialise
+from . import _mod_hooks
 from ._jit import launch
 from ._mask_tiles import (
     classify_kernel,
@@ -39,7 +41,6 @@ from ._mask_tiles import (
     no_tile_map,
 )
 from ._mod_hooks import MOD_GRAD_GROUPS, no_mods
-from ._respecialise import respecialise
 from ._tiles import TILE_K, TILE_Q
 
 
@@ -72,10 +73,15 @@ def _bindings(problem) -> dict:
 
 
 def mod_kernel(kernel_fn, problem):
-    """``kernel_fn`` itself without mods, else its copy with the problem's mods."""
+    """``kernel_fn`` itself without mods, else its copy with the problem's mods bound to
+    the hooks of :mod:`attnnb.cpu._mod_hooks` (a kernel that reaches neither the score
+    function's nor the mask function's hook is an error, never a kernel without them)."""
     if not has_mods(problem):
         return kernel_fn
-    return respecialise(kernel_fn, _bindings(problem), _tag(problem))
+    required = ["mod_value"] if problem.score_mod is not None else []
+    required += ["mod_allowed"] if problem.mask_mod is not None else []
+    return specialise(kernel_fn, _bindings(problem), _tag(problem), required=required,
+                      originals=vars(_mod_hooks))
 
 
 def mods_argument(problem) -> tuple:
