@@ -68,8 +68,8 @@ aliased = compiled(aliased)
 
 def test_global_names_include_nested_code_in_order():
     def outer():
-        a = first
-        return [second for _ in a] + [lambda: third]
+        a = first  # noqa: F821 - names only read, never run
+        return [second for _ in a] + [lambda: third]  # noqa: F821
 
     assert global_names(outer.__code__) == ("first", "second", "third")
 
