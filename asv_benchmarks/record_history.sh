@@ -19,7 +19,7 @@ MACHINE="${ATTNNB_ASV_MACHINE:-amd-epyc-zen4-2core}"
 BRANCH="${ATTNNB_ASV_BRANCH:-main}"
 FIRST=908f2b6  # the first commit with asv benchmarks
 STEP=5
-KERNEL_PATHS=(attnnb/cpu attnnb/cuda attnnb/_codes.py attnnb/_scalars.py attnnb/_selection.py)
+KERNEL_PATHS=(attnnb/cpu attnnb/cuda attnnb/_core/codes.py attnnb/_core/scalars.py attnnb/_core/selection.py)
 
 # The recorded subset: fast float32 cpu `time_` benchmarks (their setup compiles or loads
 # the kernels, so the timed calls are steady state), matched against asv's

@@ -12,7 +12,7 @@ weights of any call and statistics of them (:mod:`attnnb.inspection`).
 import sys as _sys
 
 from . import diff, patterns, tome
-from ._dispatch import backends, use_backend
+from ._front.dispatch import backends, use_backend
 from .attention import attention
 from .combine import combine
 from .diff import diff_attention

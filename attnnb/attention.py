@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from . import _eager
+from ._core.dropout import refuse_lazy_dropout
 from ._dask import any_dask
-from ._dropout import refuse_lazy_dropout
+from ._front import eager as _eager
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,
@@ -48,7 +48,7 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
         Attention dropout, as FlashAttention's: each weight ``(b, h, i, j)`` is
         dropped with probability ``dropout_p`` and the kept ones scaled by
         ``1 / (1 - dropout_p)``.  The decisions are a pure function of ``seed``
-        and the four indices (:mod:`attnnb._dropout`), the same on every
+        and the four indices (:mod:`attnnb._core.dropout`), the same on every
         backend, and :func:`attnnb.vjp` regenerates them: nothing
         ``(Lq, Lk)`` is stored.
     seed : int in ``[0, 2**64)``, optional

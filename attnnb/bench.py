@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from ._progress import progress
+from ._tools.progress import progress
 
 DEFAULT_REPEATS = 7
 QUICK_REPEATS = 3

@@ -19,8 +19,8 @@ import math
 
 import numpy as np
 
-from ._codes import SOFTPICK_EPS
-from ._validate import NORMALIZERS
+from ._core.codes import SOFTPICK_EPS
+from ._front.validate import NORMALIZERS
 
 __all__ = ["combine"]
 

@@ -21,12 +21,12 @@ import math
 
 import numpy as np
 
-from . import _eager
-from ._checks import as_named_array
+from ._core.dropout import refuse_lazy_dropout
 from ._dask import any_dask
-from ._dropout import refuse_lazy_dropout
-from ._function_args import MODES
-from ._validate import compute_dtypes, float_dtype_of
+from ._front import eager as _eager
+from ._front.checks import as_named_array
+from ._front.function_args import MODES
+from ._front.validate import compute_dtypes, float_dtype_of
 
 __all__ = ["diff_attention", "lambda_init", "reparam_lambda", "subln", "MODES"]
 

@@ -3,7 +3,7 @@
 A fused kernel never holds its attention weights, so users of fused
 attention cannot see them (pytorch issues 119811 and 143993, mlx 2590,
 xformers 1190).  attnnb recomputes them exactly for the query rows asked
-(:mod:`attnnb._row_weights`: a row needs its own logits only), and reduces
+(:mod:`attnnb._front.row_weights`: a row needs its own logits only), and reduces
 them to per-row and per-key statistics block by block of rows, so that no
 ``(Lq, Lk)`` array exists unless it is asked for (docs/contract.md §2.9).
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _dispatch
-from ._checks import as_named_array
-from ._dispatch import choose_backend
-from ._row_weights import Call, bind_call, row_indices, row_weights
-from ._validate import check_bool
+from ._front import dispatch as _dispatch
+from ._front.checks import as_named_array
+from ._front.dispatch import choose_backend
+from ._front.row_weights import Call, bind_call, row_indices, row_weights
+from ._front.validate import check_bool
 
 __all__ = ["weights", "attention_stats", "STATS"]
 

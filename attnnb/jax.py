@@ -23,7 +23,7 @@ the host and back.
   never a traced array (a traced ``scale`` is a ``TypeError``).
 * **Residuals.** The forward keeps its output and LSE (in the compute dtype)
   as JAX residuals, and the backward hands them to the backend's backward
-  operation through :mod:`attnnb._bridge`: the forward is never run twice.
+  operation through :mod:`attnnb._bridges.common`: the forward is never run twice.
   Each callback pays for a host copy of ``q``, ``k``, ``v`` (JAX hands
   read-only buffers, which the cpu kernels take only as copies) and, in the
   backward, of the residuals and the cotangent (docs/notes/performance.md, "The JAX
@@ -92,9 +92,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _bridge, mods
-from ._checks import check_key_size_values
-from ._function_args import check_lam_values
+from . import mods
+from ._bridges import common as _bridge
+from ._front.checks import check_key_size_values
+from ._front.function_args import check_lam_values
 
 __all__ = ["attention", "diff_attention", "sparse_attention", "topk_attention"]
 

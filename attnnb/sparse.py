@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from . import _eager
+from ._core.dropout import refuse_lazy_dropout
 from ._dask import any_dask
-from ._dropout import refuse_lazy_dropout
+from ._front import eager as _eager
 
 
 def sparse_attention(q, k, v, pattern, *, key_size=None, scale=None, normalizer="softmax",

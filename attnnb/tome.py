@@ -74,10 +74,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import _dispatch
-from ._checks import as_named_array
-from ._codes import MERGE_MODE_CODES
-from ._validate import (
+from ._core.codes import MERGE_MODE_CODES
+from ._front import dispatch as _dispatch
+from ._front.checks import as_named_array
+from ._front.validate import (
     check_bool,
     compute_dtypes,
     float_dtype_of,
@@ -118,7 +118,7 @@ def _int(name: str, value, minimum=None) -> int:
 
 def _device(name, x, ndim=3):
     """A device array as a Numba device array (no copy), its dtype checked."""
-    from ._device import device_view
+    from ._front.device import device_view
 
     arr = device_view(x, need_reshape=False)
     float_dtype_of(name, np.dtype(arr.dtype))

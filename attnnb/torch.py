@@ -72,10 +72,11 @@ if "torch" not in sys.modules:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from . import _bridge, _dispatch  # noqa: E402
-from . import _torch_sdpa as _sdpa  # noqa: E402
-from ._dropout import check_dropout  # noqa: E402
-from ._validate import check_bool  # noqa: E402
+from ._bridges import common as _bridge
+from ._bridges import torch_sdpa as _sdpa  # noqa: E402
+from ._core.dropout import check_dropout  # noqa: E402
+from ._front import dispatch as _dispatch  # noqa: E402
+from ._front.validate import check_bool  # noqa: E402
 from .attention import attention as _np_attention  # noqa: E402
 from .diff import diff_attention as _np_diff_attention  # noqa: E402
 from .patterns import Pattern  # noqa: E402
@@ -178,7 +179,8 @@ class _Function:
         return kwargs
 
     def bridge_call(self, values: dict) -> tuple[dict, dict]:
-        """The same split as :mod:`attnnb._bridge` takes it: ``(arrays given, the rest)``."""
+        """The same split as :mod:`attnnb._bridges.common` takes it: ``(arrays given, the
+        rest)``."""
         kwargs = self.numpy_call(values)
         names = _bridge.ARRAYS[self.name]
         arrays = {n: kwargs.pop(n) for n in names if kwargs.get(n) is not None}
@@ -446,7 +448,7 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
     ``mask_mod`` and ``score_mod`` (:mod:`attnnb.mods`, built from CPU tensors
     or NumPy arrays) run through an autograd function around
     :func:`attnnb.vjp` instead of the ``attnnb::`` operator
-    (:mod:`attnnb._torch_mods`): the score function's floating tensor
+    (:mod:`attnnb._bridges.torch_mods`): the score function's floating tensor
     parameters get ``.grad``; ``torch.compile`` breaks the graph there.
 
     Examples
@@ -482,9 +484,9 @@ def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, sca
 
 
 def _with_mods(function, positional, named, static, mask_mod, score_mod, lse=True):
-    """A call with mask or score functions (:mod:`attnnb._torch_mods`); ``lse``: the
+    """A call with mask or score functions (:mod:`attnnb._bridges.torch_mods`); ``lse``: the
     function has one (it is returned, with the output)."""
-    from . import _torch_mods
+    from ._bridges import torch_mods as _torch_mods
     from .mods import as_mask_mod, as_score_mod
 
     mask_mod, score_mod = as_mask_mod(mask_mod), as_score_mod(score_mod)
@@ -616,7 +618,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     keys ``j <= i``, also when ``L != S``); ``scale`` defaults to
     ``1 / sqrt(E)``; ``enable_gqa`` lets ``Hq`` be a multiple of ``H``.  So
     that a model switches to attnnb by replacing this one function.  How
-    each argument is read: :mod:`attnnb._torch_sdpa`.  One keyword of
+    each argument is read: :mod:`attnnb._bridges.torch_sdpa`.  One keyword of
     attnnb's own, ``sinks`` (a tensor broadcastable to the query heads,
     differentiable), adds learned attention sinks (:func:`attention`), and
     ``score_mod`` (:mod:`attnnb.mods`) rewrites the scaled logits before the
@@ -627,11 +629,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Raises
     ------
-    attnnb._torch_sdpa.SDPAError
+    attnnb._bridges.torch_sdpa.SDPAError
         (a ``RuntimeError`` and a ``ValueError``) where PyTorch raises
         ``RuntimeError``: both ``attn_mask`` and ``is_causal``, shapes that do
         not broadcast, q, k, v of different dtypes.
-    attnnb._torch_sdpa.SDPATypeError
+    attnnb._bridges.torch_sdpa.SDPATypeError
         (a ``TypeError`` and a ``RuntimeError``): a mask dtype PyTorch
         refuses, a tensor subclass or sparse tensor the drop-in does not
         understand.

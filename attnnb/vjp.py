@@ -13,14 +13,14 @@ keeping its canonical ``out`` and ``lse``, and on each ``pullback`` call runs
 the backward operation ``"<function>_vjp"`` on the same backend.  It then
 turns the canonical gradients back into the user's shapes and dtypes (GQA
 and broadcast axes summed, ``d log key_size`` turned into ``d key_size``).
-:func:`run` is that body, for the framework bridges (:mod:`attnnb._bridge`):
+:func:`run` is that body, for the framework bridges (:mod:`attnnb._bridges.common`):
 it can take the saved result of an earlier forward in place of running the
 forward again.
 
 Backend interface
 -----------------
 A backend implements gradients by defining the four functions below and
-registering them in :mod:`attnnb._dispatch` (``GRADIENT_OPERATIONS`` names
+registering them in :mod:`attnnb._front.dispatch` (``GRADIENT_OPERATIONS`` names
 the module ``attnnb.<backend>.backward`` and the function; add the backend
 to ``GRADIENT_BACKENDS``).  Until then :func:`vjp` on that backend raises
 :class:`NotImplementedError` before any work.  ``attnnb.reference.backward``
@@ -29,7 +29,7 @@ is the float64 oracle they are tested against.
 All arrays are canonical: 4-D, C-contiguous, in the compute dtype
 (``problem.compute_dtype``: float32, or float64 for float64 inputs), as the
 forward received and returned them.  ``problem`` is the
-:class:`~attnnb._validate.Problem` the forward ran on (``q (B, Hq, Lq, D)``,
+:class:`~attnnb._front.validate.Problem` the forward ran on (``q (B, Hq, Lq, D)``,
 ``k (B, Hk, Lk, D)``, ``v (B, Hk, Lk, Dv)``, ``mask`` and ``bias`` broadcast
 views of ``(B, Hq, Lq, Lk)``, ``log_key_size (B, Lk)``, ``causal``,
 ``scale``, ``normalizer``).  ``out`` and ``lse`` are exactly what the same
@@ -52,7 +52,7 @@ at once for the same saved forward.
     ``problem.log_key_size`` is None.  Float32 or float64; the public layer
     casts.  With ``problem.score_mod`` a sixth result: the gradients of its
     parameter arrays, flat in leaf order
-    (:func:`attnnb._mod_compile.param_grads`).
+    (:func:`attnnb._mods.compile.param_grads`).
 ``sparse_attention_vjp(problem, pattern, out, lse, dout, dlse)``
     ``pattern``: the forward's :class:`~attnnb.patterns.Pattern` (shared, or
     one per query head), a constant mask.  Returns as ``attention_vjp``
@@ -89,9 +89,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _dispatch
-from ._function_args import check_mode, check_pattern, check_top_k, lambda_rows
-from ._validate import (
+from ._front import dispatch as _dispatch
+from ._front.function_args import check_mode, check_pattern, check_top_k, lambda_rows
+from ._front.validate import (
     attention_problem,
     check_bool,
     compute_dtypes,
@@ -178,7 +178,7 @@ def vjp(fn, *args, **kwargs):
 
 
 def run(fn, args, kwargs, forward=None):
-    """The body of :func:`vjp`, for the framework bridges (:mod:`attnnb._bridge`).
+    """The body of :func:`vjp`, for the framework bridges (:mod:`attnnb._bridges.common`).
 
     Parameters
     ----------
@@ -232,7 +232,7 @@ def _grad_dtype(x, fallback: np.dtype) -> np.dtype:
     if isinstance(x, numbers.Number) and not isinstance(x, np.generic):
         return np.dtype(fallback)
     if is_device_array(x):
-        from ._device import device_view
+        from ._front.device import device_view
 
         x = device_view(x, need_reshape=False)
     try:
@@ -336,7 +336,7 @@ class _Pairwise:
 class _SigmoidBias:
     """A learned ``sigmoid`` bias (one per query head) as the user gave it.
 
-    The forward adds it to the bias (:func:`attnnb._validate.attention_problem`), so its
+    The forward adds it to the bias (:func:`attnnb._front.validate.attention_problem`), so its
     gradient is the bias gradient summed over each head's logits: the backward returns
     the bias gradient in a shape that holds both (:func:`_dbias_tail`), and this sums
     it as it would a bias of the user's shape with two trailing axes of 1.
@@ -372,12 +372,12 @@ class _KeySizes:
     @classmethod
     def of(cls, key_size, problem):
         if is_device_array(key_size):
-            from ._device import device_view
+            from ._front.device import device_view
 
             key_size = device_view(key_size, need_reshape=False).copy_to_host()
         arr = np.asarray(key_size)
         batch = problem.batch_shape
-        # the layout rule of attnnb._checks.log_key_sizes: ToMe's (B, N, 1)
+        # the layout rule of attnnb._front.checks.log_key_sizes: ToMe's (B, N, 1)
         tome = arr.ndim >= 1 and arr.shape[-1] == 1 and arr.ndim == len(batch) + 2
         values = (arr[..., 0] if tome else arr).astype(np.float64)
         return cls(arr.shape, _grad_dtype(key_size, problem.out_dtype), values, tome, batch)
@@ -501,7 +501,7 @@ def _cotangent(name, x, shape, canonical, dtype, of, on_device=False):
 def _device_cotangent(name, x, shape, canonical, dtype, of):
     from numba import cuda
 
-    from ._device import device_view
+    from ._front.device import device_view
 
     if not is_device_array(x):
         host = _cotangent(name, x, shape, canonical, dtype, of)
@@ -609,7 +609,7 @@ def _extra_args(a, problem, H, **given) -> dict:
 
 class _ModArrays:
     """A score mod's parameters: the backend's gradients, flat in leaf order
-    (:func:`attnnb._mod_compile.param_grads`), as they are."""
+    (:func:`attnnb._mods.compile.param_grads`), as they are."""
 
     @staticmethod
     def restore(grads) -> tuple:
@@ -621,7 +621,7 @@ def _check_mod_gradients(problem) -> None:
     mod = problem.score_mod
     if mod is None:
         return
-    from ._mod_compile import check_slope, missing_array_gradients
+    from ._mods.compile import check_slope, missing_array_gradients
 
     missing = missing_array_gradients(mod)
     if missing:

@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor
 from concurrent.futures import wait as wait_any
 
-from ._progress import progress
+from ._tools.progress import progress
 from .check import Case, discover_cases
 
 try:  # a lock that the OS releases when its holder dies

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import attnnb
-from attnnb._validate import attention_problem
+from attnnb._front.validate import attention_problem
 
 from .helpers import HOST_BACKENDS, assert_close, qkv
 
@@ -168,7 +168,7 @@ def test_bad_backend(data, backend):
 
 def test_errors_come_before_work(data, monkeypatch):
     """A bad argument must fail in validation: no backend is ever called."""
-    from attnnb import _dispatch
+    from attnnb._front import dispatch as _dispatch
 
     def boom(*args, **kwargs):
         raise AssertionError("a backend ran despite invalid input")
@@ -320,7 +320,7 @@ def test_huge_logits_stay_finite(rng, backend, normalizer, dtype):
 def test_no_copy_reshape_of_a_broadcast_view_on_either_numpy(monkeypatch, has_copy_keyword):
     """The canonical mask or bias is a view where the batch axes merge, and a named
     ValueError where they do not, with and without NumPy 2.1's ``reshape(copy=)``."""
-    from attnnb import _checks
+    from attnnb._front import checks as _checks
 
     if has_copy_keyword and np.lib.NumpyVersion(np.__version__) < "2.1.0":
         pytest.skip("NumPy before 2.1 has no reshape(copy=)")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import attnnb
-from attnnb import _dispatch
+from attnnb._front import dispatch as _dispatch
 
 from .helpers import qkv
 

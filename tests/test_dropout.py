@@ -1,7 +1,7 @@
 """Attention dropout (docs/contract.md §1.14): the generator, the forward, the gradients.
 
 The keep decisions are a pure function of the seed and ``(b, h, i, j)``
-(:mod:`attnnb._dropout`); the reference backend applies them to materialised
+(:mod:`attnnb._core.dropout`); the reference backend applies them to materialised
 weights, the cpu kernels tile by tile.  Checked here: the generator's keep
 rate against binomial bounds, the decisions of the cpu kernels against the
 reference's element by element, the mean over seeds against the undropped
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import attnnb
-from attnnb import _dropout
+from attnnb._core import dropout as _dropout
 
 from .helpers import assert_drops_the_reference_keys, assert_gradients_near_fd
 
@@ -303,7 +303,7 @@ def _pairs(rng, B=1, H=2, Hk=1, Lq=70, Lk=75, d=4, Dv=8, dtype=np.float64):
 def test_diff_dropout_drops_the_combined_weights(mode):
     """The reference's output is the dropped combined weights times the values, and
     the decisions are attention's for head pair h (docs/contract.md §1.14)."""
-    from attnnb._validate import attention_problem
+    from attnnb._front.validate import attention_problem
     from attnnb.reference.diff import diff_weights
 
     rng = np.random.default_rng(12)
@@ -372,10 +372,10 @@ def test_diff_dropout_refusals():
 
 @pytest.mark.parametrize("B, Hq, Hk", [(3, 8, 4), (1, 10, 10)])  # batch / head chunks
 def test_chunked_backward_keys_the_whole_problems_indices(B, Hq, Hk, monkeypatch):
-    """With the bias gradient formed chunk by chunk (attnnb._bias_chunks: 8 key heads
+    """With the bias gradient formed chunk by chunk (attnnb._core.bias_chunks: 8 key heads
     a chunk here), each chunk keys its decisions by the call's batch and head indices:
     the gradients equal the one-piece backward's."""
-    from attnnb import _bias_chunks
+    from attnnb._core import bias_chunks as _bias_chunks
 
     rng = np.random.default_rng(16)
     q, k, v = _qkv(rng, B=B, Hq=Hq, Hk=Hk, Lq=20, Lk=21, D=4, Dv=4)
@@ -395,7 +395,7 @@ def test_chunked_backward_keys_the_whole_problems_indices(B, Hq, Hk, monkeypatch
 
 @pytest.mark.parametrize("mode", ["difference", "rectified"])
 def test_chunked_diff_backward_keys_the_whole_problems_indices(mode, monkeypatch):
-    from attnnb import _bias_chunks
+    from attnnb._core import bias_chunks as _bias_chunks
 
     rng = np.random.default_rng(17)
     q, k, v = _pairs(rng, B=2, H=4, Hk=2, Lq=20, Lk=21)

@@ -146,11 +146,12 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_device_and_checks_modules_form_no_cycle():
-    device = _imported_modules(PACKAGE / "_device.py")
+    device = _imported_modules(PACKAGE / "_front" / "device.py")
     assert not any(m.endswith("_validate") for m in device), sorted(device)
-    checks = _imported_modules(PACKAGE / "_checks.py")
+    checks = _imported_modules(PACKAGE / "_front" / "checks.py")
     assert not any(m.startswith("attnnb") for m in checks), sorted(checks)
     # each module imports on its own, in a fresh interpreter, in either order
-    for first in ("attnnb._checks", "attnnb._device", "attnnb._validate", "attnnb"):
+    for first in ("attnnb._front.checks", "attnnb._front.device", "attnnb._front.validate",
+                  "attnnb"):
         code = f"import {first}; import attnnb; attnnb.attention"
         subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)

@@ -15,7 +15,7 @@ import pytest
 
 import attnnb
 from attnnb import inspection, patterns
-from attnnb._validate import attention_problem
+from attnnb._front.validate import attention_problem
 from attnnb.reference.attention import attention_weights
 
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import attnnb
-from attnnb import _mod_reads, mods
+from attnnb import mods
+from attnnb._mods import reads as _mod_reads
 from tests.helpers import assert_close
 
 L = 1100  # past the 1,000 elements NumPy's repr shows in full

@@ -444,7 +444,7 @@ def test_cpu_float32_mask_only_and_user_functions():
 
 
 def test_cpu_mask_function_tile_map_matches_the_materialised_mask():
-    from attnnb._validate import attention_problem
+    from attnnb._front.validate import attention_problem
     from attnnb.cpu._mask_tiles import mask_tile_classes
     from attnnb.cpu._mods import tile_map
 
@@ -511,7 +511,7 @@ def test_readme_example_runs():
 def test_cpu_kernel_copies_carry_the_package_stamp():
     """A copy loads from the cache only while the backend's sources, the compiling of
     mods and the built-ins are unchanged (an edit to any recompiles it)."""
-    from attnnb._validate import attention_problem
+    from attnnb._front.validate import attention_problem
     from attnnb.cpu._mods import mod_kernel
     from attnnb.cpu._numba_patches import ACTIVE, source_stamp
     from attnnb.cpu.attention import attention_kernel
@@ -663,9 +663,9 @@ def test_topk_attention_ranks_the_modified_logits():
 
 
 def test_chunked_cpu_backward_gives_the_functions_the_calls_batch_indices(monkeypatch):
-    """A broadcast bias's backward in chunks of batch elements (attnnb._bias_chunks): the
+    """A broadcast bias's backward in chunks of batch elements (attnnb._core.bias_chunks): the
     functions see each chunk's batch elements by their index in the call."""
-    from attnnb import _bias_chunks
+    from attnnb._core import bias_chunks as _bias_chunks
 
     rng = np.random.default_rng(20)
     B, H, L = 10, 1, 70

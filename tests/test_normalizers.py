@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import attnnb
-from attnnb._codes import SOFTPICK_EPS
+from attnnb._core.codes import SOFTPICK_EPS
 
 from .helpers import assert_gradients_near_fd
 

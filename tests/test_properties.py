@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnnb
-from attnnb._validate import attention_problem
+from attnnb._front.validate import attention_problem
 from attnnb.reference.attention import attention_weights
 
 from .helpers import HOST_BACKENDS, RTOL, assert_close

@@ -118,7 +118,7 @@ def test_sink_gradient_against_finite_differences(backend):
 def test_sinks_with_a_bias_gradient_in_chunks(backend, chunk, monkeypatch):
     """A broadcast bias's gradient formed chunk by chunk (docs/contract.md §5.4): each
     chunk reads its own batch elements' and heads' sinks."""
-    from attnnb import _bias_chunks
+    from attnnb._core import bias_chunks as _bias_chunks
 
     rng = np.random.default_rng(13)
     q, k, v = _qkv(rng, B=3 if chunk == "batch" else 1, Hq=4, Hk=2, Lq=9, Lk=9)

@@ -1,4 +1,4 @@
-"""The one specialisation mechanism (attnnb._specialise): templates plus named bindings."""
+"""The one specialisation mechanism (attnnb._core.specialise): templates plus named bindings."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import types
 import numba
 import pytest
 
-from attnnb import _dropout
-from attnnb._specialise import global_names, rebind, specialise, template
+from attnnb._core import dropout as _dropout
+from attnnb._core.specialise import global_names, rebind, specialise, template
 
 
 class Compiled:

@@ -15,7 +15,7 @@ Arguments common to the part functions (keywords, fixed when the graph is built)
 * ``scale``, ``backend``: as the user gave them (``backend`` resolved to a
   name or ``"auto"`` when the graph was built);
 * ``mask_mod``, ``score_mod``: the call's functions placed at the block
-  (:func:`attnnb._mod_compile.placed`: the block's indices shifted to the
+  (:func:`attnnb._mods.compile.placed`: the block's indices shifted to the
   call's), or None.
 """
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._eager import attention, diff_attention, sparse_attention, topk_attention
-from .._function_args import lambda_rows
+from .._front.eager import attention, diff_attention, sparse_attention, topk_attention
+from .._front.function_args import lambda_rows
 from ..combine import add_parts, combine, finish_softmax1, merge_parts
 from .visible import sub_pattern
 

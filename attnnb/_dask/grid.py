@@ -3,7 +3,7 @@
 A Dask attention call is a grid of blocks: batch blocks x head blocks x
 query blocks (the output's chunks) times key blocks.  :func:`make_grid`
 checks ``q``, ``k``, ``v`` with the rules every attention function uses
-(:func:`attnnb._validate.check_qkv`), casts them to the compute dtype and
+(:func:`attnnb._front.validate.check_qkv`), casts them to the compute dtype and
 rechunks them so that the blocks line up:
 
 * batch axes: the common refinement of the chunks of ``q``, ``k`` and ``v``;
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import dask.array as da
 import numpy as np
 
-from .._function_args import check_head_axis
-from .._validate import check_qkv, host_float_array
+from .._front.function_args import check_head_axis
+from .._front.validate import check_qkv, host_float_array
 from . import any_dask
 
 

@@ -67,8 +67,8 @@ def block_logits(q, k, mask, key_size, limit, scale, mask_mod=None, score_mod=No
 
 def _with_mods(xp, x, mask, mask_mod, score_mod):
     """The block's logits through the score function and its mask through the mask
-    function (host float64 loops of :mod:`attnnb._mod_compile`, as the reference's)."""
-    from .._mod_compile import mask_values, score_values
+    function (host float64 loops of :mod:`attnnb._mods.compile`, as the reference's)."""
+    from .._mods.compile import mask_values, score_values
 
     shape = x.shape
     flat = (int(np.prod(shape[:-3], dtype=np.int64)), *shape[-3:])

@@ -24,10 +24,21 @@ from functools import partial
 
 import numpy as np
 
-from .._checks import broadcast_pairwise, check_key_size_values, is_device_array, log_key_sizes
-from .._dispatch import requested_backend
-from .._function_args import check_lam_values, check_mode, check_pattern, check_top_k, lambda_rows
-from .._validate import (
+from .._front.checks import (
+    broadcast_pairwise,
+    check_key_size_values,
+    is_device_array,
+    log_key_sizes,
+)
+from .._front.dispatch import requested_backend
+from .._front.function_args import (
+    check_lam_values,
+    check_mode,
+    check_pattern,
+    check_top_k,
+    lambda_rows,
+)
+from .._front.validate import (
     check_bool,
     check_normalizer,
     check_scale,
@@ -53,7 +64,7 @@ def host_values(chunk):
     """A chunk's values as a NumPy array (a device chunk copied to the host: the
     checks read a few values, the chunk itself stays where it is)."""
     if is_device_array(chunk):
-        from .._device import device_view  # imports numba.cuda: device chunks only
+        from .._front.device import device_view  # imports numba.cuda: device chunks only
 
         return device_view(chunk, need_reshape=False).copy_to_host()
     return np.asarray(chunk)
@@ -104,7 +115,7 @@ class Call:
         (a ``TypeError`` names one that does not compile), before any graph exists."""
         if mask_mod is None and score_mod is None:
             return None, None
-        from .._validate import check_mods
+        from .._front.validate import check_mods
 
         g = self.grid
         _, _, Lq, Lk, _, _ = g.shape
@@ -115,7 +126,7 @@ class Call:
         last place) less the key blocks where the mask function allows no pair."""
         if self.mask_mod is None:
             return touched
-        from .._mod_compile import blocks_allowed
+        from .._mods.compile import blocks_allowed
 
         g = self.grid
         B = int(np.prod(g.batch_shape, dtype=np.int64))
@@ -132,7 +143,7 @@ class Call:
         and key block ``kb``: the call's functions placed at the block."""
         if self.mask_mod is None and self.score_mod is None:
             return {}
-        from .._mod_compile import placed, reads_argument
+        from .._mods.compile import placed, reads_argument
 
         g = self.grid
         _, _, Lq, Lk, _, _ = g.shape
@@ -318,7 +329,7 @@ def _mod_token(mod):
     """What names a mod in the graph's token: its functions' fingerprint and its arrays."""
     if mod is None:
         return None
-    from .._mod_compile import bind, fingerprint
+    from .._mods.compile import bind, fingerprint
 
     return fingerprint(mod), bind(mod, 0, 0)
 

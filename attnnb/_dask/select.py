@@ -14,7 +14,7 @@ are among the ``top_k`` best of each block, so:
 3. the final list gives each row its threshold ``thr`` (the ``top_k``-th
    best value) and cut (the last index kept at ``thr``) (:func:`selection`):
    key ``j`` is kept when ``x > thr``, or ``x == thr`` and ``j <= cut``,
-   the rule of :mod:`attnnb._selection`;
+   the rule of :mod:`attnnb._core.selection`;
 4. each key block then runs :func:`attnnb.attention` masked to its kept
    keys (:func:`topk_part`), with the call's normalizer, and the parts merge
    as that normalizer's parts do (:func:`attnnb._dask.ops.part_rules`).
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._eager import attention
+from .._front.eager import attention
 from .blocks import key_heads, namespace, native
 from .logits import block_logits
 

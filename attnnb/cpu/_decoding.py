@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from .._codes import SIGMOID, SOFTMAX1, SOFTPICK
+from .._core.codes import SIGMOID, SOFTMAX1, SOFTPICK
 from ._jit import WIDE_REGISTERS, inner
 from ._tiles import TILE_K, sigmoid
 

@@ -1,4 +1,4 @@
-"""Dropout in the CPU kernels: :mod:`attnnb._dropout`'s generator, compiled and tiled.
+"""Dropout in the CPU kernels: :mod:`attnnb._core.dropout`'s generator, compiled and tiled.
 
 A kernel that drops weights takes ``dropout = [seed_lo, seed_hi, threshold, b0, h0]``
 (an int64 array: a parallel loop cannot take a tuple from a named tuple;
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _dropout
+from .._core import dropout as _dropout
 from ._jit import inner
 
 _row_key = _dropout.rebound(_dropout.row_key, inner)
@@ -44,7 +44,7 @@ def row_keys(dropout, b, h, i0, nq, keys):
 @inner
 def row_key(dropout, b, h, i):
     """The key of row ``(b, h, i)`` of the problem, ``(b0 + b, h0 + h, i)`` of the call
-    (:func:`attnnb._dropout.row_key`)."""
+    (:func:`attnnb._core.dropout.row_key`)."""
     return _row_key(dropout[0], dropout[1], dropout[3] + b, dropout[4] + h, i)
 
 

@@ -66,7 +66,7 @@ def stand_in(problem, kernel):
 
 
 def _mask_array(problem):
-    from .._mod_compile import mask_values, reads_argument
+    from .._mods.compile import mask_values, reads_argument
 
     B, Hq, _, Lq, Lk, _, _ = problem.shape
     mod = problem.mask_mod

@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from .._codes import SOFTPICK_EPS
+from .._core.codes import SOFTPICK_EPS
 from ._jit import launch
 from ._prologue import filled_key_tiles
 
@@ -93,7 +93,7 @@ def run_sweep(kernel_fn, problem, *own, out_heads=None, key_tiles=True):
     Parameters
     ----------
     kernel_fn : a kernel with the leading arguments of this module's docstring.
-    problem : :class:`~attnnb._validate.Problem` (``q (B, Hq, Lq, D)``,
+    problem : :class:`~attnnb._front.validate.Problem` (``q (B, Hq, Lq, D)``,
         ``k (B, Hk, Lk, D)``, ``v (B, Hk, Lk, Dv)``).
     *own : the kernel's own arguments, passed between ``causal`` and ``out``.
     out_heads : int, optional

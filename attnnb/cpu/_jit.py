@@ -18,7 +18,7 @@ import threading
 
 import numba
 
-from .._specialise import template
+from .._core.specialise import template
 from ._numba_patches.cache_lookup import fast_lookup
 from ._numba_patches.linking import link_only, link_parfors_once
 from ._numba_patches.noalias import NOALIAS, OPTION
@@ -30,7 +30,7 @@ FASTMATH = {"contract", "reassoc", "nsz", "arcp"}
 
 
 def _remade_by(dispatcher, make):
-    """``dispatcher`` as a template of :func:`attnnb._specialise.specialise`: its copies
+    """``dispatcher`` as a template of :func:`attnnb._core.specialise.specialise`: its copies
     are made by ``make``, the decorator that made it, and get the package's source stamp
     (so that an edit to the backend recompiles them as it recompiles the originals)."""
 
@@ -139,7 +139,7 @@ _noticed: set = set()
 
 
 class _compile_notice:
-    """Around a launch of a kernel copy with mods (:func:`attnnb._specialise.specialise`)
+    """Around a launch of a kernel copy with mods (:func:`attnnb._core.specialise.specialise`)
     that has no compiled code in this process yet: a line on stderr if it is still running after
     :data:`NOTICE_AFTER_S` (compiling, or loading from the disk cache)."""
 

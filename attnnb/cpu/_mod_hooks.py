@@ -3,16 +3,16 @@
 The kernels call the tile loops below on every tile.  As compiled in this
 module they do nothing (``SCORE_FN`` and ``MASK_FN`` are False, constants
 that Numba folds), so a call without mods runs the kernels it always ran.
-For a call with mods, :func:`attnnb._specialise.specialise` compiles copies of the
+For a call with mods, :func:`attnnb._core.specialise.specialise` compiles copies of the
 kernels in which ``SCORE_FN``/``MASK_FN`` are True and ``mod_value``,
 ``mod_slope``, ``mod_agrad`` and ``mod_allowed`` are the mod's own compiled
-functions (:mod:`attnnb._mod_compile`), inlined into the loops.
+functions (:mod:`attnnb._mods.compile`), inlined into the loops.
 
 Every kernel takes the mods as one flat tuple argument, ``mods = (origin,
 *score_arrays, *mask_arrays)``: ``origin`` int64 ``(2,)`` is the ``(b0,
 h0)`` added to the batch element and head the functions see (a problem that
 is part of a larger call), then the arrays of the score and of the mask
-functions (:func:`attnnb._mod_compile.bind`), which the compiled functions
+functions (:func:`attnnb._mods.compile.bind`), which the compiled functions
 read at their static places (:func:`attnnb.cpu._mods.mod_kernel`).
 """
 

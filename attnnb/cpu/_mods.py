@@ -1,7 +1,7 @@
 """The host side of mask and score functions on the cpu backend (:mod:`attnnb.mods`).
 
 :func:`mod_kernel` gives the copy of a kernel with a problem's mods compiled
-in (:func:`attnnb._specialise.specialise`), :func:`mods_argument` the ``mods``
+in (:func:`attnnb._core.specialise.specialise`), :func:`mods_argument` the ``mods``
 argument every kernel takes (:mod:`attnnb.cpu._mod_hooks`), and
 :func:`tile_map` the tile map of the problem's mask array and mask function
 together (:mod:`attnnb.cpu._mask_tiles`).
@@ -21,7 +21,8 @@ import threading
 
 import numpy as np
 
-from .._mod_compile import (
+from .._core.specialise import specialise
+from .._mods.compile import (
     arity,
     bind,
     compile_mask,
@@ -31,7 +32,6 @@ from .._mod_compile import (
     param_grads,
     reads_argument,
 )
-from .._specialise import specialise
 from . import _mod_hooks
 from ._jit import launch
 from ._mask_tiles import (
@@ -108,7 +108,7 @@ def group_gradients(problem, mods: tuple, n_tasks: int) -> tuple:
 
 def parameter_gradients(problem, mod_grads: tuple) -> tuple:
     """The score function's parameters' gradients from the groups' buffers (summed in
-    group order: :func:`attnnb._mod_compile.param_grads`)."""
+    group order: :func:`attnnb._mods.compile.param_grads`)."""
     n = arity(problem.score_mod)
     return param_grads(problem.score_mod, tuple(g.sum(axis=0) for g in mod_grads[1:1 + n]))
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _scalars
+from .._core import scalars as _scalars
 from ._exp import exp_shifted
 from ._jit import inner
 from ._tiles import view2d

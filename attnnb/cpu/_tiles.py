@@ -35,8 +35,8 @@ import math
 
 import numpy as np
 
-from .. import _scalars
-from .._codes import RELU_EXPM1, SIGMOID, SOFTMAX1, SOFTPICK
+from .._core import scalars as _scalars
+from .._core.codes import RELU_EXPM1, SIGMOID, SOFTMAX1, SOFTPICK
 from ._blocks import (
     COLS,
     ROWS,
@@ -732,7 +732,7 @@ _sigmoid = inner(_scalars.sigmoid)
 @inner
 def sigmoid(x):
     """``1 / (1 + exp(-x))`` without overflow for any ``x``: ``softmax1``'s factor
-    (:func:`attnnb._scalars.sigmoid`)."""
+    (:func:`attnnb._core.scalars.sigmoid`)."""
     return _sigmoid(x, 1.0)
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _selection
+from .._core import selection as _selection
 from ._blocks import COLS
 from ._dropout import drop_listed
 from ._exp import exp_shifted_sum_at, maxnum

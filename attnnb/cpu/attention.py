@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .._codes import NORMALIZER_CODES, SOFTMAX, SOFTMAX1, SOFTPICK
+from .._core.codes import NORMALIZER_CODES, SOFTMAX, SOFTMAX1, SOFTPICK
 from . import _first_tier as first_tier
 from ._blocks import ROWS
 from ._decoding import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS, key_splits, merge_split_rows

@@ -48,10 +48,10 @@ from typing import NamedTuple
 import numpy as np
 from numba import prange
 
-from .._bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
-from .._codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID, SOFTPICK
-from .._dropout import keep_scale
-from .._mod_compile import sum_param_grads
+from .._core.bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
+from .._core.codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID, SOFTPICK
+from .._core.dropout import keep_scale
+from .._mods.compile import sum_param_grads
 from . import _first_tier as first_tier
 from ._blocks import ROWS
 from ._decoding import LOCAL_TILE_ROWS, LOGITS_FROM_KEYS
@@ -553,7 +553,7 @@ def tiled_vjp(problem, out, lse, dout, dlse, need_bias, pattern=None, selection=
 
     Parameters
     ----------
-    problem : :class:`~attnnb._validate.Problem`
+    problem : :class:`~attnnb._front.validate.Problem`
         ``q (B, Hq, Lq, D)``, ``k, v (B, Hk, Lk, D / Dv)``, compute dtype.
     out, lse : the forward's ``(B, Hq, Lq, Dv)`` output and ``(B, Hq, Lq)`` LSE.
     dout : ``(B, Hq, Lq, Dv)``; dlse : ``(B, Hq, Lq)`` or None.
@@ -638,8 +638,8 @@ def attention_vjp(problem, out, lse, dout, dlse, dbias_shape=None):
     The bias gradient is formed full size, ``(B, Hq, Lq, Lk)``, then summed
     to ``dbias_shape``: each key-tile task owns its columns, so there are
     no write races.  For a broadcast bias whose full-size buffer would pass
-    :data:`~attnnb._bias_chunks.CHUNK_BYTES` the backward runs in chunks
-    of batch elements or key heads instead (:mod:`attnnb._bias_chunks`).
+    :data:`~attnnb._core.bias_chunks.CHUNK_BYTES` the backward runs in chunks
+    of batch elements or key heads instead (:mod:`attnnb._core.bias_chunks`).
     """
     problem = first_tier.stand_in(problem, dkdv_kernel) or problem
     chunks = bias_chunks(problem.shape, problem.q.dtype.itemsize, dbias_shape,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .._codes import DIFF_MODE_CODES, DIFFERENCE, HEAVISIDE, SOFTMAX, SOFTMAX1
+from .._core.codes import DIFF_MODE_CODES, DIFFERENCE, HEAVISIDE, SOFTMAX, SOFTMAX1
 from ._dropout import drop_tile, kernel_dropout, row_keys, scale_kept
 from ._host import kernel_sinks, run_sweep
 from ._jit import inner, kernel, wide_vectors
@@ -175,7 +175,7 @@ def diff_attention(problem, lam, mode="difference"):
 
     Parameters
     ----------
-    problem : :class:`~attnnb._validate.Problem`
+    problem : :class:`~attnnb._front.validate.Problem`
         ``q (B, 2H, Lq, d)``, ``k (B, 2Hk, Lk, d)``, ``v (B, Hk, Lk, Dv)``;
         mask and bias views ``(B, H, Lq, Lk)``.
     lam : ``(B, H, Lq)`` C-contiguous, in the compute dtype, finite.

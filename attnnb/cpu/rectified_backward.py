@@ -32,10 +32,10 @@ import dataclasses
 import numpy as np
 from numba import prange
 
-from .._bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
-from .._codes import DIFF_MODE_CODES, HEAVISIDE, SOFTMAX
-from .._dropout import keep_scale
-from .._mod_compile import sum_param_grads
+from .._core.bias_chunks import bias_chunks, chunked_vjp, sum_to_shape
+from .._core.codes import DIFF_MODE_CODES, HEAVISIDE, SOFTMAX
+from .._core.dropout import keep_scale
+from .._mods.compile import sum_param_grads
 from ._dropout import kernel_dropout, scale_by_kept
 from ._exp import exp_shifted
 from ._grad_tiles import (
@@ -304,8 +304,8 @@ def rectified_vjp(problem, lam, dout, dbias_shape=None, mode="rectified"):
     ``(dq, dk, dv, dbias, dlog_key_size, dlam)``.  The bias gradient is
     formed full size, ``(B, H, Lq, Lk)``, and summed to ``dbias_shape``; for a
     broadcast bias whose buffer would pass
-    :data:`~attnnb._bias_chunks.CHUNK_BYTES`, chunk by chunk of batch
-    elements or value heads (:mod:`attnnb._bias_chunks`; every chunk size
+    :data:`~attnnb._core.bias_chunks.CHUNK_BYTES`, chunk by chunk of batch
+    elements or value heads (:mod:`attnnb._core.bias_chunks`; every chunk size
     keeps all the kernels' tasks, one per key tile).
     """
     B, H2, _, Lq, Lk = problem.shape[:5]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .._codes import NORMALIZER_CODES
+from .._core.codes import NORMALIZER_CODES
 from ._dropout import kernel_dropout, row_keys, scale_kept
 from ._host import kernel_sinks, run_sweep
 from ._jit import kernel, wide_vectors

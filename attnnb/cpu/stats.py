@@ -16,7 +16,7 @@ tile of them at once.  One task per (batch, head, run of query tiles):
   same bits on every run).
 
 Rows whose LSE is NaN get NaN statistics (and NaN received by every key),
-empty rows zeros and ``argmax = -1``, as :mod:`attnnb._row_weights` gives.
+empty rows zeros and ``argmax = -1``, as :mod:`attnnb._front.row_weights` gives.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import math
 import numpy as np
 from numba import prange
 
-from .._codes import NORMALIZER_CODES, RELU_EXPM1
-from .._dropout import keep_scale
+from .._core.codes import NORMALIZER_CODES, RELU_EXPM1
+from .._core.dropout import keep_scale
 from ._decoding import SPLIT_TASKS
 from ._dropout import keep_factors, kernel_dropout
 from ._exp import exp_shifted

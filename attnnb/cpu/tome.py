@@ -5,7 +5,7 @@
   product (:func:`~attnnb.cpu._tiles.tile_logits_t`) and a running row
   maximum, so no ``Ta x Tb`` matrix exists (Stable Diffusion's 2048 x 2048
   per image included); then a stable descending sort of the row maxima
-  on the host (:func:`attnnb._tome_order.descending_order`, as the cuda
+  on the host (:func:`attnnb._core.tome_order.descending_order`, as the cuda
   backend: a sort inside the kernel was much of its compile time, and
   sorting ``B x Ta`` keys is no work; docs/notes/performance.md, "ToMe's sort out of
   its kernel, and `warmup` again").
@@ -24,8 +24,8 @@ import numba
 import numpy as np
 from numba import prange
 
-from .._codes import MERGE_AMAX, MERGE_MEAN, MERGE_MODE_CODES
-from .._tome_order import descending_order
+from .._core.codes import MERGE_AMAX, MERGE_MEAN, MERGE_MODE_CODES
+from .._core.tome_order import descending_order
 from ._jit import inner, kernel, launch, wide_vectors
 from ._tiles import TILE_K, tile_logits_t
 

@@ -3,12 +3,11 @@
 A problem built from NumPy inputs (``backend="cuda"``) holds host arrays:
 they are copied to the device here, masks and biases in their compact
 (unbroadcast) form, and the results are copied back by :func:`finish`.  A
-problem built from device inputs (see :mod:`attnnb._device`) already holds
+problem built from device inputs (see :mod:`attnnb._front.device`) already holds
 device arrays; they are used in place and the results stay on the device.
 
 Optional inputs that are absent become one-element placeholders so that a
 kernel has one argument list (the ``has_*`` flags say which are real).
-:func:`shifted_bias` adds ``sigmoid``'s offset to a device problem's bias.
 """
 
 from __future__ import annotations
@@ -20,13 +19,11 @@ import numpy as np
 from numba import cuda
 from numba.np.numpy_support import from_dtype as numba_type
 
-from .._codes import SOFTPICK_EPS
-from .._device import compact
-from .._validate import lse_dtype
+from .._core.codes import SOFTPICK_EPS
+from .._front.device import compact
+from .._front.device_kernels import build_shift
+from .._front.validate import lse_dtype
 from ._mods import mods_argument
-from ._tiles import cached_kernel
-
-SHIFT_THREADS = 128  # threads per block of shifted_bias's kernel
 
 
 def _placeholder(shape, dtype):
@@ -73,34 +70,6 @@ def _sinks(problem):
     if problem.sinks is not None:
         return problem.sinks
     return np.full((1, 1), math.log(SOFTPICK_EPS) if problem.normalizer == "softpick" else 0.0)
-
-
-def build_shift(dtype):
-    """Kernel, one thread an element: ``out = x + offset`` over flat arrays, ``x`` of any
-    real dtype converted to ``dtype`` (``offset``'s and ``out``'s)."""
-    CAST = np.dtype(dtype).type
-
-    def shift_kernel(x, offset, out):
-        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if e < out.shape[0]:
-            out[e] = CAST(x[e]) + offset
-
-    return shift_kernel
-
-
-def shifted_bias(bias, offset, dtype):
-    """``bias + offset`` as a new device array in ``dtype``: ``bias`` a C-contiguous device
-    array of any real dtype, left as it is, or None (the offset alone, ``(1, 1, 1, 1)``).
-    ``sigmoid``'s ``b`` for device inputs (:func:`attnnb._device.device_extras`)."""
-    dtype = np.dtype(dtype)
-    if bias is None:
-        return cuda.to_device(np.full((1, 1, 1, 1), offset, dtype))
-    out = cuda.device_array(bias.shape, dtype)
-    if bias.size:
-        kernel = cached_kernel(("shift", dtype.str), lambda: cuda.jit(build_shift(dtype)))
-        kernel[-(-bias.size // SHIFT_THREADS), SHIFT_THREADS](
-            bias.reshape(bias.size), dtype.type(offset), out.reshape(out.size))
-    return out
 
 
 def outputs(shape_out, shape_lse, arrays):

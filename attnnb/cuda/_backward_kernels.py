@@ -48,7 +48,7 @@ import numpy as np
 from numba import cuda
 from numba.np.numpy_support import from_dtype as numba_type
 
-from .._codes import RELU_EXPM1, SIGMOID, SOFTMAX1, SOFTPICK
+from .._core.codes import RELU_EXPM1, SIGMOID, SOFTMAX1, SOFTPICK
 from ._backward_pair import pair_functions, pair_stream
 from ._backward_tiling import (
     KNOWN_GATE_FAILURES,

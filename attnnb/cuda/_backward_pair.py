@@ -80,7 +80,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from .._codes import (
+from .._core.codes import (
     HEAVISIDE,
     RECTIFIED,
     RELU_EXPM1,

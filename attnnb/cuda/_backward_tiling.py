@@ -24,7 +24,7 @@ ptxas figures, sm_90".
 
 from __future__ import annotations
 
-from .._codes import SIGMOID
+from .._core.codes import SIGMOID
 from ._micro import Tiling, tiling_for
 
 

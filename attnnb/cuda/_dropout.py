@@ -1,7 +1,7 @@
-"""Dropout in the cuda kernels: :mod:`attnnb._dropout`'s generator as device functions.
+"""Dropout in the cuda kernels: :mod:`attnnb._core.dropout`'s generator as device functions.
 
 The same integer text as the reference and cpu backends compile
-(:func:`attnnb._dropout.rebound`), so the keep decisions are the same bits
+(:func:`attnnb._core.dropout.rebound`), so the keep decisions are the same bits
 on every backend.  A kernel built with dropout takes ``seed_lo, seed_hi,
 batch0, head0, threshold`` (int64; ``batch0, head0`` the problem's
 ``dropout_origin``, added to its batch and head indices) and ``keep`` (``1 /
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from numba import cuda
 
-from .. import _dropout
+from .._core import dropout as _dropout
 
 
 def _device(fn):

@@ -52,7 +52,7 @@ import numba
 import numpy as np
 from numba import config, cuda
 
-from .._codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID, SOFTPICK
+from .._core.codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID, SOFTPICK
 from ._dropout import column_word, kept, row_key
 from ._tiles import SHARED_BYTES, cached_kernel, device_functions
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numba import cuda
 
-from .. import _mod_compile as compiled
+from .._mods import compile as compiled
 
 CUDA = compiled.Target("cuda", lambda fn: cuda.jit(device=True)(fn))
 
@@ -28,7 +28,7 @@ class DeviceMods(NamedTuple):
     ``value(s, b, h, i, j, mods)`` and ``slope`` (``d value / d s``) of the score
     function, ``allowed(b, h, i, j, mods)`` of the mask function; ``agrad(g, s, b, h,
     i, j, grads, mods)`` and ``views(mod_grads, slot)``
-    (:func:`attnnb._mod_compile.grad_views`) when the score function's arrays take
+    (:func:`attnnb._mods.compile.grad_views`) when the score function's arrays take
     gradients; ``tag`` names the kernels built with them.
     """
 
@@ -88,7 +88,7 @@ def ptx_mods(dtype, score_mod=None, mask_mod=None) -> tuple:
     check."""
     import numba
 
-    from ..mods import resolved
+    from .._mods.core import resolved
 
     score_mod, mask_mod = resolved(score_mod), resolved(mask_mod)
     problem = SimpleNamespace(score_mod=score_mod, mask_mod=mask_mod)

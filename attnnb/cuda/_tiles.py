@@ -35,8 +35,8 @@ from types import SimpleNamespace
 import numpy as np
 from numba import cuda
 
-from .. import _scalars
-from .._codes import SIGMOID, SOFTMAX1, SOFTPICK
+from .._core import scalars as _scalars
+from .._core.codes import SIGMOID, SOFTMAX1, SOFTPICK
 
 SHARED_BYTES = 48 * 1024  # static shared memory per block on every CUDA GPU
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from .._codes import NORMALIZER_CODES, SIGMOID, SOFTPICK
+from .._core.codes import NORMALIZER_CODES, SIGMOID, SOFTPICK
 from ._arrays import device_problem, finish, outputs
 from ._dropout import kernel_dropout
 from ._micro import kernel_label, micro_functions, own_build, ptx_cases, tiled_kernel, tiling_for
@@ -110,7 +110,7 @@ def ptx_signatures():
     the builds of ``sigmoid`` and ``softpick``."""
     from numba import types
 
-    from .. import mods as m
+    from .._mods import library as m
     from ._mods import ptx_mods
 
     no_mods = types.Tuple(())

@@ -53,12 +53,12 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from .._bias_chunks import bias_chunks, chunked_vjp
-from .._checks import is_device_array
-from .._codes import DIFF_MODE_CODES, DIFFERENCE, HEAVISIDE, NORMALIZER_CODES, RECTIFIED
-from .._device import device_view
-from .._mod_compile import sum_param_grads
-from ..patterns import BlockLayout
+from .._core.bias_chunks import bias_chunks, chunked_vjp
+from .._core.codes import DIFF_MODE_CODES, DIFFERENCE, HEAVISIDE, NORMALIZER_CODES, RECTIFIED
+from .._core.layout import BlockLayout
+from .._front.checks import is_device_array
+from .._front.device import device_view
+from .._mods.compile import sum_param_grads
 from ._arrays import device_problem
 from ._backward_kernels import (
     build_negated_dot,
@@ -213,7 +213,7 @@ def _host(x):
 
 def _in_chunks(problem, per_row, dbias_shape, run, streams=1):
     """The backward of a broadcast bias whose full-size gradient buffer would pass
-    :data:`~attnnb._bias_chunks.CHUNK_BYTES`, chunk by chunk (:mod:`attnnb._bias_chunks`),
+    :data:`~attnnb._core.bias_chunks.CHUNK_BYTES`, chunk by chunk (:mod:`attnnb._core.bias_chunks`),
     or None when it fits.  ``run(part, *rows, part_dbias_shape)`` is the one-piece
     backward of a chunk.  The chunks' gradients are gathered on the host (they are
     the gradients' own size), then copied to the device for a device problem."""
@@ -303,8 +303,8 @@ def attention_vjp(problem, out, lse, dout, dlse=None, dbias_shape=None):
     gradient is formed full size, ``(B, Hq, Lq, Lk)``, each element by the
     one block that owns its key tile, then summed to ``dbias_shape`` on the
     device in index order.  For a broadcast bias whose full-size buffer would
-    pass :data:`~attnnb._bias_chunks.CHUNK_BYTES`, chunk by chunk of batch
-    elements or key heads instead (:mod:`attnnb._bias_chunks`), the chunks'
+    pass :data:`~attnnb._core.bias_chunks.CHUNK_BYTES`, chunk by chunk of batch
+    elements or key heads instead (:mod:`attnnb._core.bias_chunks`), the chunks'
     gradients gathered on the host and, for a device problem, copied back.  A
     score function's arrays' gradients come sixth (host arrays): each key-tile
     block adds its pairs' into a slot of its own, one thread in order, and the

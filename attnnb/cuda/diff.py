@@ -33,8 +33,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from .. import _scalars
-from .._codes import DIFF_MODE_CODES, DIFFERENCE, HEAVISIDE, RECTIFIED, SOFTMAX
+from .._core import scalars as _scalars
+from .._core.codes import DIFF_MODE_CODES, DIFFERENCE, HEAVISIDE, RECTIFIED, SOFTMAX
 from ._arrays import device_problem, finish
 from ._dropout import kernel_dropout
 from ._micro import ALIGN, U32, kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
@@ -319,7 +319,7 @@ def diff_attention(problem, lam, mode="difference"):
 
     Parameters
     ----------
-    problem : :class:`~attnnb._validate.Problem`
+    problem : :class:`~attnnb._front.validate.Problem`
         ``q (B, 2H, Lq, d)``, ``k (B, 2Hk, Lk, d)``, ``v (B, Hk, Lk, Dv)``.
     lam : ``(B, H, Lq)`` host array (copied to the device), finite.
     mode : ``"difference"``, ``"rectified"`` or ``"heaviside"``

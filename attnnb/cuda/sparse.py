@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from .._codes import NORMALIZER_CODES
+from .._core.codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
 from ._dropout import kernel_dropout
 from ._micro import kernel_label, micro_functions, own_build, ptx_cases, tiled_kernel, tiling_for

@@ -24,7 +24,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from .._codes import NORMALIZER_CODES, RELU_EXPM1
+from .._core.codes import NORMALIZER_CODES, RELU_EXPM1
 from ._arrays import device_problem
 from ._dropout import column_word, kept, kernel_dropout
 from ._micro import I64, U32, kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for

@@ -6,7 +6,7 @@
   running first maximum, so no ``Ta x Tb`` matrix exists.  The edges'
   stable descending order (``O(Ta log Ta)``, small next to the
   ``O(Ta Tb C)`` similarities) is sorted on the host by
-  :func:`attnnb._tome_order.descending_order` (not the oracle's own copy,
+  :func:`attnnb._core.tome_order.descending_order` (not the oracle's own copy,
   so that comparing with ``reference`` also tests the ordering).
 * :func:`merge`: a segmented reduction, one block per output token and a
   thread per channel; the members of every output token come from a
@@ -36,11 +36,11 @@ import numba
 import numpy as np
 from numba import cuda
 
-from .._checks import is_device_array
-from .._codes import MERGE_AMAX, MERGE_MEAN, MERGE_MODE_CODES
-from .._device import device_view
-from .._tome_order import descending_order
-from .._validate import compute_dtypes
+from .._core.codes import MERGE_AMAX, MERGE_MEAN, MERGE_MODE_CODES
+from .._core.tome_order import descending_order
+from .._front.checks import is_device_array
+from .._front.device import device_view
+from .._front.validate import compute_dtypes
 from ._tiles import TILE_Q, cached_kernel, device_functions, tiles_for
 
 ROW_THREADS = 128  # threads over the channels of one token (merge, unmerge)

@@ -32,8 +32,8 @@ import numba
 import numpy as np
 from numba import cuda
 
-from .. import _selection
-from .._codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID, SOFTMAX, SOFTPICK
+from .._core import selection as _selection
+from .._core.codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID, SOFTMAX, SOFTPICK
 from ._arrays import device_problem, finish, outputs
 from ._dropout import kernel_dropout
 from ._micro import U32, kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
@@ -86,7 +86,7 @@ def build_topk(dtype, tiling, dropout=False, mods=None, own=None):
     DROPOUT = dropout
     dropout_keys, scale_values = f.dropout_keys, f.scale_values
 
-    # the selection rules the cpu backend compiles too (attnnb/_selection.py)
+    # the selection rules the cpu backend compiles too (attnnb/_core/selection.py)
     kth_smallest = cuda.jit(device=True)(_selection.kth_smallest)
     tie_cut = cuda.jit(device=True)(_selection.tie_cut)
     kept = cuda.jit(device=True)(_selection.kept)

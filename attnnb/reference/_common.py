@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._codes import SOFTPICK_EPS
+from .._core.codes import SOFTPICK_EPS
 
 
 def expand_kv_heads(x: np.ndarray, hq: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Mask and score functions evaluated by the reference itself: the user's Python.
 
 The kernels compile a mod's functions, with what they read taken at the
-call (:mod:`attnnb._mod_reads`), into one composition.  The oracle must not
+call (:mod:`attnnb._mods.reads`), into one composition.  The oracle must not
 share a mistake of that machinery, so here each function runs as the Python
 the user wrote, in float64, reading its globals and closures as Python does
 (helpers wrapped in ``numba.njit`` run as their Python functions), composed
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..mods import OFFSET, _as_numpy, resolved
+from .._mods.core import OFFSET, as_numpy, resolved
 
 COMPLEX_STEP = 1e-30
 
@@ -168,7 +168,7 @@ def _leaf_gradients(mod, g, s, shift, Lq, Lk) -> tuple:
                 for a, d, given in zip(arrays, grads, mod.arrays) if given is not OFFSET)
     if mod.to_params is not None:
         own = mod.to_params(own)
-    dtypes = [_as_numpy("a parameter", p).dtype for p in mod.params]
+    dtypes = [as_numpy("a parameter", p).dtype for p in mod.params]
     return tuple(None if d is None or dt.kind != "f" else d.astype(dt, copy=False)
                  for d, dt in zip(own, dtypes))
 

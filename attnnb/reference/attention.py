@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._dropout import keep_mask, keep_scale
+from .._core.dropout import keep_mask, keep_scale
 from ._common import apply_weights, expand_kv_heads, normalize, problem_allowed, problem_logits
 
 
@@ -30,7 +30,7 @@ def dropout_factors(problem, heads=None):
 
 
 def attention_weights(problem):
-    """Weights, LSE and allowed set of a :class:`~attnnb._validate.Problem`.
+    """Weights, LSE and allowed set of a :class:`~attnnb._front.validate.Problem`.
 
     Returns float64 ``w`` ``(B, Hq, Lq, Lk)``, ``lse`` ``(B, Hq, Lq)`` and the
     boolean allowed set.  Also used by tests and by the sparse and top-k

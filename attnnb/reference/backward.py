@@ -243,7 +243,7 @@ def attention_vjp(problem, out, lse, dout, dlse=None, dbias_shape=None):
 
     Parameters
     ----------
-    problem : :class:`~attnnb._validate.Problem`
+    problem : :class:`~attnnb._front.validate.Problem`
     out : ``(B, Hq, Lq, Dv)``
         The forward's output (unused here: recomputed in float64).
     lse : ``(B, Hq, Lq)``
@@ -292,7 +292,7 @@ def _modded_vjp(problem, dout, dlse, dbias_shape):
 def _mod_array_gradients(mod, ds, raw, origin):
     """A score mod's parameter gradients from ``ds`` (of its values) and its logits ``raw``
     (``(B, H, Lq, Lk)``); None when it has none to give (vjp refused that before)."""
-    from .._mod_compile import missing_array_gradients
+    from .._mods.compile import missing_array_gradients
     from ._mods import array_gradients
 
     return None if missing_array_gradients(mod) else array_gradients(mod, ds, raw, origin)
@@ -348,7 +348,7 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
 
     Parameters
     ----------
-    problem : :class:`~attnnb._validate.Problem` built with ``head_pairs=True``
+    problem : :class:`~attnnb._front.validate.Problem` built with ``head_pairs=True``
         ``q (B, 2H, Lq, d)``, ``k (B, 2Hk, Lk, d)``, ``v (B, Hk, Lk, Dv)``;
         mask and bias broadcast to ``(B, H, Lq, Lk)``.
     lam : ``(B, H, Lq)``
@@ -430,6 +430,6 @@ def diff_attention_vjp(problem, lam, mode, out, dout, dbias_shape=None):
     dlks = dlog_sum.sum(axis=(1, 2)) if lks is not None else None
     if mod is None:
         return dq, dk, dv, dbias, dlks, dlam
-    from .._mod_compile import sum_param_grads
+    from .._mods.compile import sum_param_grads
 
     return dq, dk, dv, dbias, dlks, dlam, sum_param_grads(mod_grads)

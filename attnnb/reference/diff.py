@@ -65,7 +65,7 @@ def diff_weights(problem, lam, mode="difference"):
 
     Parameters
     ----------
-    problem : :class:`~attnnb._validate.Problem` built with ``head_pairs=True``
+    problem : :class:`~attnnb._front.validate.Problem` built with ``head_pairs=True``
         ``q (B, 2H, Lq, d)``, ``k (B, 2Hk, Lk, d)``, mask and bias ``(B, H, Lq, Lk)``.
     lam : ``(B, H, Lq)``
     mode : ``"difference"``, ``"rectified"`` or ``"heaviside"``

@@ -1,7 +1,8 @@
-"""attnnb._bridge: a call split into forward, residuals and backward, for the framework bridges.
+"""attnnb._bridges.common: a call split into forward, residuals and backward, for the
+framework bridges.
 
 The backward from the residuals must give exactly ``attnnb.vjp``'s gradients without
-running the forward again, and :func:`~attnnb._bridge.signature` must say what the call
+running the forward again, and :func:`~attnnb._bridges.common.signature` must say what the call
 returns, and refuse what the function refuses, from shapes and dtypes alone.
 """
 
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 
 import attnnb
-from attnnb import _bridge, _dispatch, patterns
+from attnnb import patterns
+from attnnb._bridges import common as _bridge
+from attnnb._front import dispatch as _dispatch
 
 REF = "reference"
 

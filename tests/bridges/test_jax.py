@@ -24,7 +24,8 @@ from jax.test_util import check_grads  # noqa: E402
 
 import attnnb  # noqa: E402
 import attnnb.jax as ajax  # noqa: E402
-from attnnb import _dispatch, patterns  # noqa: E402
+from attnnb import patterns  # noqa: E402
+from attnnb._front import dispatch as _dispatch  # noqa: E402
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 REF = "reference"

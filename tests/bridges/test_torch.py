@@ -329,7 +329,7 @@ def test_sdpa_drop_in_broadcasts_batch_axes(shared):
 
 def test_sdpa_refusals():
     """PyTorch's refusals, as instances of PyTorch's exception and of the earlier one."""
-    from attnnb._torch_sdpa import SDPAError, SDPATypeError
+    from attnnb._bridges.torch_sdpa import SDPAError, SDPATypeError
 
     q = torch.zeros(1, 2, 3, 4)
     # PyTorch documents the refusal of a mask with is_causal, but its fused CPU kernel
@@ -507,7 +507,7 @@ def test_passive_openmp_wait_policy_only_before_torch_loads(torch_first):
 def test_backward_runs_on_the_forward_backend(monkeypatch):
     """A forward under ``use_backend("reference")`` gets its backward there too, even
     when ``backward()`` runs after the context has ended (or on autograd's thread)."""
-    from attnnb import _dispatch
+    from attnnb._front import dispatch as _dispatch
 
     seen = []
     original = _dispatch.implementation

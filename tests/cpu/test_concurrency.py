@@ -195,8 +195,8 @@ def test_cache_stamp_covers_the_whole_package():
     work(0)
     stamp = source_stamp.package_stamp()
     names = {os.path.basename(path) for path in source_stamp.package_sources()}
-    assert names >= {"attention.py", "_tiles.py", "_exp.py", "views.py", "_codes.py",
-                     "_selection.py", "_dropout.py", "_mod_compile.py", "mods.py"}
+    assert names >= {"attention.py", "_tiles.py", "_exp.py", "views.py", "codes.py",
+                     "selection.py", "dropout.py", "compile.py", "reads.py", "mods.py"}
     for fn in (attention_kernel, _tiles.finish_rows):
         assert fn._cache._cache_file._source_stamp == stamp
 

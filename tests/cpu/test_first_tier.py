@@ -14,7 +14,7 @@ import pytest
 
 import attnnb
 from attnnb import mods
-from attnnb._validate import attention_problem
+from attnnb._front.validate import attention_problem
 from attnnb.cpu import _first_tier
 from attnnb.cpu._mods import mod_kernel
 from attnnb.cpu.attention import attention_kernel

@@ -218,7 +218,7 @@ def test_non_finite_keys_outside_the_set(rng):
 def test_device_inputs_give_device_gradients_bit_for_bit(rng):
     """Device q, k, v, bias and cotangents: device gradients equal to the host run's, and
     the same bits on a second pullback."""
-    from attnnb._validate import is_device_array
+    from attnnb._front.validate import is_device_array
 
     q, k, v = qkv(rng, hq=2, hk=1, lq=LQ, lk=LK, d=D, dv=DV, dtype=np.float32)
     bias = randn(rng, (LQ, LK), np.float32)
@@ -239,7 +239,7 @@ def test_device_inputs_give_device_gradients_bit_for_bit(rng):
 
 
 def test_device_diff_gradients(rng):
-    from attnnb._validate import is_device_array
+    from attnnb._front.validate import is_device_array
 
     q, k, v = diff_inputs(rng, np.float32)
     lam = rng.uniform(0.2, 0.9, (2, 1)).astype(np.float32)
@@ -259,8 +259,8 @@ def test_broadcast_bias_gradient_in_chunks(monkeypatch, rng, on_device, bias_sha
     """A broadcast bias whose full-size gradient buffer would pass ``CHUNK_BYTES``: one
     key head of one batch element a chunk (here 4), host or device inputs, a mask and
     key sizes; every gradient as the reference's, device gradients for device inputs."""
-    from attnnb import _bias_chunks
-    from attnnb._validate import is_device_array
+    from attnnb._core import bias_chunks as _bias_chunks
+    from attnnb._front.validate import is_device_array
 
     monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", 1)
     q, k, v = qkv(rng, batch=(2,), hq=4, hk=2, lq=LQ, lk=LK, d=D, dv=DV)
@@ -283,7 +283,7 @@ def test_broadcast_bias_gradient_in_chunks(monkeypatch, rng, on_device, bias_sha
 def test_diff_broadcast_bias_gradient_in_chunks(monkeypatch, rng, mode):
     """The same for differential attention (both streams of each head in its chunk),
     ``lam`` per head and row: its gradient too."""
-    from attnnb import _bias_chunks
+    from attnnb._core import bias_chunks as _bias_chunks
 
     monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", 1)
     q = randn(rng, (2, 4, LQ, D), np.float64)
@@ -297,7 +297,7 @@ def test_diff_broadcast_bias_gradient_in_chunks(monkeypatch, rng, mode):
 def test_device_float16_gradients_and_empty_axes(rng):
     """float16 device inputs: float16 device gradients (computed in float32); an empty key
     or query axis: zero gradients of the right shapes."""
-    from attnnb._validate import is_device_array
+    from attnnb._front.validate import is_device_array
 
     q, k, v = qkv(rng, hq=2, hk=1, lq=LQ, lk=LK, d=D, dv=DV, dtype=np.float16)
     key_size = rng.integers(1, 3, (LK,)).astype(np.float16)

@@ -111,7 +111,7 @@ def test_cuda_chunked_backward_keys_the_whole_problems_indices(rng, monkeypatch)
     """A broadcast bias's gradient formed chunk by chunk (one key head of one batch
     element each): every chunk keys its decisions by the call's batch and head indices,
     so the gradients are the reference's."""
-    from attnnb import _bias_chunks
+    from attnnb._core import bias_chunks as _bias_chunks
 
     lq, lk = n(5), n(6)
     q = rng.standard_normal((2, 2, lq, 4))

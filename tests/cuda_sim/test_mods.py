@@ -102,7 +102,7 @@ def test_cuda_mods_take_device_arrays(rng):
 def test_cuda_mods_see_the_calls_batch_indices(rng, monkeypatch):
     """A chunked backward (a broadcast bias past the chunk size) hands its parts' functions
     the whole call's batch indices: a per-batch mask still matches the reference."""
-    import attnnb._bias_chunks as chunks
+    import attnnb._core.bias_chunks as chunks
 
     monkeypatch.setattr(chunks, "CHUNK_BYTES", 64)
     q, k, v = _problem(rng, np.float64, B=3, Hq=1, Hk=1, Lq=5, Lk=6)

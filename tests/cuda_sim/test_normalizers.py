@@ -249,7 +249,7 @@ def test_device_arrays(rng, normalizer):
             ref, ref_lse = attnnb.attention(q, k, v, bias=None if given is None else bias,
                                             backend="reference", **kw)
             out, lse = attnnb.attention(*to_device(q, k, v), bias=given, **kw)
-            assert attnnb._validate.is_device_array(out)
+            assert attnnb._front.validate.is_device_array(out)
             assert_close(host(out), ref, np.float32)
             assert_close(host(lse), ref_lse, np.float32, what="lse")
     np.testing.assert_array_equal(host(dbias), bias)
@@ -289,7 +289,7 @@ def test_sigmoid_bias_on_device_inputs_is_checked(rng):
 def test_the_cuda_stats_pass_refuses_them_by_name(rng, normalizer):
     """The statistics kernel forms softmax-like weights only: it refuses, never answers
     wrongly (``attnnb.attention_stats`` takes these normalizers on the host)."""
-    from attnnb._validate import attention_problem
+    from attnnb._front.validate import attention_problem
     from attnnb.cuda.stats import attention_stats
 
     q, k, v = qkv(rng, hq=1, lq=3, lk=4, d=2)

@@ -35,7 +35,7 @@ def test_cuda_stats_pass_equals_the_reference_rows(rng, case):
         kw["mask"][0, 0, 3] = False
     stats = dict(stats=inspection.STATS, keys=[0, lk - 1])
     if "mask_mod" in kw:  # (the compiled passes take no mods: the cuda kernel, directly)
-        from attnnb._validate import attention_problem
+        from attnnb._front.validate import attention_problem
         from attnnb.cuda.stats import attention_stats as cuda_stats
 
         problem = attention_problem(q, k, v, **kw)

@@ -79,7 +79,7 @@ def test_device_arrays_in_place(rng):
     on the device."""
     from numba import cuda
 
-    from attnnb._validate import is_device_array
+    from attnnb._front.validate import is_device_array
 
     metric = randn(rng, (2, 13, 6), np.float32)
     x = randn(rng, (2, 13, 5), np.float32)

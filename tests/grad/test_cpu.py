@@ -102,7 +102,7 @@ def test_broadcast_bias_gradient_in_chunks(monkeypatch, qkv, dtype, bias_shape, 
     them to the bias's shape; the same gradients, every one, with a mask, key sizes,
     GQA and an LSE cotangent."""
     import attnnb.cpu.backward as backward
-    from attnnb import _bias_chunks
+    from attnnb._core import bias_chunks as _bias_chunks
 
     q, k, v = qkv(dtype)
     one_batch = 4 * 70 * 131 * np.dtype(dtype).itemsize  # Hq query heads' rows
@@ -122,7 +122,7 @@ def test_broadcast_bias_gradient_in_chunks_matches_finite_differences(monkeypatc
     """The chunked bias gradient (one key head a chunk) against central differences of
     the float64 reference forward, at entries the batch and heads all contribute to."""
     import attnnb.cpu.backward as backward
-    from attnnb import _bias_chunks
+    from attnnb._core import bias_chunks as _bias_chunks
 
     monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", 1)
     monkeypatch.setattr(backward, "ONE_SWEEP_TASKS", 1)
@@ -147,7 +147,7 @@ def test_broadcast_bias_gradient_memory(monkeypatch):
     """The pullback's peak allocation stays below the full (B, H, Lq, Lk) buffer that a
     shared (Lq, Lk) bias would otherwise need (16 MiB here, the bias 0.25 MiB)."""
     import attnnb.cpu.backward as backward
-    from attnnb import _bias_chunks
+    from attnnb._core import bias_chunks as _bias_chunks
 
     monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", 2**20)
     monkeypatch.setattr(backward, "ONE_SWEEP_TASKS", 1)  # chunks of 1 MiB, whatever form
@@ -255,7 +255,7 @@ def test_rectified_broadcast_bias_gradient_in_chunks(monkeypatch, dtype, bias_sh
     """The rectified backward of a broadcast bias whose full-size buffer would be too
     large: in chunks of batch elements, or of value heads (each with its GQA group of
     heads and both streams), every gradient as in one piece, ``lam`` per row included."""
-    from attnnb import _bias_chunks
+    from attnnb._core import bias_chunks as _bias_chunks
 
     rng = np.random.default_rng(9)
     q, k, v = (arr(rng, 2, 8, 70, 16, dtype=dtype), arr(rng, 2, 4, 67, 16, dtype=dtype),
@@ -275,7 +275,7 @@ def test_rectified_broadcast_bias_gradient_in_chunks(monkeypatch, dtype, bias_sh
 def test_rectified_broadcast_bias_gradient_memory(monkeypatch):
     """The rectified pullback's peak allocation stays below the full (B, H, Lq, Lk)
     buffer of a shared (Lq, Lk) bias (16 MiB here, chunks of 1 MiB)."""
-    from attnnb import _bias_chunks
+    from attnnb._core import bias_chunks as _bias_chunks
 
     monkeypatch.setattr(_bias_chunks, "CHUNK_BYTES", 2**20)
     rng = np.random.default_rng(10)
@@ -304,7 +304,7 @@ def test_rectified_stream_lses_are_the_forwards_bits(lq, lk):
     included), with a mask, a bias and key sizes."""
     import dataclasses
 
-    from attnnb._validate import attention_problem
+    from attnnb._front.validate import attention_problem
     from attnnb.cpu.attention import attention as forward
     from attnnb.cpu.rectified_backward import stream_lses
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import attnnb
-from attnnb import _dispatch, patterns
+from attnnb import patterns
+from attnnb._front import dispatch as _dispatch
 
 REF = "reference"
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -43,18 +43,21 @@ _modules_seen = -1
 _stamp: tuple | None = None
 
 
-# Backend-neutral modules whose code or constants the kernels compile in.
-_NEUTRAL = ("_codes.py", "_dropout.py", "_mod_compile.py", "_mod_reads.py", "_scalars.py",
-            "_selection.py", "mods.py")
+# Backend-neutral code the kernels compile in: the shared numerics and the mods compiler
+# (folders of the package), and the public module of the built-in mods.
+_NEUTRAL_FOLDERS = ("_core", "_mods")
+_NEUTRAL_FILES = ("mods.py",)
 
 
 def package_sources() -> list[str]:
     """Paths of the modules the stamp covers: every module of :mod:`attnnb.cpu` and of
-    this package, and the neutral modules the kernels compile in (:data:`_NEUTRAL`),
-    sorted by path relative to ``attnnb``."""
-    paths = [os.path.join(folder, name) for folder in (_DIR, _FENCE_DIR)
+    this package, and the neutral code the kernels compile in (:data:`_NEUTRAL_FOLDERS`,
+    :data:`_NEUTRAL_FILES`), sorted by path relative to ``attnnb``."""
+    root = os.path.dirname(_DIR)
+    folders = (_DIR, _FENCE_DIR) + tuple(os.path.join(root, f) for f in _NEUTRAL_FOLDERS)
+    paths = [os.path.join(folder, name) for folder in folders
              for name in os.listdir(folder) if name.endswith(".py")]
-    paths += [os.path.join(os.path.dirname(_DIR), name) for name in _NEUTRAL]
+    paths += [os.path.join(root, name) for name in _NEUTRAL_FILES]
     return sorted(paths, key=_relative)
 
 

@@ -22,7 +22,7 @@ that the drop-in itself only calls :func:`attnnb.torch.attention`:
   of float32 or the query's dtype (added to the logits), or a
   ``CausalBias``; any other dtype, a sparse layout or a tensor subclass is
   refused (a subclass's storage need not hold its values: never read).
-* **Dropout.**  ``dropout_p`` runs in the kernels (:mod:`attnnb._dropout`),
+* **Dropout.**  ``dropout_p`` runs in the kernels (:mod:`attnnb._core.dropout`),
   its seed drawn from PyTorch's default generator; zero in eval mode is the
   caller's choice, as in PyTorch.  The decisions are keyed by the whole
   call's rows and keys, so top-left causal with ``L > S`` then runs as one

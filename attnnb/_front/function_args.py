@@ -1,7 +1,7 @@
 """Checks of the arguments particular to one function: a sparse pattern, ``top_k``, the
 differential mode, the head axis its pairs need and ``lam``.
 
-Shared by the eager functions (:mod:`attnnb._eager`), :func:`attnnb.vjp` and
+Shared by the eager functions (:mod:`attnnb._front.eager`), :func:`attnnb.vjp` and
 the Dask front (:mod:`attnnb._dask`), which check before anything runs.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import as_named_array, is_device_array, where_first
-from ._codes import DIFF_MODE_CODES
-from .patterns import Pattern
+from .._core.codes import DIFF_MODE_CODES
+from ..patterns import Pattern
+from .checks import as_named_array, is_device_array, where_first
 
 MODES = tuple(DIFF_MODE_CODES)  # differential attention's public names; kernels see codes
 
@@ -62,7 +62,7 @@ def check_head_axis(squeeze: bool, q_shape) -> None:
 def check_lam_values(arr: np.ndarray, offset: tuple = (), shape: tuple | None = None):
     """Reject a ``lam`` holding NaN or an infinity, naming the first such entry in the
     user's shape (``offset``, ``shape``: a chunk's place in it, see
-    :func:`~attnnb._checks.where_first`)."""
+    :func:`~attnnb._front.checks.where_first`)."""
     bad = ~np.isfinite(arr)
     if bad.any():
         # say where: a NaN lam usually comes from one diverged head of a reparam_lambda
@@ -76,7 +76,7 @@ def lambda_rows(lam, batch_shape, B, H, Lq, dtype):
     if lam is None:
         raise TypeError("lam must be a real number or an array; got None")
     if is_device_array(lam):
-        from ._device import device_view  # imports numba.cuda: device arrays only
+        from .device import device_view  # imports numba.cuda: device arrays only
 
         lam = device_view(lam, need_reshape=False).copy_to_host()
     arr = as_named_array("lam", lam)

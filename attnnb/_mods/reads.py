@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from ._specialise import global_names, rebind
+from .._core.specialise import global_names, rebind
 
 _LIBRARIES = ("numpy", "numba", "math", "cmath", "operator", "builtins", "llvmlite",
               "attnnb", "_operator")

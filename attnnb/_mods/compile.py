@@ -32,8 +32,8 @@ import numba
 import numpy as np
 from numba.extending import overload
 
-from . import mods
-from .mods import OFFSET, MaskMod, ScoreMod, _as_numpy
+from . import core
+from .core import OFFSET, MaskMod, ScoreMod, as_numpy
 
 COMPLEX_STEP = 1e-30
 
@@ -62,7 +62,7 @@ def _tanh_f32(x):
     return x * p / q
 
 
-@overload(mods.capped_tanh, jit_options={"forceinline": True, "error_model": "numpy"})
+@overload(core.capped_tanh, jit_options={"forceinline": True, "error_model": "numpy"})
 def capped_tanh_compiled(s, cap):
     """:func:`attnnb.mods.capped_tanh` compiled: in float32 for a float32 ``s`` (the
     kernels' float32 logits; ``cap`` rounded to float32), by libm otherwise."""
@@ -90,7 +90,7 @@ _OPTIONS = dict(forceinline=True, nogil=True, error_model="numpy")
 CPU = Target("cpu", lambda fn: numba.njit(**_OPTIONS)(fn))
 
 
-@overload(mods.like, jit_options={"forceinline": True})
+@overload(core.like, jit_options={"forceinline": True})
 def like_compiled(s, x):
     """:func:`attnnb.mods.like` compiled: ``x`` converted to ``s``'s float type."""
     if isinstance(s, numba.types.Float):
@@ -118,9 +118,9 @@ _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def fingerprint(mod: MaskMod | ScoreMod) -> str:
     """A short hash of the mod's functions, what they read (constants by value, helpers
-    by content, arrays by place: :mod:`attnnb._mod_reads`) and the composition: mods
+    by content, arrays by place: :mod:`attnnb._mods.reads`) and the composition: mods
     with one fingerprint share their compiled functions and kernels, in this process and
-    in the disk cache.  ``mod`` must be resolved (:func:`attnnb.mods.resolved`)."""
+    in the disk cache.  ``mod`` must be resolved (:func:`attnnb._mods.core.resolved`)."""
     found = _fingerprints.get(mod)
     if found is None:
         text = mod.fingerprint()
@@ -148,7 +148,7 @@ def _leaf_call(callee: Callable, head: str, offset: int, n: int, before: range =
 
 def _read_slots(leaf, offset: int) -> list:
     """The places in ``args`` of the arrays each of a leaf's functions reads by name
-    (after the leaf's own arrays, in the order of :func:`attnnb.mods.implicit_arrays`)."""
+    (after the leaf's own arrays, in the order of :func:`attnnb._mods.core.implicit_arrays`)."""
     at = offset + len(leaf.arrays)
     out = []
     for node in leaf.reads:
@@ -161,7 +161,7 @@ def _read_slots(leaf, offset: int) -> list:
 def arity(mod: MaskMod | ScoreMod) -> int:
     """How many arrays ``mod`` reads: its slots in the flat ``args``."""
     if mod.kind == "fn":
-        return len(mod.arrays) + len(mods.implicit_arrays(mod))
+        return len(mod.arrays) + len(core.implicit_arrays(mod))
     return (mod.kind == "at") + sum(arity(p) for p in mod.parts)
 
 
@@ -321,7 +321,7 @@ def bind(mod: MaskMod | ScoreMod, Lq: int, Lk: int) -> tuple:
     C-contiguous."""
     if mod.kind == "fn":
         return tuple(np.array([Lk - Lq], np.int64) if a is OFFSET else _readable(a)
-                     for a in mod.arrays + mods.implicit_arrays(mod))
+                     for a in mod.arrays + core.implicit_arrays(mod))
     if mod.kind == "at":  # (the call's shape, not the block's)
         return (mod.arrays[0],) + bind(mod.parts[0], *(int(n) for n in mod.arrays[1]))
     return sum((bind(p, Lq, Lk) for p in mod.parts), ())
@@ -353,7 +353,7 @@ def param_grads(mod: ScoreMod, grads: tuple) -> tuple:
                 for a, g in zip(mod.arrays, grads[:len(mod.arrays)]) if a is not OFFSET)
     if mod.to_params is not None:
         own = mod.to_params(own)
-    dtypes = [_as_numpy("a parameter", p).dtype for p in mod.params]
+    dtypes = [as_numpy("a parameter", p).dtype for p in mod.params]
     return tuple(None if g is None or dt.kind != "f" else g.astype(dt, copy=False)
                  for g, dt in zip(own, dtypes))
 
@@ -405,7 +405,7 @@ def check_types(mask: MaskMod | None, score: ScoreMod | None, Lq: int, Lk: int,
     """Compile the mods for this call's argument types; a ``TypeError`` names the function
     when one does not compile or returns the wrong type."""
     i64 = numba.types.int64
-    mask, score = mods.resolved(mask), mods.resolved(score)
+    mask, score = core.resolved(mask), core.resolved(score)
     if mask is not None:
         args = bind(mask, Lq, Lk)
         ret = _compile_for("mask_mod", mask, compile_mask(mask).allowed,
@@ -427,7 +427,7 @@ def check_types(mask: MaskMod | None, score: ScoreMod | None, Lq: int, Lk: int,
 def check_slope(score: ScoreMod, Lq: int, Lk: int, dtype=np.float64) -> None:
     """Compile ``d score / d s``; a ``TypeError`` says to pass ``grad_s=`` when the
     complex step does not compile (a function that compares or clips ``s``)."""
-    score = mods.resolved(score)
+    score = core.resolved(score)
     args = bind(score, Lq, Lk)
     s = numba.from_dtype(np.dtype(dtype))
     i64 = numba.types.int64
@@ -484,7 +484,7 @@ def mask_values(mod: MaskMod, shape: tuple, origin=(0, 0), rows=None) -> np.ndar
     """bool ``(B, H, n, Lk)``: the mask mod at query rows ``rows`` (all ``Lq`` by default)
     of a problem of ``shape`` ``(B, H, Lq, Lk)`` (``origin``: ``(b0, h0)`` of the problem's
     first batch element and head in the call)."""
-    mod = mods.resolved(mod)
+    mod = core.resolved(mod)
     B, H, Lq, Lk = shape
     index = _rows(rows, Lq)
     out = np.empty((B, H, index.size, Lk), np.bool_)
@@ -497,7 +497,7 @@ def score_values(mod: ScoreMod, s: np.ndarray, Lq: int, origin=(0, 0), rows=None
     """``(value, slope)`` float64 of the score mod at every logit of ``s (B, H, n, Lk)``,
     the rows ``rows`` (all ``Lq`` by default) of a problem with ``Lq`` queries; ``slope``
     is None unless asked."""
-    mod = mods.resolved(mod)
+    mod = core.resolved(mod)
     s = np.ascontiguousarray(s, np.float64)
     c = compile_score(mod)
     args, index = bind(mod, Lq, s.shape[3]), _rows(rows, Lq)
@@ -513,7 +513,7 @@ def score_values(mod: ScoreMod, s: np.ndarray, Lq: int, origin=(0, 0), rows=None
 def array_gradients(mod: ScoreMod, g: np.ndarray, s: np.ndarray, origin=(0, 0)) -> tuple:
     """The parameters' gradients (:func:`param_grads`) from ``g = dL / d value`` and the
     logits ``s``, both float64 ``(B, H, Lq, Lk)``."""
-    mod = mods.resolved(mod)
+    mod = core.resolved(mod)
     args = bind(mod, s.shape[2], s.shape[3])
     grads = zero_grads(args)
     _agrad_loop(compile_score(mod).agrad, args, grads, np.ascontiguousarray(g, np.float64),
@@ -546,7 +546,7 @@ def blocks_allowed(mod: MaskMod, shape: tuple, q_edges, k_edges) -> np.ndarray:
     its functions read are walked), blocks cut at ``q_edges`` and ``k_edges``.  Exact:
     a block is False only when every pair of it was tested (an allowed pair ends a
     block's walk)."""
-    mod = mods.resolved(mod)
+    mod = core.resolved(mod)
     B, H, Lq, Lk = shape
     q_edges, k_edges = (np.asarray(e, np.int64) for e in (q_edges, k_edges))
     out = np.zeros((q_edges.size - 1, k_edges.size - 1), np.bool_)
@@ -565,7 +565,7 @@ def check_derivatives(mod: ScoreMod, *, points: int, seed: int, shape: tuple,
         raise TypeError(f"mods.check takes a score mod; got {type(mod).__name__}")
     B, H, Lq, Lk = shape
     rng = np.random.default_rng(seed)
-    mod = mods.resolved(mod)
+    mod = core.resolved(mod)
     c = compile_score(mod)
     args = _copied(bind(mod, Lq, Lk))  # perturbed below: never the user's arrays
     check_types(None, mod, Lq, Lk)
@@ -600,7 +600,7 @@ def _bound_places(mod) -> list:
     """Per entry of ``mod``'s flat ``args``: whether it is an array bound to the mod (which
     takes gradients), not one its functions read by name (a constant)."""
     if mod.kind == "fn":
-        return [True] * len(mod.arrays) + [False] * len(mods.implicit_arrays(mod))
+        return [True] * len(mod.arrays) + [False] * len(core.implicit_arrays(mod))
     return [False] * (mod.kind == "at") + sum((_bound_places(p) for p in mod.parts), [])
 
 

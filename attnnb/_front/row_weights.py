@@ -21,30 +21,19 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import is_device_array
-from ._dask import any_dask
-from ._dropout import keep_mask, keep_scale
-from ._function_args import (
-    check_head_axis,
-    check_mode,
-    check_pattern,
-    check_top_k,
-    lambda_rows,
-)
-from ._validate import Problem, attention_problem, check_bool
-from .attention import attention
-from .diff import diff_attention
-from .patterns import Pattern
-from .reference._common import (
-    expand_kv_heads,
-    mask_mod_values,
-    normalize,
-    problem_logits,
-)
-from .reference.attention import sink_of
-from .reference.diff import heaviside_gate, pair_key_heads
-from .reference.topk import topk_selection
-from .sparse import sparse_attention, topk_attention
+from .._core.dropout import keep_mask, keep_scale
+from .._dask import any_dask
+from ..attention import attention
+from ..diff import diff_attention
+from ..patterns import Pattern
+from ..reference._common import expand_kv_heads, mask_mod_values, normalize, problem_logits
+from ..reference.attention import sink_of
+from ..reference.diff import heaviside_gate, pair_key_heads
+from ..reference.topk import topk_selection
+from ..sparse import sparse_attention, topk_attention
+from .checks import is_device_array
+from .function_args import check_head_axis, check_mode, check_pattern, check_top_k, lambda_rows
+from .validate import Problem, attention_problem, check_bool
 
 FUNCTIONS = (attention, sparse_attention, topk_attention, diff_attention)
 
@@ -84,7 +73,7 @@ class Call:
 def _host(name, x):
     """A device array's copy on the host; anything else as it is."""
     if is_device_array(x):
-        from ._device import device_view  # imports numba.cuda: device arrays only
+        from .device import device_view  # imports numba.cuda: device arrays only
 
         return device_view(x, name=name, need_reshape=False).copy_to_host()
     return x

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _dispatch
-from ._validate import _kernel_ready, is_device_array
-from .attention import attention
-from .diff import diff_attention
-from .sparse import sparse_attention, topk_attention
-from .vjp import run
+from .._front import dispatch as _dispatch
+from .._front.validate import _kernel_ready, is_device_array
+from ..attention import attention
+from ..diff import diff_attention
+from ..sparse import sparse_attention, topk_attention
+from ..vjp import run
 
 FUNCTIONS = {f.__name__: f for f in (attention, sparse_attention, topk_attention,
                                      diff_attention)}
@@ -219,7 +219,7 @@ def _replay(out, lse):
 
 def _residual(what: str, x, shape: tuple, dtype: np.dtype) -> np.ndarray:
     if is_device_array(x):  # a CUDA tensor's residuals stay on the device, read in place
-        from ._device import device_view
+        from .._front.device import device_view
 
         dev = device_view(x, need_reshape=False)
         if dev.size != int(np.prod(shape)) or np.dtype(dev.dtype) != dtype:

@@ -29,7 +29,7 @@ import functools
 
 import numpy as np
 
-from ._checks import _user_full_shape, broadcast_pairwise, is_device_array, log_key_sizes
+from .checks import _user_full_shape, broadcast_pairwise, is_device_array, log_key_sizes
 
 
 def compact(x: np.ndarray) -> np.ndarray:
@@ -150,13 +150,30 @@ def device_extras(mask, bias, key_size, batch_shape, squeeze, B, Hq, Lq, Lk, dty
     """``(mask, bias, log_key_size)`` on the device for a problem with device q, k, v.
 
     ``offset`` (``sigmoid``'s ``b``, a number) is added to the bias, on the device
-    (:func:`attnnb.cuda._arrays.shifted_bias`): the caller's array, used in place
+    (:func:`shifted_bias`): the caller's array, used in place
     otherwise, is not written."""
     dev_mask = device_pairwise("mask", mask, batch_shape, squeeze, B, Hq, Lq, Lk, np.bool_)
     dev_bias = device_pairwise("bias", bias, batch_shape, squeeze, B, Hq, Lq, Lk, dtype)
     if offset:
-        from .cuda._arrays import shifted_bias
-
         dev_bias = shifted_bias(dev_bias, offset, dtype)
     return dev_mask, dev_bias, device_log_key_sizes(key_size, batch_shape, squeeze, B, Lk,
                                                     dtype)
+
+
+def shifted_bias(bias, offset, dtype):
+    """``bias + offset`` as a new device array in ``dtype``: ``bias`` a C-contiguous device
+    array of any real dtype, left as it is, or None (the offset alone, ``(1, 1, 1, 1)``).
+    ``sigmoid``'s ``b`` for device inputs (:func:`attnnb._front.device.device_extras`)."""
+    from numba import cuda
+
+    from .device_kernels import SHIFT_THREADS, shift_kernel
+
+    dtype = np.dtype(dtype)
+    if bias is None:
+        return cuda.to_device(np.full((1, 1, 1, 1), offset, dtype))
+    out = cuda.device_array(bias.shape, dtype)
+    if bias.size:
+        kernel = shift_kernel(dtype.str)
+        kernel[-(-bias.size // SHIFT_THREADS), SHIFT_THREADS](
+            bias.reshape(bias.size), dtype.type(offset), out.reshape(out.size))
+    return out

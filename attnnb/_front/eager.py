@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _dispatch
-from ._function_args import check_head_axis, check_mode, check_pattern, check_top_k, lambda_rows
-from ._validate import attention_problem, check_bool, compute_dtypes
+from . import dispatch as _dispatch
+from .function_args import check_head_axis, check_mode, check_pattern, check_top_k, lambda_rows
+from .validate import attention_problem, check_bool, compute_dtypes
 
 
 def attention(q, k, v, *, mask=None, bias=None, key_size=None, causal=False, scale=None,

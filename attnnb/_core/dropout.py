@@ -36,7 +36,7 @@ import numbers
 
 import numpy as np
 
-from ._specialise import global_names, rebind
+from .specialise import global_names, rebind
 
 WORD = 0xFFFFFFFF  # 32 bits
 COLUMN_SALT = 0x3C6EF372  # keeps column words apart from row keys of the same integer

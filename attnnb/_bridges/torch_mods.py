@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .mods import detached, parameters
-from .vjp import vjp
+from .._mods.core import detached, parameters
+from ..vjp import vjp
 
 _GRADIENTS = ("q", "k", "v", "bias", "key_size", "sinks", "lam")
 _POSITIONAL = ("q", "k", "v", "lam")  # (``positional`` hands them to the function)

@@ -1,6 +1,6 @@
 """Scalar formulas that compile for every target: plain Python, no Numba.
 
-Like :mod:`attnnb._selection`, each backend compiles these with its own
+Like :mod:`attnnb._core.selection`, each backend compiles these with its own
 decorator (``cpu`` as inlined ``numba.njit`` functions, ``cuda`` as device
 functions), so that one formula serves both and neither backend imports
 the other.  ``one`` is passed in so that each backend keeps its own

@@ -17,18 +17,17 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import (
+# The checks the device path shares live in a leaf module, so that _device
+# (imported lazily below, as it needs numba-cuda) never imports this one.
+from .._core.codes import NORMALIZER_CODES
+from .._core.dropout import check_dropout
+from .checks import (
     as_named_array,
     broadcast_pairwise,
     is_device_array,
     log_key_sizes,
     refuse_unreadable_tensor,
 )
-
-# The checks the device path shares live in a leaf module, so that _device
-# (imported lazily below, as it needs numba-cuda) never imports this one.
-from ._codes import NORMALIZER_CODES
-from ._dropout import check_dropout
 
 NORMALIZERS = tuple(NORMALIZER_CODES)  # the public names; the kernels see the codes
 
@@ -130,11 +129,11 @@ class Problem:
         Probability of dropping each weight (inverted dropout, docs/contract.md
         §1.14); 0 means none.
     seed : int
-        The dropout generator's seed, ``[0, 2**64)`` (:mod:`attnnb._dropout`).
+        The dropout generator's seed, ``[0, 2**64)`` (:mod:`attnnb._core.dropout`).
     dropout_origin : tuple ``(b0, h0)``
         The batch element and head of this problem's first in the call whose
         indices key the dropout decisions: nonzero for a part of a problem run
-        on its own (:func:`attnnb._bias_chunks.chunk_problem`), so that a part
+        on its own (:func:`attnnb._core.bias_chunks.chunk_problem`), so that a part
         drops what the whole does.  Heads are query heads (head pairs for
         differential attention).
     sinks : array ``(B, Hq)`` or None
@@ -241,7 +240,7 @@ def canonical_qkv(q, k, v, *, q_name="q", k_name="k", v_name="v", head_pairs=Fal
             "other inputs are CUDA device arrays; pass all of q, k, v on the same side"
         )
     if all(on_dev):
-        from ._device import device_view
+        from .device import device_view
 
         # Numba device arrays (also the simulator's) are used as they are; other
         # objects exposing __cuda_array_interface__ are wrapped without a copy.
@@ -399,9 +398,9 @@ def check_mods(mask_mod, score_mod, on_device: bool, Lq: int, Lk: int, dtype):
     """``mask_mod=`` and ``score_mod=`` as :mod:`attnnb.mods` objects, compiled for this
     call's types on the cpu (a ``TypeError`` names a function that does not compile;
     device inputs, ``on_device``, are checked in their compute dtype alike)."""
-    from .mods import as_mask_mod, as_score_mod, parameters, resolved
+    from .._mods.core import as_mask_mod, as_score_mod, parameters, resolved
 
-    # what the functions read, taken once for the whole call (attnnb._mod_reads)
+    # what the functions read, taken once for the whole call (attnnb._mods.reads)
     mask, score = resolved(as_mask_mod(mask_mod)), resolved(as_score_mod(score_mod))
     for role, mod in (("mask_mod", mask), ("score_mod", score)):
         for n, param in enumerate(parameters(mod) if mod is not None else ()):
@@ -410,7 +409,7 @@ def check_mods(mask_mod, score_mod, on_device: bool, Lq: int, Lk: int, dtype):
                                 f"(its array {n}): the NumPy functions would drop its "
                                 "gradient; call attnnb.torch's function of the same name, or "
                                 "build the mod from a detached tensor")
-    from ._mod_compile import check_types
+    from .._mods.compile import check_types
 
     check_types(mask, score, Lq, Lk, dtype)
     return mask, score
@@ -452,8 +451,8 @@ def attention_problem(q, k, v, *, mask=None, bias=None, key_size=None, causal=Fa
             prob.normalizer = "softmax1"
     if mask_mod is not None or score_mod is not None:
         prob.mask_mod, prob.score_mod = check_mods(mask_mod, score_mod, on_dev, Lq, Lk, comp)
-    if on_dev:  # host or device mask / bias / key_size: see attnnb/_device.py
-        from ._device import device_extras
+    if on_dev:  # host or device mask / bias / key_size: see attnnb/_front/device.py
+        from .device import device_extras
 
         prob.mask, prob.bias, prob.log_key_size = device_extras(
             mask, bias, key_size, batch, squeeze, B, Hq, Lq, Lk, comp,

@@ -1,0 +1,2 @@
+"""Shared numerics the backends compile in (codes, scalar formulas, selection rules, the
+dropout generator, block layouts) and the one way to specialise a kernel."""

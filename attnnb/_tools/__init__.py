@@ -1,0 +1,1 @@
+"""Helpers of the command-line tools (``bench``, ``check``, ``warmup``)."""
