@@ -32,7 +32,8 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-# the attribute of a compiled function that holds how to compile a copy of it
+# the attribute of a compiled function that holds its Python function and how to compile
+# a copy of it
 REMAKE = "_attnnb_remake"
 
 _copies: dict = {}
@@ -70,10 +71,11 @@ def rebind(fn: types.FunctionType, bindings: Mapping[str, Any], *,
     return out
 
 
-def template(compiled, remake: Callable):
-    """Mark ``compiled`` (a dispatcher whose Python function is ``compiled.py_func``) as
-    a template that :func:`specialise` copies with ``remake(copy_of_py_func)``."""
-    setattr(compiled, REMAKE, remake)
+def template(compiled, remake: Callable, py: types.FunctionType | None = None):
+    """Mark ``compiled``, compiled from the Python function ``py`` (by default
+    ``compiled.py_func``), as a template that :func:`specialise` copies with
+    ``remake(copy_of_py)``."""
+    setattr(compiled, REMAKE, (compiled.py_func if py is None else py, remake))
     return compiled
 
 
@@ -110,8 +112,9 @@ def specialise(compiled, bindings: Mapping[str, Any], tag: str, *,
         out = _copy(compiled, bindings, tag, originals, aliases, reached)
     missing = sorted(set(required) - reached)
     if missing:
-        raise LookupError(f"{compiled.py_func.__qualname__} reads no {', '.join(missing)}: "
-                          "its variant would be built without them")
+        name = getattr(compiled, REMAKE)[0].__qualname__
+        raise LookupError(f"{name} reads no {', '.join(missing)}: its variant would be built "
+                          "without them")
     return out
 
 
@@ -128,7 +131,7 @@ def _copy(compiled, bindings, tag, originals, aliases, reached):
         copied, names = found
         reached |= names
         return copied
-    fn = compiled.py_func
+    fn, remake = getattr(compiled, REMAKE)
     scope = fn.__globals__
     replaced, names = {}, set()
     for name in global_names(fn.__code__):
@@ -146,7 +149,7 @@ def _copy(compiled, bindings, tag, originals, aliases, reached):
     copied = compiled
     if replaced:
         clone = rebind(fn, replaced, qualname=f"{fn.__qualname__}__{tag}")
-        copied = getattr(compiled, REMAKE)(clone)
+        copied = remake(clone)
     _copies[(compiled, tag)] = (copied, frozenset(names))
     reached |= names
     return copied
