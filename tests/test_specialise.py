@@ -106,6 +106,14 @@ def test_specialise_binds_constants_by_name():
     assert out(1) == -1 + 2 + 2
 
 
+def test_a_tag_met_again_with_other_constants_is_an_error():
+    ns = _module(SOURCE)
+    specialise(ns["kernel"], {"FLAG": True, "SIZE": 4}, "same")
+    assert specialise(ns["kernel"], {"FLAG": True, "SIZE": 4}, "same")(1) == -1 + 2 + 2
+    with pytest.raises(ValueError, match="differ in SIZE"):
+        specialise(ns["kernel"], {"FLAG": True, "SIZE": 8}, "same")
+
+
 def test_a_required_binding_no_function_reads_is_an_error():
     ns = _module(SOURCE)
     with pytest.raises(LookupError, match="leaf reads no hook"):

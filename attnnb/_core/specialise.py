@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import numbers
 import threading
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -96,7 +97,8 @@ def specialise(compiled, bindings: Mapping[str, Any], tag: str, *,
         Global names and the values the copy reads for them.
     tag : str
         Names the bindings and must differ whenever they do: it ends the copies'
-        qualified names and keys this process's memo.
+        qualified names and keys this process's memo (a tag met again with other numbers
+        or strings bound is a ``ValueError``).
     required : iterable of str
         Names that some copied function must read (``LookupError`` otherwise).
     originals : mapping of str to any, optional
@@ -107,9 +109,10 @@ def specialise(compiled, bindings: Mapping[str, Any], tag: str, *,
     originals = {} if originals is None else {n: originals[n] for n in bindings}
     aliases = {id(v): n for n, v in originals.items()
                if not isinstance(v, (bool, int, float, str, type(None)))}
+    constants = _constants(bindings)
     with _lock:
         reached: set[str] = set()
-        out = _copy(compiled, bindings, tag, originals, aliases, reached)
+        out = _copy(compiled, bindings, tag, originals, aliases, reached, constants)
     missing = sorted(set(required) - reached)
     if missing:
         name = getattr(compiled, REMAKE)[0].__qualname__
@@ -125,10 +128,20 @@ def _bound_name(name: str, value, bindings, originals, aliases) -> str | None:
     return aliases.get(id(value))
 
 
-def _copy(compiled, bindings, tag, originals, aliases, reached):
+def _constants(bindings) -> tuple:
+    """The bindings that are numbers or strings, as text (NaN equals itself there)."""
+    return tuple(sorted((n, type(v).__name__, repr(v)) for n, v in bindings.items()
+                        if isinstance(v, (numbers.Number, str, bytes, type(None)))))
+
+
+def _copy(compiled, bindings, tag, originals, aliases, reached, constants):
     found = _copies.get((compiled, tag))
     if found is not None:
-        copied, names = found
+        copied, names, seen = found
+        if seen != constants:
+            differ = sorted({c[0] for c in set(seen) ^ set(constants)})
+            raise ValueError(f"the tag {tag!r} names two sets of bindings (they differ in "
+                             f"{', '.join(differ)}): a variant's tag must name all of them")
         reached |= names
         return copied
     fn, remake = getattr(compiled, REMAKE)
@@ -142,7 +155,7 @@ def _copy(compiled, bindings, tag, originals, aliases, reached):
             names.add(bound)
         elif is_template(value):
             inner: set[str] = set()
-            copied = _copy(value, bindings, tag, originals, aliases, inner)
+            copied = _copy(value, bindings, tag, originals, aliases, inner, constants)
             names |= inner
             if copied is not value:
                 replaced[name] = copied
@@ -150,6 +163,6 @@ def _copy(compiled, bindings, tag, originals, aliases, reached):
     if replaced:
         clone = rebind(fn, replaced, qualname=f"{fn.__qualname__}__{tag}")
         copied = remake(clone)
-    _copies[(compiled, tag)] = (copied, frozenset(names))
+    _copies[(compiled, tag)] = (copied, frozenset(names), constants)
     reached |= names
     return copied

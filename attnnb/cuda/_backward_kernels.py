@@ -49,6 +49,7 @@ from numba import cuda
 from numba.np.numpy_support import from_dtype as numba_type
 
 from .._core.codes import RELU_EXPM1, SIGMOID, SOFTMAX1, SOFTPICK
+from .._core.specialise import specialise
 from ._backward_pair import pair_functions, pair_stream
 from ._backward_tiling import (
     KNOWN_GATE_FAILURES,
@@ -61,9 +62,25 @@ from ._backward_tiling import (
     round_up4,
 )
 from ._micro import ALIGN, U32, Tiling, kernel_label, micro_functions, tiled_kernel
-from ._tiles import cached_kernel, device_functions
+from ._tiles import cached_kernel, device, device_functions, kernel, unbound
 
 ROW_THREADS = 128  # threads per block of the one-thread-per-element helper kernels
+
+
+# the globals the kernels' templates read, bound per build (dq_constants, dkdv_constants)
+(nt, TM, TN, BQ, BK, NT, N_S, STREAMS, D, DV, TD, DQP, NX, TDK, DKP, TVK, DVKP, N_QS, N_KS,
+ N_DS, N_TILE, N_QQ, N_ALL, O_Q, O_O, O_KV, O_V, O_DS, O_RED, O_ROWS, O_FLAG, O_K, O_W, O_X,
+ CAST, ZERO, ONE, CSR, SELECTED, HS, HOFF, PAIR, CLIPPED, GATED, PHASES, ADD, MOD_GRADS,
+ mod_agrad, mod_views, block_tile, thread_place, stage_transposed, stage_dT, stage_keys,
+ stage_q, stage_o, dq_product, dk_product, dv_product, store_tile, row_reduce,
+ stage_tile_mask, slope_tile, pair_registers, load_rows, tile_gradients, row_zeros,
+ dq_zeros, dk_zeros, dv_zeros) = unbound(70)
+
+
+def _variant_constants(streams: int, variant: str) -> dict:
+    hs, hoff, pair = pair_stream(streams, variant)
+    return dict(CSR=variant == "sparse", SELECTED=variant == "topk", HS=hs, HOFF=hoff,
+                PAIR=pair, CLIPPED=variant.startswith("clipped"), GATED=variant == "gated0")
 
 
 def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = False,
@@ -92,131 +109,22 @@ def build_dq(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fals
     ``softpick``'s build (:func:`attnnb.cuda._micro.own_build`).
     """
     micro = micro_functions(np.dtype(dtype), tiling, mods, own)
+    *_, bindings = pair_functions(dtype, tiling, dropout, mods, own)
     sizes = geometry(tiling)
-    nt, TM, TN, BQ, BK = micro.nt, micro.TM, micro.TN, micro.BQ, micro.BK
-    slope_tile, N_S = micro.slope_tile, micro.N_S
-    STREAMS, D = tiling.streams, tiling.d
-    TD, DQP, DV4 = sizes["TD"], sizes["DQP"], sizes["DV4"]
-    row_zeros, dq_zeros = micro.zeros(TM), micro.zeros(TM * TD)
-    N_QS, N_KS = tiling.dp * BQ, round_up4(max(tiling.dp * BK, BK * DQP))
-    N_DS = round_up4(BK * BQ)
-    (O_Q, O_O, O_KV, O_V, O_DS, O_RED, O_ROWS, O_FLAG), N_ALL = part_offsets(dq_parts(tiling))
-    base = device_functions(np.dtype(dtype))
-    CAST, ONE = base.CAST, base.CAST(1)
-    block_tile, thread_place = micro.block_tile, micro.thread_place
-    stage_transposed = micro.stage_transposed
-    stage_dT = micro.transposed_stager(DV4)
-    stage_keys = micro.row_stager(BK, DQP)
-    dq_product = micro.micro_product(TM, TD, BK, BQ, DQP)
-    store_tile, row_reduce = micro.store_tile, micro.row_reduce
-    stage_tile_mask = micro.stage_tile_mask
-    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling, dropout, mods,
-                                                               own)
-    CSR, SELECTED = variant == "sparse", variant == "topk"
-    HS, HOFF, PAIR = pair_stream(STREAMS, variant)
-    CLIPPED, GATED = variant.startswith("clipped"), variant == "gated0"
-    PHASES = 2 if STREAMS == 2 or PAIR else 1  # a first sweep for the rows' sums
-
-    def dq_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                  normalizer, row_terms, selected, diff_mode, clip, p_heads, indptr,
-                  indices, csr, seed_lo, seed_hi, batch0, head0, threshold, keep, tile_ptr,
-                  tile_idx, tile_full, dq, mods):
-        Lq, Lk = q.shape[2], k.shape[2]
-        diag = Lk - Lq if causal else Lk
-        csr = CSR  # the variant's constants (the arguments only say the same)
-        selected = SELECTED
-        b, h, g, i0 = block_tile(q.shape[1] // HS, k.shape[1] // HS, 0)
-        words = U32((Lk + 31) // 32)  # the clip's words a row, and this tile's first row
-        clip_row = U32((b * (q.shape[1] // HS) + h) * Lq + i0)
-        smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
-        Qt, dOt, KV = smem[O_Q:O_O], smem[O_O:O_KV], smem[O_KV:O_V]
-        Vt, dSt, red = smem[O_V:O_DS], smem[O_DS:O_RED], smem[O_RED:O_ROWS]
-        rows, flag = smem[O_ROWS:O_FLAG], smem[O_FLAG:]
-        t, row0, key0, _ = thread_place()
-        colq = (key0 // TN) * TD
-        S1, S2, F, dP, terms = pair_registers()
-        keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
-        R = cuda.local.array(N_S, nt)  # a score function's raw logits
-        part1, part2 = row_zeros()  # with two streams: the rows' d1 and e
-        Q1, Q2 = dq_zeros()  # each stream's dQ micro-tile (gated: the second's stays 0)
-        if t == 0:
-            flag[0] = CAST(-1)
-        nq = min(BQ, Lq - i0)
-        load_rows(row_terms, b, h, i0, row0, Lq, terms)
-        if PAIR:  # the first sweep weighs by the map alone: e is needed where lam = 0 too
-            for r in range(TM):
-                terms[TM + r] = ONE
-        for c in range(STREAMS):
-            stage_transposed(q[b, HS * h + HOFF + c], i0, nq, scale, Qt[c * N_QS:], BQ)
-        stage_dT(dout[b, h], i0, nq, ONE, dOt, BQ)
-        ph = h if p_heads > 1 else 0
-        i_csr = ph * Lq + min(i0 + t, Lq - 1)  # thread t < BQ: its row of the pattern
-        tr = ph * ((Lq + BQ - 1) // BQ) + i0 // BQ
-        vh = v[b, g]
-        for phase in range(PHASES):  # pass 0 forms d1 and e (or a pair stream's delta)
-            last = phase == PHASES - 1
-            for s in range(tile_ptr[tr], tile_ptr[tr + 1]):
-                j0 = tile_idx[s] * BK
-                nk = min(BK, Lk - j0)
-                partial = csr and not tile_full[s]
-                if partial:  # dSt is free: the last tile ended with a barrier
-                    stage_tile_mask(dSt, t, i_csr, indptr[i_csr], j0, indptr, indices)
-                for c in range(STREAMS):
-                    stage_transposed(k[b, HS * g + HOFF + c], j0, nk, ONE, KV[c * N_KS:], BK)
-                stage_dT(vh, j0, nk, ONE, Vt, BK)
-                cuda.syncthreads()
-                tile_gradients(Qt, Qt[N_QS:], KV, KV[N_KS:], dOt, Vt, dSt, partial, S1, S2, F,
-                               dP, terms, selected, diff_mode, clip, CLIPPED,
-                               False, clip_row, words, part1, part2, i0, row0, j0, key0, nq, Lq,
-                               Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
-                               normalizer, keys, (seed_lo, seed_hi, batch0, head0, threshold, keep),
-                               mods, R)
-                if PAIR and not last:  # delta 0 and ratio 1: S holds A dP
-                    for r in range(TM):
-                        for c in range(TN):
-                            part1[r] += S1[r * TN + c]
-                cuda.syncthreads()  # the key tiles and the tile mask are read
-                if last:
-                    slope_tile(S1, R, i0, row0, j0, key0, Lq, Lk, b, h, mods)
-                    store_tile(S1, dSt, row0, key0)
-                    if STREAMS == 2:
-                        store_tile(S2, dSt[N_DS:], row0, key0)
-                    bad = False
-                    for c in range(STREAMS):
-                        bad = stage_keys(k[b, HS * g + HOFF + c], j0, nk, KV[c * N_KS:]) or bad
-                    if bad:
-                        flag[0] = CAST(s)
-                    cuda.syncthreads()
-                    guarded = flag[0] == CAST(s)
-                    dq_product(dSt, row0, KV, colq, guarded, Q1)
-                    if STREAMS == 2:
-                        dq_product(dSt[N_DS:], row0, KV[N_KS:], colq, guarded, Q2)
-                    cuda.syncthreads()
-            if not last:  # the rows' d1 and e (or delta): sums over the row's threads
-                row_reduce(red, rows, t, row0, key0, part1, part1, False)
-                if STREAMS == 2:
-                    row_reduce(red, rows, t, row0, key0, part2, part2, False)
-                for r in range(TM):
-                    if PAIR:  # the row's own ratio again
-                        terms[TM + r] = row_terms[b, h, 1, min(i0 + row0 + r, Lq - 1)]
-                    terms[2 * TM + r] = part1[r]
-                    if STREAMS == 2:
-                        terms[3 * TM + r] = part2[r]
-                    if key0 == 0 and row0 + r < nq:
-                        row_terms[b, h, 2, i0 + row0 + r] = part1[r]
-                        if STREAMS == 2:
-                            row_terms[b, h, 3, i0 + row0 + r] = part2[r]
-        for r in range(TM):
-            i = i0 + row0 + r
-            if i < Lq:
-                for e in range(TD):
-                    col = colq + e
-                    if col < D:
-                        dq[b, HS * h + HOFF, i, col] = scale * Q1[r * TD + e]
-                        if STREAMS == 2 or GATED:
-                            dq[b, 2 * h + 1, i, col] = scale * Q2[r * TD + e]
-
-    return dq_kernel
+    TM, BQ, BK, DQP = tiling.tm, tiling.bq, tiling.bk, sizes["DQP"]
+    (o_q, o_o, o_kv, o_v, o_ds, o_red, o_rows, o_flag), n_all = part_offsets(dq_parts(tiling))
+    constants = dict(
+        D=tiling.d, TD=sizes["TD"], DQP=DQP, N_QS=tiling.dp * BQ,
+        N_KS=round_up4(max(tiling.dp * BK, BK * DQP)), N_DS=round_up4(BK * BQ), N_ALL=n_all,
+        O_Q=o_q, O_O=o_o, O_KV=o_kv, O_V=o_v, O_DS=o_ds, O_RED=o_red, O_ROWS=o_rows,
+        O_FLAG=o_flag, row_zeros=micro.zeros(TM), dq_zeros=micro.zeros(TM * sizes["TD"]),
+        stage_dT=micro.transposed_stager(sizes["DV4"]), stage_keys=micro.row_stager(BK, DQP),
+        dq_product=micro.micro_product(TM, sizes["TD"], BK, BQ, DQP),
+        **_variant_constants(tiling.streams, variant))
+    # a first sweep for the rows' sums
+    constants["PHASES"] = 2 if tiling.streams == 2 or constants["PAIR"] else 1
+    return specialise(query_tile_kernel, {**bindings, **constants},
+                      f"{bindings['_tag']}_dq_{variant}")
 
 
 def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = False,
@@ -236,179 +144,277 @@ def build_dkdv(dtype, tiling: Tiling, variant: str = "dense", dropout: bool = Fa
     stream's ``dK``.  Laid out as
     :func:`key_tile_layout` says.  ``own`` as :func:`build_dq`.
     """
-    D = tiling.d  # the columns of dK written
+    columns = tiling.d  # the columns of dK written
     tiling = key_tile_layout(tiling)
     micro = micro_functions(np.dtype(dtype), tiling, mods, own)
-    slope_tile, N_S = micro.slope_tile, micro.N_S
+    *_, bindings = pair_functions(dtype, tiling, dropout, mods, own)
     sizes = geometry(tiling)
-    nt, TM, TN, BQ, BK, NT = micro.nt, micro.TM, micro.TN, micro.BQ, micro.BK, micro.NT
-    STREAMS, DV = tiling.streams, tiling.dv
-    NX, TDK, DKP, TVK, DVKP, DV4 = (sizes[x] for x in ("NX", "TDK", "DKP", "TVK", "DVKP", "DV4"))
-    row_zeros, dk_zeros, dv_zeros = micro.zeros(TM), micro.zeros(TN * TDK), micro.zeros(TN * TVK)
-    N_KS, N_TILE = tiling.dp * BK, round_up4(BQ * BK)
-    N_QQ = round_up4(max(tiling.dp * BQ, BQ * DKP))
-    (O_K, O_V, O_Q, O_O, O_W, O_DS, O_X), N_ALL = part_offsets(dkdv_parts(tiling))
-    base = device_functions(np.dtype(dtype))
-    ZERO, ONE = base.ZERO, base.CAST(1)
-    thread_place = micro.thread_place
-    stage_transposed = micro.stage_transposed
-    stage_dT = micro.transposed_stager(DV4)
-    stage_q = micro.row_stager(BQ, DKP)
-    stage_o = micro.row_stager(BQ, DVKP)
-    dv_product = micro.micro_product(TN, TVK, BQ, BK, DVKP)
-    dk_product = micro.micro_product(TN, TDK, BQ, BK, DKP)
-    stage_tile_mask = micro.stage_tile_mask
-    pair_registers, load_rows, tile_gradients = pair_functions(dtype, tiling, dropout, mods,
-                                                               own)
-    CSR, SELECTED = variant == "sparse", variant == "topk"
-    HS, HOFF, _ = pair_stream(STREAMS, variant)
-    CLIPPED, GATED = variant.startswith("clipped"), variant == "gated0"
-    ADD = HOFF == 1  # the pair's second stream adds to dV and the bias gradient
-    MOD_GRADS = mods is not None and mods.agrad is not None
-    mod_agrad = mods.agrad if MOD_GRADS else None
-    mod_views = mods.views if MOD_GRADS else None
+    TM, TN, BQ, BK = tiling.tm, tiling.tn, tiling.bq, tiling.bk
+    TDK, DKP, TVK, DVKP = (sizes[x] for x in ("TDK", "DKP", "TVK", "DVKP"))
+    (o_k, o_v, o_q, o_o, o_w, o_ds, o_x), n_all = part_offsets(dkdv_parts(tiling))
+    mod_grads = mods is not None and mods.agrad is not None
+    constants = dict(
+        D=columns, DV=tiling.dv, NX=sizes["NX"], TDK=TDK, DKP=DKP, TVK=TVK, DVKP=DVKP,
+        N_KS=tiling.dp * BK, N_TILE=round_up4(BQ * BK),
+        N_QQ=round_up4(max(tiling.dp * BQ, BQ * DKP)), N_ALL=n_all,
+        O_K=o_k, O_V=o_v, O_Q=o_q, O_O=o_o, O_W=o_w, O_DS=o_ds, O_X=o_x,
+        row_zeros=micro.zeros(TM), dk_zeros=micro.zeros(TN * TDK),
+        dv_zeros=micro.zeros(TN * TVK), stage_dT=micro.transposed_stager(sizes["DV4"]),
+        stage_q=micro.row_stager(BQ, DKP), stage_o=micro.row_stager(BQ, DVKP),
+        dv_product=micro.micro_product(TN, TVK, BQ, BK, DVKP),
+        dk_product=micro.micro_product(TN, TDK, BQ, BK, DKP),
+        MOD_GRADS=mod_grads, mod_agrad=mods.agrad if mod_grads else None,
+        mod_views=mods.views if mod_grads else None,
+        **_variant_constants(tiling.streams, variant))
+    # the pair's second stream adds to dV and the bias gradient
+    constants["ADD"] = constants["HOFF"] == 1
+    return specialise(key_tile_kernel, {**bindings, **constants},
+                      f"{bindings['_tag']}_dkdv_{variant}_d{columns}")
 
-    @cuda.jit(device=True)
-    def add_array_gradients(G, R, b, h, i0, j0, nq, nk, grads, mods):
-        """The score function's array gradients of a tile, ``G``: its logit gradients,
-        ``R``: its raw logits (row-major ``BQ x BK``), one thread in order into this
-        block's ``grads``."""
-        bb = b + mods[0][0]
-        hh = h + mods[0][1]
-        for r in range(nq):
-            for c in range(nk):
-                x = U32(r) * U32(BK) + U32(c)
-                if G[x] != ZERO:
-                    mod_agrad(G[x], R[x], bb, hh, i0 + r, j0 + c, grads, mods)
 
-    @cuda.jit(device=True)
-    def store_rows(X, A, row0, key0):
-        """``A[row0 + r, key0 + c] = X[r, c]`` (row-major ``BQ x BK``)."""
+@kernel
+def query_tile_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks,
+                      causal, normalizer, row_terms, selected, diff_mode, clip, p_heads,
+                      indptr, indices, csr, seed_lo, seed_hi, batch0, head0, threshold, keep,
+                      tile_ptr, tile_idx, tile_full, dq, mods):
+    Lq, Lk = q.shape[2], k.shape[2]
+    diag = Lk - Lq if causal else Lk
+    csr = CSR  # the variant's constants (the arguments only say the same)
+    selected = SELECTED
+    b, h, g, i0 = block_tile(q.shape[1] // HS, k.shape[1] // HS, 0)
+    words = U32((Lk + 31) // 32)  # the clip's words a row, and this tile's first row
+    clip_row = U32((b * (q.shape[1] // HS) + h) * Lq + i0)
+    smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
+    Qt, dOt, KV = smem[O_Q:O_O], smem[O_O:O_KV], smem[O_KV:O_V]
+    Vt, dSt, red = smem[O_V:O_DS], smem[O_DS:O_RED], smem[O_RED:O_ROWS]
+    rows, flag = smem[O_ROWS:O_FLAG], smem[O_FLAG:]
+    t, row0, key0, _ = thread_place()
+    colq = (key0 // TN) * TD
+    S1, S2, F, dP, terms = pair_registers()
+    keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
+    R = cuda.local.array(N_S, nt)  # a score function's raw logits
+    part1, part2 = row_zeros()  # with two streams: the rows' d1 and e
+    Q1, Q2 = dq_zeros()  # each stream's dQ micro-tile (gated: the second's stays 0)
+    if t == 0:
+        flag[0] = CAST(-1)
+    nq = min(BQ, Lq - i0)
+    load_rows(row_terms, b, h, i0, row0, Lq, terms)
+    if PAIR:  # the first sweep weighs by the map alone: e is needed where lam = 0 too
         for r in range(TM):
-            for c in range(TN):
-                A[(U32(row0) + U32(r)) * U32(BK) + U32(key0) + U32(c)] = X[r * TN + c]
+            terms[TM + r] = ONE
+    for c in range(STREAMS):
+        stage_transposed(q[b, HS * h + HOFF + c], i0, nq, scale, Qt[c * N_QS:], BQ)
+    stage_dT(dout[b, h], i0, nq, ONE, dOt, BQ)
+    ph = h if p_heads > 1 else 0
+    i_csr = ph * Lq + min(i0 + t, Lq - 1)  # thread t < BQ: its row of the pattern
+    tr = ph * ((Lq + BQ - 1) // BQ) + i0 // BQ
+    vh = v[b, g]
+    for phase in range(PHASES):  # pass 0 forms d1 and e (or a pair stream's delta)
+        last = phase == PHASES - 1
+        for s in range(tile_ptr[tr], tile_ptr[tr + 1]):
+            j0 = tile_idx[s] * BK
+            nk = min(BK, Lk - j0)
+            partial = csr and not tile_full[s]
+            if partial:  # dSt is free: the last tile ended with a barrier
+                stage_tile_mask(dSt, t, i_csr, indptr[i_csr], j0, indptr, indices)
+            for c in range(STREAMS):
+                stage_transposed(k[b, HS * g + HOFF + c], j0, nk, ONE, KV[c * N_KS:], BK)
+            stage_dT(vh, j0, nk, ONE, Vt, BK)
+            cuda.syncthreads()
+            tile_gradients(Qt, Qt[N_QS:], KV, KV[N_KS:], dOt, Vt, dSt, partial, S1, S2, F,
+                           dP, terms, selected, diff_mode, clip, CLIPPED,
+                           False, clip_row, words, part1, part2, i0, row0, j0, key0, nq, Lq,
+                           Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
+                           normalizer, keys, (seed_lo, seed_hi, batch0, head0, threshold, keep),
+                           mods, R)
+            if PAIR and not last:  # delta 0 and ratio 1: S holds A dP
+                for r in range(TM):
+                    for c in range(TN):
+                        part1[r] += S1[r * TN + c]
+            cuda.syncthreads()  # the key tiles and the tile mask are read
+            if last:
+                slope_tile(S1, R, i0, row0, j0, key0, Lq, Lk, b, h, mods)
+                store_tile(S1, dSt, row0, key0)
+                if STREAMS == 2:
+                    store_tile(S2, dSt[N_DS:], row0, key0)
+                bad = False
+                for c in range(STREAMS):
+                    bad = stage_keys(k[b, HS * g + HOFF + c], j0, nk, KV[c * N_KS:]) or bad
+                if bad:
+                    flag[0] = CAST(s)
+                cuda.syncthreads()
+                guarded = flag[0] == CAST(s)
+                dq_product(dSt, row0, KV, colq, guarded, Q1)
+                if STREAMS == 2:
+                    dq_product(dSt[N_DS:], row0, KV[N_KS:], colq, guarded, Q2)
+                cuda.syncthreads()
+        if not last:  # the rows' d1 and e (or delta): sums over the row's threads
+            row_reduce(red, rows, t, row0, key0, part1, part1, False)
+            if STREAMS == 2:
+                row_reduce(red, rows, t, row0, key0, part2, part2, False)
+            for r in range(TM):
+                if PAIR:  # the row's own ratio again
+                    terms[TM + r] = row_terms[b, h, 1, min(i0 + row0 + r, Lq - 1)]
+                terms[2 * TM + r] = part1[r]
+                if STREAMS == 2:
+                    terms[3 * TM + r] = part2[r]
+                if key0 == 0 and row0 + r < nq:
+                    row_terms[b, h, 2, i0 + row0 + r] = part1[r]
+                    if STREAMS == 2:
+                        row_terms[b, h, 3, i0 + row0 + r] = part2[r]
+    for r in range(TM):
+        i = i0 + row0 + r
+        if i < Lq:
+            for e in range(TD):
+                col = colq + e
+                if col < D:
+                    dq[b, HS * h + HOFF, i, col] = scale * Q1[r * TD + e]
+                    if STREAMS == 2 or GATED:
+                        dq[b, 2 * h + 1, i, col] = scale * Q2[r * TD + e]
 
-    def dkdv_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                    normalizer, row_terms, selected, diff_mode, clip, p_heads, indptr,
+
+@device
+def add_array_gradients(G, R, b, h, i0, j0, nq, nk, grads, mods):
+    """The score function's array gradients of a tile, ``G``: its logit gradients,
+    ``R``: its raw logits (row-major ``BQ x BK``), one thread in order into this
+    block's ``grads``."""
+    bb = b + mods[0][0]
+    hh = h + mods[0][1]
+    for r in range(nq):
+        for c in range(nk):
+            x = U32(r) * U32(BK) + U32(c)
+            if G[x] != ZERO:
+                mod_agrad(G[x], R[x], bb, hh, i0 + r, j0 + c, grads, mods)
+
+
+@device
+def store_rows(X, A, row0, key0):
+    """``A[row0 + r, key0 + c] = X[r, c]`` (row-major ``BQ x BK``)."""
+    for r in range(TM):
+        for c in range(TN):
+            A[(U32(row0) + U32(r)) * U32(BK) + U32(key0) + U32(c)] = X[r * TN + c]
+
+
+@kernel
+def key_tile_kernel(q, k, v, dout, scale, bias, has_bias, mask, has_mask, logks, has_ks,
+                    causal, normalizer, row_terms, selected, diff_mode, clip, p_heads, indptr,
                     indices, csr, seed_lo, seed_hi, batch0, head0, threshold, keep, col_ptr,
                     col_qt, col_full, need_dbias, dk, dv, dbias, dlogks, mods, mod_grads):
-        Lq, Lk = q.shape[2], k.shape[2]
-        diag = Lk - Lq if causal else Lk
-        csr = CSR  # the variant's constants (the arguments only say the same)
-        selected = SELECTED
-        H, Hk = q.shape[1] // HS, k.shape[1] // HS
-        words = U32((Lk + 31) // 32)  # the clip's words a row
-        group = H // Hk
-        b = cuda.blockIdx.x // Hk
-        g = cuda.blockIdx.x - b * Hk
-        kt = cuda.blockIdx.y
-        j0 = kt * BK
-        nk = min(BK, Lk - j0)
-        n_kt = (Lk + BK - 1) // BK
-        smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
-        Kt, Vt, QQ, OO = smem[O_K:O_V], smem[O_V:O_Q], smem[O_Q:O_O], smem[O_O:O_W]
-        Wt, dSb, X = smem[O_W:O_DS], smem[O_DS:O_X], smem[O_X:]
-        t, row0, key0, _ = thread_place()
-        ty = t // NX
-        colk = ty * TDK
-        colv = ty * TVK
-        S1, S2, F, dP, terms = pair_registers()
-        keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
-        R = cuda.local.array(N_S, nt)  # a score function's raw logits
-        if MOD_GRADS:  # this block's slot of the gradient buffers
-            block_grads = mod_views(mod_grads, cuda.blockIdx.x * cuda.gridDim.y + kt)
-        part, _ = row_zeros()  # the first sweep's sums: not needed here
-        K1, K2 = dk_zeros()  # dK of each stream (gated: the second's stays 0)
-        V1, _ = dv_zeros()
-        for c in range(STREAMS):
-            stage_transposed(k[b, HS * g + HOFF + c], j0, nk, ONE, Kt[c * N_KS:], BK)
-        stage_dT(v[b, g], j0, nk, ONE, Vt, BK)
-        for hh in range(group):
-            h = g * group + hh
-            ph = h if p_heads > 1 else 0
-            col = ph * n_kt + kt
-            for p in range(col_ptr[col], col_ptr[col + 1]):
-                i0 = col_qt[p] * BQ
-                nq = min(BQ, Lq - i0)
-                partial = csr and not col_full[p]
-                load_rows(row_terms, b, h, i0, row0, Lq, terms)
-                if GATED:  # in the ratio's place (the map's is 1): the gate's weight, -lam
-                    for r in range(TM):
-                        terms[TM + r] = row_terms[b, h, 3, min(i0 + row0 + r, Lq - 1)]
-                if partial:  # Wt is free: the last tile ended with a barrier
-                    i_csr = ph * Lq + min(i0 + t, Lq - 1)
-                    stage_tile_mask(Wt, t, i_csr, indptr[i_csr], j0, indptr, indices)
-                for c in range(STREAMS):
-                    stage_transposed(q[b, HS * h + HOFF + c], i0, nq, scale, QQ[c * N_QQ:],
-                                     BQ)
-                stage_dT(dout[b, h], i0, nq, ONE, OO, BQ)
-                cuda.syncthreads()
-                tile_gradients(QQ, QQ[N_QQ:], Kt, Kt[N_KS:], OO, Vt, Wt, partial, S1, S2, F, dP,
-                               terms, selected, diff_mode, clip, CLIPPED, GATED,
-                               U32((b * H + h) * Lq + i0), words, part, part, i0, row0,
-                               j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                               has_mask, logks, has_ks, normalizer, keys,
-                               (seed_lo, seed_hi, batch0, head0, threshold, keep), mods, R)
-                for r in range(TM):  # the contributions to d log key_size (and dbias)
-                    for c in range(TN):
-                        x = r * TN + c
-                        # a key size's gradient sums ds: for a softmax stream that is
-                        # w g, but not where the clip set w to 0 (ds is still -p delta)
-                        # nor where a gate added -lam to w
-                        dP[x] = (S1[x] + S2[x] if STREAMS == 2 else S1[x] if CLIPPED or GATED
-                                 else dP[x])  # single() left w g there
-                        if need_dbias and row0 + r < nq and key0 + c < nk:
-                            y = S1[x] + S2[x] if STREAMS == 2 else S1[x]
-                            if ADD:
-                                y += dbias[b, h, i0 + row0 + r, j0 + key0 + c]
-                            dbias[b, h, i0 + row0 + r, j0 + key0 + c] = y
-                if MOD_GRADS:  # dSb and X are free until the products' staging
-                    store_rows(S1, dSb, row0, key0)
-                    store_rows(R, X, row0, key0)
-                    cuda.syncthreads()
-                    if t == 0:
-                        add_array_gradients(dSb, X, b, h, i0, j0, nq, nk, block_grads, mods)
-                    cuda.syncthreads()
-                # (the bias and key sizes come after the score function: theirs is ds)
-                slope_tile(S1, R, i0, row0, j0, key0, Lq, Lk, b, h, mods)
-                cuda.syncthreads()  # the transposed tiles and the tile mask are read
-                for c in range(STREAMS):
-                    stage_q(q[b, HS * h + HOFF + c], i0, nq, QQ[c * N_QQ:])
-                stage_o(dout[b, h], i0, nq, OO)
-                store_rows(F, Wt, row0, key0)
-                store_rows(S1, dSb, row0, key0)
-                if STREAMS == 2:
-                    store_rows(S2, dSb[N_TILE:], row0, key0)
-                if has_ks:
-                    store_rows(dP, X, row0, key0)
-                cuda.syncthreads()
-                dv_product(Wt, key0, OO, colv, False, V1)
-                dk_product(dSb, key0, QQ, colk, False, K1)
-                if STREAMS == 2:
-                    dk_product(dSb[N_TILE:], key0, QQ[N_QQ:], colk, False, K2)
-                if has_ks:  # one thread a key, rows in order: deterministic
-                    for c in range(t, nk, NT):
-                        acc = ZERO
-                        for r in range(nq):  # rows past nq hold zeros
-                            acc += X[U32(r) * U32(BK) + U32(c)]
-                        dlogks[b, g, j0 + c] += acc
-                cuda.syncthreads()
-        for x in range(TN):
-            j = j0 + key0 + x
-            if j < Lk:
-                for e in range(TDK):
-                    if colk + e < D:
-                        dk[b, HS * g + HOFF, j, colk + e] = scale * K1[x * TDK + e]
-                        if STREAMS == 2 or GATED:
-                            dk[b, 2 * g + 1, j, colk + e] = scale * K2[x * TDK + e]
-                for e in range(TVK):
-                    if colv + e < DV:
-                        y = V1[x * TVK + e]
+    Lq, Lk = q.shape[2], k.shape[2]
+    diag = Lk - Lq if causal else Lk
+    csr = CSR  # the variant's constants (the arguments only say the same)
+    selected = SELECTED
+    H, Hk = q.shape[1] // HS, k.shape[1] // HS
+    words = U32((Lk + 31) // 32)  # the clip's words a row
+    group = H // Hk
+    b = cuda.blockIdx.x // Hk
+    g = cuda.blockIdx.x - b * Hk
+    kt = cuda.blockIdx.y
+    j0 = kt * BK
+    nk = min(BK, Lk - j0)
+    n_kt = (Lk + BK - 1) // BK
+    smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
+    Kt, Vt, QQ, OO = smem[O_K:O_V], smem[O_V:O_Q], smem[O_Q:O_O], smem[O_O:O_W]
+    Wt, dSb, X = smem[O_W:O_DS], smem[O_DS:O_X], smem[O_X:]
+    t, row0, key0, _ = thread_place()
+    ty = t // NX
+    colk = ty * TDK
+    colv = ty * TVK
+    S1, S2, F, dP, terms = pair_registers()
+    keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
+    R = cuda.local.array(N_S, nt)  # a score function's raw logits
+    if MOD_GRADS:  # this block's slot of the gradient buffers
+        block_grads = mod_views(mod_grads, cuda.blockIdx.x * cuda.gridDim.y + kt)
+    part, _ = row_zeros()  # the first sweep's sums: not needed here
+    K1, K2 = dk_zeros()  # dK of each stream (gated: the second's stays 0)
+    V1, _ = dv_zeros()
+    for c in range(STREAMS):
+        stage_transposed(k[b, HS * g + HOFF + c], j0, nk, ONE, Kt[c * N_KS:], BK)
+    stage_dT(v[b, g], j0, nk, ONE, Vt, BK)
+    for hh in range(group):
+        h = g * group + hh
+        ph = h if p_heads > 1 else 0
+        col = ph * n_kt + kt
+        for p in range(col_ptr[col], col_ptr[col + 1]):
+            i0 = col_qt[p] * BQ
+            nq = min(BQ, Lq - i0)
+            partial = csr and not col_full[p]
+            load_rows(row_terms, b, h, i0, row0, Lq, terms)
+            if GATED:  # in the ratio's place (the map's is 1): the gate's weight, -lam
+                for r in range(TM):
+                    terms[TM + r] = row_terms[b, h, 3, min(i0 + row0 + r, Lq - 1)]
+            if partial:  # Wt is free: the last tile ended with a barrier
+                i_csr = ph * Lq + min(i0 + t, Lq - 1)
+                stage_tile_mask(Wt, t, i_csr, indptr[i_csr], j0, indptr, indices)
+            for c in range(STREAMS):
+                stage_transposed(q[b, HS * h + HOFF + c], i0, nq, scale, QQ[c * N_QQ:],
+                                 BQ)
+            stage_dT(dout[b, h], i0, nq, ONE, OO, BQ)
+            cuda.syncthreads()
+            tile_gradients(QQ, QQ[N_QQ:], Kt, Kt[N_KS:], OO, Vt, Wt, partial, S1, S2, F, dP,
+                           terms, selected, diff_mode, clip, CLIPPED, GATED,
+                           U32((b * H + h) * Lq + i0), words, part, part, i0, row0,
+                           j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                           has_mask, logks, has_ks, normalizer, keys,
+                           (seed_lo, seed_hi, batch0, head0, threshold, keep), mods, R)
+            for r in range(TM):  # the contributions to d log key_size (and dbias)
+                for c in range(TN):
+                    x = r * TN + c
+                    # a key size's gradient sums ds: for a softmax stream that is
+                    # w g, but not where the clip set w to 0 (ds is still -p delta)
+                    # nor where a gate added -lam to w
+                    dP[x] = (S1[x] + S2[x] if STREAMS == 2 else S1[x] if CLIPPED or GATED
+                             else dP[x])  # single() left w g there
+                    if need_dbias and row0 + r < nq and key0 + c < nk:
+                        y = S1[x] + S2[x] if STREAMS == 2 else S1[x]
                         if ADD:
-                            y += dv[b, g, j, colv + e]
-                        dv[b, g, j, colv + e] = y
-
-    return dkdv_kernel
+                            y += dbias[b, h, i0 + row0 + r, j0 + key0 + c]
+                        dbias[b, h, i0 + row0 + r, j0 + key0 + c] = y
+            if MOD_GRADS:  # dSb and X are free until the products' staging
+                store_rows(S1, dSb, row0, key0)
+                store_rows(R, X, row0, key0)
+                cuda.syncthreads()
+                if t == 0:
+                    add_array_gradients(dSb, X, b, h, i0, j0, nq, nk, block_grads, mods)
+                cuda.syncthreads()
+            # (the bias and key sizes come after the score function: theirs is ds)
+            slope_tile(S1, R, i0, row0, j0, key0, Lq, Lk, b, h, mods)
+            cuda.syncthreads()  # the transposed tiles and the tile mask are read
+            for c in range(STREAMS):
+                stage_q(q[b, HS * h + HOFF + c], i0, nq, QQ[c * N_QQ:])
+            stage_o(dout[b, h], i0, nq, OO)
+            store_rows(F, Wt, row0, key0)
+            store_rows(S1, dSb, row0, key0)
+            if STREAMS == 2:
+                store_rows(S2, dSb[N_TILE:], row0, key0)
+            if has_ks:
+                store_rows(dP, X, row0, key0)
+            cuda.syncthreads()
+            dv_product(Wt, key0, OO, colv, False, V1)
+            dk_product(dSb, key0, QQ, colk, False, K1)
+            if STREAMS == 2:
+                dk_product(dSb[N_TILE:], key0, QQ[N_QQ:], colk, False, K2)
+            if has_ks:  # one thread a key, rows in order: deterministic
+                for c in range(t, nk, NT):
+                    acc = ZERO
+                    for r in range(nq):  # rows past nq hold zeros
+                        acc += X[U32(r) * U32(BK) + U32(c)]
+                    dlogks[b, g, j0 + c] += acc
+            cuda.syncthreads()
+    for x in range(TN):
+        j = j0 + key0 + x
+        if j < Lk:
+            for e in range(TDK):
+                if colk + e < D:
+                    dk[b, HS * g + HOFF, j, colk + e] = scale * K1[x * TDK + e]
+                    if STREAMS == 2 or GATED:
+                        dk[b, 2 * g + 1, j, colk + e] = scale * K2[x * TDK + e]
+            for e in range(TVK):
+                if colv + e < DV:
+                    y = V1[x * TVK + e]
+                    if ADD:
+                        y += dv[b, g, j, colv + e]
+                    dv[b, g, j, colv + e] = y
 
 
 @cuda.jit(device=True)

@@ -89,10 +89,11 @@ from .._core.codes import (
     SOFTPICK,
     SOFTPICK_EPS,
 )
+from .._core.specialise import specialise
 from ._backward_tiling import round_up4
 from ._dropout import column_word, kept, row_key
 from ._micro import I64, U32, Tiling, micro_functions
-from ._tiles import device_functions
+from ._tiles import device, unbound
 
 PAIR_VARIANTS = ("stream0", "stream1", "clipped0", "clipped1", "gated0")
 
@@ -108,253 +109,269 @@ def pair_stream(streams: int, variant: str) -> tuple[int, int, bool]:
     return streams, 0, False
 
 
+# the globals the templates read, bound per build (pair_constants)
+(ZERO, NINF, ONE, EPS, TM, TN, STREAMS, nt, N_S, DROPOUT, N_TERMS, N_TERM_REGS, OWN, OWN_CODE,
+ SIGMOID_BUILD, SOFTPICK_BUILD, SCORE_FN, ONE_WORD, ROW_WORD, modify_tile, tile_scores,
+ apply_tile_mask, dscores) = unbound(23)
+
+
+def pair_constants(micro, tiling: Tiling, dropout: bool) -> dict:
+    """What the templates below read in one build, by name: the core's build (``micro``,
+    :func:`attnnb.cuda._micro.micro_functions`) and the pair's own constants."""
+    streams, tm, tn = tiling.streams, tiling.tm, tiling.tn
+    n_terms = 3 if streams == 1 else 5  # values a row: lse, r, delta / lse1, lse2, d1, e, lam
+    return {
+        **micro.bindings, "EPS": micro.bindings["CAST"](SOFTPICK_EPS), "STREAMS": streams,
+        "DROPOUT": dropout, "N_TERMS": n_terms,
+        "N_TERM_REGS": n_terms * tm,  # (local array sizes must be plain constants)
+        # key tiles start at multiples of BK: with BK dividing 32, a tile's keys share a
+        # clip word; a micro-tile row's keys start at a multiple of TN: with TN dividing
+        # 32, in one word
+        "ONE_WORD": 32 % tiling.bk == 0, "ROW_WORD": 32 % tn == 0,
+        "dscores": micro.scores_product(round_up4(tiling.dv)),
+        "_tag": f"{micro.bindings['_tag']}_pair{int(dropout)}"}
+
+
 def pair_functions(dtype, tiling: Tiling, dropout=False, mods=None, own=None):
     """Device functions shared by both backward kernels: the weights and logit
     gradients of one (query tile, key tile) pair in the thread's micro-tile
     (with ``dropout``, under the forward's keep decisions; with ``mods``, a problem's
     mask and score functions; ``own``: ``sigmoid``'s or ``softpick``'s build,
-    :func:`attnnb.cuda._micro.micro_functions`)."""
+    :func:`attnnb.cuda._micro.micro_functions`): ``(pair_registers, load_rows,
+    tile_gradients)``, and the build's bindings (for the kernels)."""
     micro = micro_functions(np.dtype(dtype), tiling, mods, own)
-    OWN, OWN_CODE = micro.OWN, micro.OWN_CODE
-    SIGMOID_BUILD, SOFTPICK_BUILD = micro.SIGMOID_BUILD, micro.SOFTPICK_BUILD
-    base = device_functions(np.dtype(dtype))
-    ZERO, NINF, ONE = base.ZERO, base.NINF, base.CAST(1)
-    EPS = base.CAST(SOFTPICK_EPS)
-    TM, TN, STREAMS, nt, N_S = tiling.tm, tiling.tn, tiling.streams, micro.nt, micro.N_S
-    DROPOUT = dropout
-    N_TERMS = 3 if STREAMS == 1 else 5  # values a row: lse, r, delta / lse1, lse2, d1, e, lam
-    N_TERM_REGS = N_TERMS * TM  # (local array sizes must be plain constants)
-    modify_tile, tile_scores = micro.modify_tile, micro.tile_scores
-    apply_tile_mask = micro.apply_tile_mask
-    # key tiles start at multiples of BK: with BK dividing 32, a tile's keys share a clip word
-    ONE_WORD = 32 % tiling.bk == 0
-    SCORE_FN = micro.SCORE_FN
-    dscores = micro.scores_product(round_up4(tiling.dv))
+    constants = pair_constants(micro, tiling, dropout)
+    built = tuple(specialise(fn, constants, constants["_tag"])
+                  for fn in (pair_registers, load_rows, tile_gradients))
+    return built + ({**constants, **dict(zip(("pair_registers", "load_rows",
+                                             "tile_gradients"), built))},)
 
-    # a micro-tile row's keys start at a multiple of TN: with TN dividing 32, in one word
-    ROW_WORD = 32 % TN == 0
 
-    @cuda.jit(device=True)
-    def drop_unselected(S, F, selection, sel_row, words, row0, j0, key0, nq, Lk):
-        """``S = -inf``, ``F = 0`` where the top-k ``selection`` (flat, one bit a pair: row
-        ``i`` of the tile at ``sel_row + i``, ``words`` a row; keys past ``Lk`` clear) leaves
-        the key of the thread's micro-tile out; rows past ``nq`` are left (not live)."""
-        for r in range(TM):
-            if row0 + r < nq:
-                at = (sel_row + U32(row0 + r)) * words
-                j = j0 + key0
-                word = U32(0)
-                if ROW_WORD and j < Lk:  # one load a row (registers)
-                    word = selection[at + U32(j >> 5)] >> U32(j & 31)
-                for c in range(TN):
-                    keep = (word >> U32(c)) & U32(1) != U32(0)
-                    if not ROW_WORD:  # keys of the row in two words: a load a key
-                        j = j0 + key0 + c
-                        keep = j < Lk and (selection[at + U32(j >> 5)] >> U32(j & 31)) & U32(
-                            1) != U32(0)
-                    if not keep:
-                        S[r * TN + c] = NINF
-                        F[r * TN + c] = ZERO
-
-    @cuda.jit(device=True)
-    def drop_factor(key, j, threshold, keep):
-        """The dropout's factor ``z`` of key ``j`` in the row keyed by ``key``: ``keep``
-        kept, 0 dropped (1 in a build without dropout)."""
-        if not DROPOUT:
-            return ONE
-        return keep if kept(key, column_word(I64(j)), threshold) else ZERO
-
-    @cuda.jit(device=True)
-    def single(S, F, dP, terms, row0, j0, key0, nq, normalizer, clip, clipped, gated, clip_row,
-               words, keys, threshold, keep):
-        """One stream: ``S`` becomes ``ds``, ``dP`` becomes ``w g`` (a key size's term;
-        0 where the weight is), ``F`` the weights that reach the values.  With dropout
-        (``keys``: the rows' keys, ``threshold``, ``keep = 1 / (1 - p)``) the factor
-        ``z`` (``keep`` or 0) scales ``dP`` before ``g = z dP - delta`` and the weights
-        in ``F`` (``z w``).  ``terms``: the rows' ``lse, r, delta``.  Rows past ``nq`` get
-        zeros.  ``S``, ``F``:
-        the modified logits and their factors.  ``clipped``: a rectified pair's stream,
-        ``clip[b, h, i, j // 32]`` bit ``j % 32`` the clip of weight ``(i, j)``; where it
-        is clear the weight is 0 and ``g = -delta`` (the clip has derivative 0, the
-        stream's softmax still moves the weight's logit); ``clip`` flat, row ``i`` of the
-        tile ``clip_row + i`` (``(b * H + h) * Lq + i0``), ``words`` a row.  ``gated``:
-        the Heaviside mode's stream, ``clip`` its gate ``H``: the row's ratio weighs the
-        gate and the map weighs 1; ``F`` takes ``w + ratio H`` (also where ``p`` is 0:
-        the key's value reaches the row through the gate), ``S`` and ``g`` are the plain
-        stream's (the key size's term is ``ds``, not ``dP``).  ``sigmoid`` and
-        ``softpick``: the module notes."""
-        normalizer = OWN_CODE if OWN else normalizer  # (an own build's: a constant)
-        sig = SIGMOID_BUILD and normalizer == SIGMOID
-        pick = SOFTPICK_BUILD and normalizer == SOFTPICK
-        for r in range(TM):
-            lse = terms[r]
-            ratio = terms[TM + r]
-            delta = terms[2 * TM + r]
-            gate = ratio
-            if gated:
-                ratio = ONE
-            live = row0 + r < nq and lse != NINF
-            bits = U32(0)
-            if (clipped or gated) and live and ONE_WORD:  # the tile's keys: one word of the row
-                bits = clip[(clip_row + U32(row0 + r)) * words + U32(j0 >> 5)] >> U32(
-                    (j0 & 31) + key0)
-            # softpick: 1 / (D + eps) = ratio e^-lse, the scale of a denominator term below 0
-            # (from e^-|lse|: e^lse overflows for logits of 1e4)
-            floor = ZERO
-            if pick and live:
-                t = math.exp(-abs(lse))
-                floor = t / (ONE + EPS * t) if lse >= ZERO else ONE / (t + EPS)
+@device
+def drop_unselected(S, F, selection, sel_row, words, row0, j0, key0, nq, Lk):
+    """``S = -inf``, ``F = 0`` where the top-k ``selection`` (flat, one bit a pair: row
+    ``i`` of the tile at ``sel_row + i``, ``words`` a row; keys past ``Lk`` clear) leaves
+    the key of the thread's micro-tile out; rows past ``nq`` are left (not live)."""
+    for r in range(TM):
+        if row0 + r < nq:
+            at = (sel_row + U32(row0 + r)) * words
+            j = j0 + key0
+            word = U32(0)
+            if ROW_WORD and j < Lk:  # one load a row (registers)
+                word = selection[at + U32(j >> 5)] >> U32(j & 31)
             for c in range(TN):
-                x = r * TN + c
-                s = S[x]  # (top-k's unselected keys: -inf already, tile_gradients)
-                w = ZERO
-                ds = ZERO
-                g = ZERO
-                z = ONE
-                on = False  # the gate of a gated stream's key
-                kg = ZERO  # sigmoid's and softpick's key size term
-                if live:
-                    e = math.exp(s - lse)
-                    p = e if sig else ratio * e
-                    if gated:  # the key's gate: set, it weighs the key whatever p is
+                keep = (word >> U32(c)) & U32(1) != U32(0)
+                if not ROW_WORD:  # keys of the row in two words: a load a key
+                    j = j0 + key0 + c
+                    keep = j < Lk and (selection[at + U32(j >> 5)] >> U32(j & 31)) & U32(
+                        1) != U32(0)
+                if not keep:
+                    S[r * TN + c] = NINF
+                    F[r * TN + c] = ZERO
+
+
+@device
+def drop_factor(key, j, threshold, keep):
+    """The dropout's factor ``z`` of key ``j`` in the row keyed by ``key``: ``keep``
+    kept, 0 dropped (1 in a build without dropout)."""
+    if not DROPOUT:
+        return ONE
+    return keep if kept(key, column_word(I64(j)), threshold) else ZERO
+
+
+@device
+def single(S, F, dP, terms, row0, j0, key0, nq, normalizer, clip, clipped, gated, clip_row,
+           words, keys, threshold, keep):
+    """One stream: ``S`` becomes ``ds``, ``dP`` becomes ``w g`` (a key size's term;
+    0 where the weight is), ``F`` the weights that reach the values.  With dropout
+    (``keys``: the rows' keys, ``threshold``, ``keep = 1 / (1 - p)``) the factor
+    ``z`` (``keep`` or 0) scales ``dP`` before ``g = z dP - delta`` and the weights
+    in ``F`` (``z w``).  ``terms``: the rows' ``lse, r, delta``.  Rows past ``nq`` get
+    zeros.  ``S``, ``F``:
+    the modified logits and their factors.  ``clipped``: a rectified pair's stream,
+    ``clip[b, h, i, j // 32]`` bit ``j % 32`` the clip of weight ``(i, j)``; where it
+    is clear the weight is 0 and ``g = -delta`` (the clip has derivative 0, the
+    stream's softmax still moves the weight's logit); ``clip`` flat, row ``i`` of the
+    tile ``clip_row + i`` (``(b * H + h) * Lq + i0``), ``words`` a row.  ``gated``:
+    the Heaviside mode's stream, ``clip`` its gate ``H``: the row's ratio weighs the
+    gate and the map weighs 1; ``F`` takes ``w + ratio H`` (also where ``p`` is 0:
+    the key's value reaches the row through the gate), ``S`` and ``g`` are the plain
+    stream's (the key size's term is ``ds``, not ``dP``).  ``sigmoid`` and
+    ``softpick``: the module notes."""
+    normalizer = OWN_CODE if OWN else normalizer  # (an own build's: a constant)
+    sig = SIGMOID_BUILD and normalizer == SIGMOID
+    pick = SOFTPICK_BUILD and normalizer == SOFTPICK
+    for r in range(TM):
+        lse = terms[r]
+        ratio = terms[TM + r]
+        delta = terms[2 * TM + r]
+        gate = ratio
+        if gated:
+            ratio = ONE
+        live = row0 + r < nq and lse != NINF
+        bits = U32(0)
+        if (clipped or gated) and live and ONE_WORD:  # the tile's keys: one word of the row
+            bits = clip[(clip_row + U32(row0 + r)) * words + U32(j0 >> 5)] >> U32(
+                (j0 & 31) + key0)
+        # softpick: 1 / (D + eps) = ratio e^-lse, the scale of a denominator term below 0
+        # (from e^-|lse|: e^lse overflows for logits of 1e4)
+        floor = ZERO
+        if pick and live:
+            t = math.exp(-abs(lse))
+            floor = t / (ONE + EPS * t) if lse >= ZERO else ONE / (t + EPS)
+        for c in range(TN):
+            x = r * TN + c
+            s = S[x]  # (top-k's unselected keys: -inf already, tile_gradients)
+            w = ZERO
+            ds = ZERO
+            g = ZERO
+            z = ONE
+            on = False  # the gate of a gated stream's key
+            kg = ZERO  # sigmoid's and softpick's key size term
+            if live:
+                e = math.exp(s - lse)
+                p = e if sig else ratio * e
+                if gated:  # the key's gate: set, it weighs the key whatever p is
+                    if not ONE_WORD:  # the bit to the position of bit c
+                        j = j0 + key0 + c
+                        word = clip[(clip_row + U32(row0 + r)) * words + U32(j >> 5)]
+                        bits = (word >> U32(j & 31)) << U32(c)
+                    on = (bits >> U32(c)) & U32(1) != U32(0)
+                if pick:
+                    a = p * F[x]  # r c e^(s - lse): both terms' derivative
+                    if s > ZERO:
+                        if a != ZERO:  # (as p below: a value the row does not weigh)
+                            z = drop_factor(keys[r], j0 + key0 + c, threshold, keep)
+                            w = a * -math.expm1(-s)
+                            g = (dP[x] * z if DROPOUT else dP[x]) - delta
+                            ds = a * g
+                            kg = w * g
+                    elif F[x] != ZERO:  # the denominator's term alone (F = 0: outside
+                        # the set; s = 0: no slope; a NaN row stays NaN)
+                        ds = a * (delta if s != ZERO else ZERO)
+                        kg = F[x] * floor * math.expm1(s) * delta
+                # a key the row does not weigh: its value never reaches it
+                elif p != ZERO or on:
+                    z = drop_factor(keys[r], j0 + key0 + c, threshold, keep)
+                    g = dP[x] * z if DROPOUT else dP[x]
+                    if sig:  # p = w / e^lse (module notes)
+                        g *= ratio
+                    g -= delta
+                    w = (p * F[x] if normalizer == RELU_EXPM1
+                         else p * ratio if sig else p)
+                    if clipped:
                         if not ONE_WORD:  # the bit to the position of bit c
                             j = j0 + key0 + c
                             word = clip[(clip_row + U32(row0 + r)) * words + U32(j >> 5)]
                             bits = (word >> U32(j & 31)) << U32(c)
-                        on = (bits >> U32(c)) & U32(1) != U32(0)
-                    if pick:
-                        a = p * F[x]  # r c e^(s - lse): both terms' derivative
-                        if s > ZERO:
-                            if a != ZERO:  # (as p below: a value the row does not weigh)
-                                z = drop_factor(keys[r], j0 + key0 + c, threshold, keep)
-                                w = a * -math.expm1(-s)
-                                g = (dP[x] * z if DROPOUT else dP[x]) - delta
-                                ds = a * g
-                                kg = w * g
-                        elif F[x] != ZERO:  # the denominator's term alone (F = 0: outside
-                            # the set; s = 0: no slope; a NaN row stays NaN)
-                            ds = a * (delta if s != ZERO else ZERO)
-                            kg = F[x] * floor * math.expm1(s) * delta
-                    # a key the row does not weigh: its value never reaches it
-                    elif p != ZERO or on:
-                        z = drop_factor(keys[r], j0 + key0 + c, threshold, keep)
-                        g = dP[x] * z if DROPOUT else dP[x]
-                        if sig:  # p = w / e^lse (module notes)
-                            g *= ratio
-                        g -= delta
-                        w = (p * F[x] if normalizer == RELU_EXPM1
-                             else p * ratio if sig else p)
-                        if clipped:
-                            if not ONE_WORD:  # the bit to the position of bit c
-                                j = j0 + key0 + c
-                                word = clip[(clip_row + U32(row0 + r)) * words + U32(j >> 5)]
-                                bits = (word >> U32(j & 31)) << U32(c)
-                            if not (bits >> U32(c)) & U32(1):
-                                g = -delta
-                                w = ZERO
-                        ds = p * g
-                        if sig:
-                            kg = ds
-                            ds *= F[x]
-                S[x] = ds
-                if on:
-                    w += gate
-                F[x] = w * z if DROPOUT else w
-                dP[x] = kg if sig or pick else w * g
+                        if not (bits >> U32(c)) & U32(1):
+                            g = -delta
+                            w = ZERO
+                    ds = p * g
+                    if sig:
+                        kg = ds
+                        ds *= F[x]
+            S[x] = ds
+            if on:
+                w += gate
+            F[x] = w * z if DROPOUT else w
+            dP[x] = kg if sig or pick else w * g
 
-    @cuda.jit(device=True)
-    def pair(S1, S2, dP, W, terms, diff_mode, part1, part2, row0, nq):
-        """Two streams: ``S1``, ``S2`` become ``ds1``, ``ds2``, ``dP`` becomes ``G``, ``W``
-        (the factors' scratch) the combined weights; ``part1[r] += sum G A1``,
-        ``part2[r] += sum G A2`` (the Heaviside ``diff_mode``: ``A2`` the gate ``H``, and
-        ``ds2 = 0``).  ``terms``:
-        the rows' ``lse1, lse2, d1, e, lam``; ``S1``, ``S2``: the modified logits."""
-        gated = diff_mode == HEAVISIDE
-        for r in range(TM):
-            l1 = terms[r]
-            l2 = terms[TM + r]
-            d1 = terms[2 * TM + r]
-            e = terms[3 * TM + r]
-            lam = terms[4 * TM + r]
-            valid = row0 + r < nq
-            t1 = ZERO
-            t2 = ZERO
-            for c in range(TN):
-                x = r * TN + c
-                a1 = ZERO if not valid or l1 == NINF else math.exp(S1[x] - l1)
-                a2 = ZERO if not valid or l2 == NINF else math.exp(S2[x] - l2)
+
+@device
+def pair(S1, S2, dP, W, terms, diff_mode, part1, part2, row0, nq):
+    """Two streams: ``S1``, ``S2`` become ``ds1``, ``ds2``, ``dP`` becomes ``G``, ``W``
+    (the factors' scratch) the combined weights; ``part1[r] += sum G A1``,
+    ``part2[r] += sum G A2`` (the Heaviside ``diff_mode``: ``A2`` the gate ``H``, and
+    ``ds2 = 0``).  ``terms``:
+    the rows' ``lse1, lse2, d1, e, lam``; ``S1``, ``S2``: the modified logits."""
+    gated = diff_mode == HEAVISIDE
+    for r in range(TM):
+        l1 = terms[r]
+        l2 = terms[TM + r]
+        d1 = terms[2 * TM + r]
+        e = terms[3 * TM + r]
+        lam = terms[4 * TM + r]
+        valid = row0 + r < nq
+        t1 = ZERO
+        t2 = ZERO
+        for c in range(TN):
+            x = r * TN + c
+            a1 = ZERO if not valid or l1 == NINF else math.exp(S1[x] - l1)
+            a2 = ZERO if not valid or l2 == NINF else math.exp(S2[x] - l2)
+            w = a1 - lam * a2
+            g = dP[x]
+            if gated:  # the gate, held fixed, takes the second map's place
+                a2 = ONE if w > ZERO else ZERO
                 w = a1 - lam * a2
-                g = dP[x]
-                if gated:  # the gate, held fixed, takes the second map's place
-                    a2 = ONE if w > ZERO else ZERO
-                    w = a1 - lam * a2
-                # outside both maps nothing flows (a NaN value there stays out); the clip
-                # at 0 has derivative 0
-                if (a1 == ZERO and a2 == ZERO) or (diff_mode == RECTIFIED and not w > ZERO):
-                    w = ZERO
-                    g = ZERO
-                t1 += g * a1
-                t2 += g * a2
-                S1[x] = a1 * (g - d1)
-                S2[x] = ZERO if gated else -lam * a2 * (g - e)
-                W[x] = w
-                dP[x] = g
-            part1[r] += t1
-            part2[r] += t2
+            # outside both maps nothing flows (a NaN value there stays out); the clip
+            # at 0 has derivative 0
+            if (a1 == ZERO and a2 == ZERO) or (diff_mode == RECTIFIED and not w > ZERO):
+                w = ZERO
+                g = ZERO
+            t1 += g * a1
+            t2 += g * a2
+            S1[x] = a1 * (g - d1)
+            S2[x] = ZERO if gated else -lam * a2 * (g - e)
+            W[x] = w
+            dP[x] = g
+        part1[r] += t1
+        part2[r] += t2
 
-    @cuda.jit(device=True)
-    def pair_registers():
-        """The thread's register arrays of a pair: ``S1, S2, F, dP`` (micro-tiles) and
-        ``terms`` (three or five values a row)."""
-        return (cuda.local.array(N_S, nt), cuda.local.array(N_S, nt),
-                cuda.local.array(N_S, nt), cuda.local.array(N_S, nt),
-                cuda.local.array(N_TERM_REGS, nt))
 
-    @cuda.jit(device=True)
-    def load_rows(row_terms, b, h, i0, row0, Lq, terms):
-        """``terms[k * TM + r] = row_terms[b, h, k, row i0 + row0 + r]`` (rows past ``Lq``: the
-        last)."""
+@device
+def pair_registers():
+    """The thread's register arrays of a pair: ``S1, S2, F, dP`` (micro-tiles) and
+    ``terms`` (three or five values a row)."""
+    return (cuda.local.array(N_S, nt), cuda.local.array(N_S, nt),
+            cuda.local.array(N_S, nt), cuda.local.array(N_S, nt),
+            cuda.local.array(N_TERM_REGS, nt))
+
+
+@device
+def load_rows(row_terms, b, h, i0, row0, Lq, terms):
+    """``terms[k * TM + r] = row_terms[b, h, k, row i0 + row0 + r]`` (rows past ``Lq``: the
+    last)."""
+    for r in range(TM):
+        ii = min(i0 + row0 + r, Lq - 1)
+        for k in range(N_TERMS):
+            terms[k * TM + r] = row_terms[b, h, k, ii]
+
+
+@device
+def tile_gradients(Q1, Q2, K1, K2, Ot, Vt, Mt, partial, S1, S2, F, dP, terms,
+                   selected, diff_mode, clip, clipped, gated, clip_row, words, part1, part2,
+                   i0, row0, j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                   has_mask, logks, has_ks, normalizer, keys, drop, mods, R):
+    """The logits (``Q K^T`` per stream), ``dP = dO V^T`` and the pair's weights and
+    logit gradients (:func:`single` or :func:`pair`; the weights in ``F``) from the
+    staged transposed tiles; ``Mt``: a partial tile's mask (``partial``); ``clip``,
+    ``clipped``, ``gated``: as :func:`single`; ``diff_mode``: as :func:`pair`;
+    ``drop``: the dropout's ``(seed_lo, seed_hi, batch0, head0, threshold, keep)``,
+    read by a ``dropout`` build, which forms the rows' keys in ``keys``; ``mods``: the
+    mods' arrays, a score function's build keeping the raw logits in ``R`` (for
+    ``slope_tile``)."""
+    if DROPOUT:
         for r in range(TM):
-            ii = min(i0 + row0 + r, Lq - 1)
-            for k in range(N_TERMS):
-                terms[k * TM + r] = row_terms[b, h, k, ii]
-
-    @cuda.jit(device=True)
-    def tile_gradients(Q1, Q2, K1, K2, Ot, Vt, Mt, partial, S1, S2, F, dP, terms,
-                       selected, diff_mode, clip, clipped, gated, clip_row, words, part1, part2,
-                       i0, row0, j0, key0, nq, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                       has_mask, logks, has_ks, normalizer, keys, drop, mods, R):
-        """The logits (``Q K^T`` per stream), ``dP = dO V^T`` and the pair's weights and
-        logit gradients (:func:`single` or :func:`pair`; the weights in ``F``) from the
-        staged transposed tiles; ``Mt``: a partial tile's mask (``partial``); ``clip``,
-        ``clipped``, ``gated``: as :func:`single`; ``diff_mode``: as :func:`pair`;
-        ``drop``: the dropout's ``(seed_lo, seed_hi, batch0, head0, threshold, keep)``,
-        read by a ``dropout`` build, which forms the rows' keys in ``keys``; ``mods``: the
-        mods' arrays, a score function's build keeping the raw logits in ``R`` (for
-        ``slope_tile``)."""
-        if DROPOUT:
-            for r in range(TM):
-                keys[r] = row_key(drop[0], drop[1], I64(drop[2] + b), I64(drop[3] + h),
-                                  I64(i0 + row0 + r))
-        tile_scores(Q1, K1, row0, key0, S1)
-        if STREAMS == 2:
-            tile_scores(Q2, K2, row0, key0, S2)
-        dscores(Ot, Vt, row0, key0, dP)
-        if SCORE_FN:
-            for x in range(N_S):
-                R[x] = S1[x]
-        modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                    has_mask, logks, has_ks, normalizer if STREAMS == 1 else SOFTMAX, mods)
-        if partial:  # after the score function, which may map -inf to a number
-            apply_tile_mask(S1, F, Mt, row0, key0)
-        if selected:  # top-k: ``clip`` holds the selection
-            drop_unselected(S1, F, clip, clip_row, words, row0, j0, key0, nq, Lk)
-        if STREAMS == 1:
-            single(S1, F, dP, terms, row0, j0, key0, nq, normalizer, clip, clipped, gated,
-                   clip_row, words, keys, drop[4], drop[5])
-        else:
-            modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                        has_mask, logks, has_ks, SOFTMAX, mods)
-            pair(S1, S2, dP, F, terms, diff_mode, part1, part2, row0, nq)
-
-    return pair_registers, load_rows, tile_gradients
+            keys[r] = row_key(drop[0], drop[1], I64(drop[2] + b), I64(drop[3] + h),
+                              I64(i0 + row0 + r))
+    tile_scores(Q1, K1, row0, key0, S1)
+    if STREAMS == 2:
+        tile_scores(Q2, K2, row0, key0, S2)
+    dscores(Ot, Vt, row0, key0, dP)
+    if SCORE_FN:
+        for x in range(N_S):
+            R[x] = S1[x]
+    modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                has_mask, logks, has_ks, normalizer if STREAMS == 1 else SOFTMAX, mods)
+    if partial:  # after the score function, which may map -inf to a number
+        apply_tile_mask(S1, F, Mt, row0, key0)
+    if selected:  # top-k: ``clip`` holds the selection
+        drop_unselected(S1, F, clip, clip_row, words, row0, j0, key0, nq, Lk)
+    if STREAMS == 1:
+        single(S1, F, dP, terms, row0, j0, key0, nq, normalizer, clip, clipped, gated,
+               clip_row, words, keys, drop[4], drop[5])
+    else:
+        modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                    has_mask, logks, has_ks, SOFTMAX, mods)
+        pair(S1, S2, dP, F, terms, diff_mode, part1, part2, row0, nq)

@@ -59,9 +59,9 @@ import numpy as np
 from numba import config, cuda
 
 from .._core.codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID, SOFTPICK
-from .._core.specialise import specialise, template
+from .._core.specialise import specialise
 from ._dropout import column_word, kept, row_key
-from ._tiles import SHARED_BYTES, cached_kernel, device_functions
+from ._tiles import SHARED_BYTES, cached_kernel, device, device_functions, unbound
 
 U32 = numba.uint32
 I64 = numba.int64  # the dropout generator's words are computed in 64-bit integers
@@ -214,30 +214,12 @@ def tiling_for(dtype, d: int, dv: int, streams: int = 1, elements=Tiling.shared_
                              f"shared memory")
 
 
-class _Unbound:
-    """What a template's constant holds until a build binds it (:func:`build_constants`):
-    a copy that misses one fails to compile, naming it."""
-
-    def __repr__(self) -> str:
-        return "<bound per build by attnnb.cuda._micro.micro_functions>"
-
-
 # the globals the templates read, bound per build (build_constants) or per instance
 (nt, CAST, ZERO, ONE, NINF, NAN, F_FOLD, BQ, BK, TM, TN, DV, NX, NT, TO, DP, DVP, O_KV, O_P,
  O_RED, O_ROWS, O_FLAG, N_ALL, N_S, N_O, OWN, OWN_CODE, SIGMOID_BUILD, SOFTPICK_BUILD, SCORE_FN,
  MASK_FN, mod_value, mod_slope, mod_allowed, index, map_lse, finish_value, DEPTH, ROWS, LD,
  ZN, NA, NB, GUARDED, SDEPTH, PSTEPS, PLDA, PLDB, STORE, score_step, plain_step,
- safe_step) = (_Unbound(),) * 52
-
-
-def device(fn=None, **options):
-    """``cuda.jit(device=True, **options)`` for a template of this core: compiled only in
-    the copies :func:`micro_functions` makes of it, with its constants bound."""
-
-    def make(fn):
-        return template(cuda.jit(device=True, **options)(fn), make, py=fn)
-
-    return make(fn) if fn is not None else make
+ safe_step, tiles_seen, N_QS, N_KS) = unbound(55)
 
 
 @device
@@ -781,7 +763,7 @@ def build_constants(dtype, tiling: Tiling, mods=None, own=None) -> dict:
         DP=tiling.dp, DVP=to * nx,
         O_KV=n_q, O_P=n_q + n_kv, O_RED=n_q + n_kv + n_p, O_ROWS=n_q + n_kv + n_p + n_red,
         O_FLAG=n_q + n_kv + n_p + n_red + n_rows, N_ALL=tiling.shared_elements(),
-        N_S=tm * tn, N_O=tm * to,
+        N_S=tm * tn, N_O=tm * to, N_QS=tiling.dp * bq, N_KS=tiling.dp * bk,
         # an own build's code is a constant: the other normalizers' branches compile away
         OWN=own is not None, OWN_CODE=own if own is not None else 0,
         SIGMOID_BUILD=own == SIGMOID, SOFTPICK_BUILD=own == SOFTPICK,
@@ -790,6 +772,7 @@ def build_constants(dtype, tiling: Tiling, mods=None, own=None) -> dict:
         mod_slope=mods.slope if score_fn else None,
         mod_allowed=mods.allowed if mask_fn else None,
         index=base.index, map_lse=base.map_lse, finish_value=base.finish_value,
+        tiles_seen=base.tiles_seen,
         # the main instances of the parameterised templates
         DEPTH=tiling.dp, ROWS=bk, LD=to * nx, SDEPTH=tiling.dp, PSTEPS=bk, PLDA=bq,
         PLDB=to * nx, STORE=True)
@@ -857,14 +840,26 @@ def micro_functions(dtype, tiling: Tiling, mods=None, own=None) -> SimpleNamespa
     problem's mask and score functions compiled in (``mods``:
     :class:`attnnb.cuda._mods.DeviceMods`; None: none, and no code for them) and the code
     of ``sigmoid`` or ``softpick`` in their own builds (``own``, :func:`own_build`; None:
-    the softmax family's, picked by the kernel's normalizer argument)."""
+    the softmax family's, picked by the kernel's normalizer argument).  ``bindings``: the
+    build's constants and device functions by name, for the templates built on it."""
     constants = build_constants(dtype, tiling, mods, own)
     tag = constants["_tag"]
     built = {name: specialise(fn, constants, tag) for name, fn in _TEMPLATES.items()}
     built["tile_sums"] = _instance(tile_weights, constants, "sums", STORE=False)
     exported = {name: constants[name] for name in (
-        "nt", "N_ALL", "N_S", "N_O", "TM", "TN", "TO", "BQ", "BK", "NT", "DV", "SCORE_FN",
+        "nt", "N_ALL", "N_S", "N_O", "N_QS", "N_KS", "TM", "TN", "TO", "BQ", "BK", "NT", "DV",
+        "SCORE_FN",
         "OWN", "OWN_CODE", "SIGMOID_BUILD", "SOFTPICK_BUILD", "map_lse")}
     return SimpleNamespace(**exported, **built, **_factories(constants),
-                           N_QS=constants["DP"] * constants["BQ"],
-                           N_KS=constants["DP"] * constants["BK"])
+                           bindings={**constants, **built})
+
+
+def core_kernel(fn, micro: SimpleNamespace, name: str, **constants):
+    """The Python function of the kernel template ``fn`` (:func:`attnnb.cuda._tiles.kernel`)
+    over the core build ``micro`` (:func:`micro_functions`), with its own ``constants``
+    (and device templates of its module, specialised with it); ``name`` and the constants
+    that are numbers end its tag."""
+    suffix = "_".join([name] + [f"{k}{int(v) if isinstance(v, bool) else v}"
+                                for k, v in sorted(constants.items())
+                                if isinstance(v, (bool, int))])
+    return specialise(fn, {**micro.bindings, **constants}, f"{micro.bindings['_tag']}_{suffix}")

@@ -37,6 +37,7 @@ from numba import cuda
 
 from .._core import scalars as _scalars
 from .._core.codes import SIGMOID, SOFTMAX1, SOFTPICK
+from .._core.specialise import template
 
 SHARED_BYTES = 48 * 1024  # static shared memory per block on every CUDA GPU
 
@@ -111,6 +112,41 @@ def key_tiles_seen(i0, tq, Lq, Lk, tk, causal):
 def index_or_zero(idx, extent):
     """``idx`` on an axis of length ``extent``, or 0 on a broadcast (length-1) axis."""
     return idx if extent > 1 else 0
+
+
+class _Unbound:
+    """What a template's constant holds until a build binds it: a copy that misses one
+    fails to compile, naming it."""
+
+    def __repr__(self) -> str:
+        return "<a template's constant, bound per build>"
+
+
+def unbound(count: int) -> tuple:
+    """``count`` placeholders for the globals a module's templates read (bound per build
+    by :func:`attnnb._core.specialise.specialise`)."""
+    return (_Unbound(),) * count
+
+
+def device(fn=None, **options):
+    """``cuda.jit(device=True, **options)`` for a template: compiled in the copies a
+    build makes of it (:func:`attnnb._core.specialise.specialise`), its constants bound."""
+
+    def make(fn):
+        return template(cuda.jit(device=True, **options)(fn), make, py=fn)
+
+    return make(fn) if fn is not None else make
+
+
+def kernel(fn):
+    """A kernel's Python function as a template: its copies are Python functions, which
+    ``cuda.jit`` compiles where they are launched (and the PTX check where it checks
+    them)."""
+    return template(fn, _python, py=fn)
+
+
+def _python(fn):
+    return fn
 
 
 @cache

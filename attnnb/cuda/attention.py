@@ -13,9 +13,21 @@ from numba import cuda
 from .._core.codes import NORMALIZER_CODES, SIGMOID, SOFTPICK
 from ._arrays import device_problem, finish, outputs
 from ._dropout import kernel_dropout
-from ._micro import kernel_label, micro_functions, own_build, ptx_cases, tiled_kernel, tiling_for
+from ._micro import (
+    core_kernel,
+    kernel_label,
+    micro_functions,
+    own_build,
+    ptx_cases,
+    tiled_kernel,
+    tiling_for,
+)
 from ._mods import device_mods
-from ._tiles import device_functions
+from ._tiles import kernel, unbound
+
+# the globals the templates read, bound per build
+(block_tile, begin_tile, TM, DROPOUT, dropout_keys, tiles_seen, BQ, BK, key_tile_logits,
+ online_tile, scale_values, finish_tile, CAST, index) = unbound(14)
 
 
 def build_dense(dtype, tiling, dropout=False, mods=None, own=None):
@@ -39,43 +51,37 @@ def build_dense(dtype, tiling, dropout=False, mods=None, own=None):
     With ``causal`` the sweep stops at the last key tile the block's last
     query may see (causal tile skipping); the diagonal is applied per element.
     """
-    f = micro_functions(np.dtype(dtype), tiling, mods, own)
-    BQ, BK = f.BQ, f.BK
-    dtype_fns = device_functions(np.dtype(dtype))
-    tiles_seen, CAST, index = dtype_fns.tiles_seen, dtype_fns.CAST, dtype_fns.index
-    block_tile, begin_tile, key_tile_logits = f.block_tile, f.begin_tile, f.key_tile_logits
-    online_tile, finish_tile = f.online_tile, f.finish_tile
-    TM, DROPOUT = f.TM, dropout
-    dropout_keys, scale_values = f.dropout_keys, f.scale_values
+    micro = micro_functions(np.dtype(dtype), tiling, mods, own)
+    return core_kernel(dense_attention_kernel, micro, "dense", DROPOUT=dropout)
 
-    def dense_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks,
-                               causal, normalizer, seed_lo, seed_hi, batch0, head0, threshold,
-                               keep, out, lse, sinks, mods):
-        Lq, Lk = q.shape[2], k.shape[2]
-        b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
-        (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
-         T) = begin_tile(q[b, h], i0, scale)
-        keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
-        if DROPOUT:
-            dropout_keys(keys, seed_lo, seed_hi, batch0 + b, head0 + h, i0, row0)
-        diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
-        kh = k[b, g]
-        vh = v[b, g]
-        for tile in range(last):
-            j0 = tile * BK
-            nk = min(BK, Lk - j0)
-            key_tile_logits(kh, j0, nk, Qt, KV, S, F, i0, row0, key0, Lq, Lk, diag, b, h, bias,
-                            has_bias, mask, has_mask, logks, has_ks, normalizer, mods)
-            online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, tile, KV, Pt, red,
-                        rows, flag, t, row0, key0, col0, O, T, keys,
-                        threshold if DROPOUT else 0)
-        if DROPOUT:
-            scale_values(O, keep)
-        finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
-                    out[b, h], lse[b, h], CAST(sinks[index(b, sinks.shape[0]),
-                                                     index(h, sinks.shape[1])]))
 
-    return dense_attention_kernel
+@kernel
+def dense_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks,
+                           causal, normalizer, seed_lo, seed_hi, batch0, head0, threshold,
+                           keep, out, lse, sinks, mods):
+    Lq, Lk = q.shape[2], k.shape[2]
+    b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
+    (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
+     T) = begin_tile(q[b, h], i0, scale)
+    keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
+    if DROPOUT:
+        dropout_keys(keys, seed_lo, seed_hi, batch0 + b, head0 + h, i0, row0)
+    diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
+    kh = k[b, g]
+    vh = v[b, g]
+    for tile in range(last):
+        j0 = tile * BK
+        nk = min(BK, Lk - j0)
+        key_tile_logits(kh, j0, nk, Qt, KV, S, F, i0, row0, key0, Lq, Lk, diag, b, h, bias,
+                        has_bias, mask, has_mask, logks, has_ks, normalizer, mods)
+        online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, tile, KV, Pt, red,
+                    rows, flag, t, row0, key0, col0, O, T, keys,
+                    threshold if DROPOUT else 0)
+    if DROPOUT:
+        scale_values(O, keep)
+    finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
+                out[b, h], lse[b, h], CAST(sinks[index(b, sinks.shape[0]),
+                                                 index(h, sinks.shape[1])]))
 
 
 def attention(problem):

@@ -37,9 +37,28 @@ from .._core import scalars as _scalars
 from .._core.codes import DIFF_MODE_CODES, DIFFERENCE, HEAVISIDE, RECTIFIED, SOFTMAX
 from ._arrays import device_problem, finish
 from ._dropout import kernel_dropout
-from ._micro import ALIGN, U32, kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._micro import (
+    ALIGN,
+    U32,
+    core_kernel,
+    kernel_label,
+    micro_functions,
+    ptx_cases,
+    tiled_kernel,
+    tiling_for,
+)
 from ._mods import device_mods
-from ._tiles import device_functions
+from ._tiles import device, kernel, unbound
+
+# the globals the templates read, bound per build
+(stage_transposed, ONE, BK, N_KS, tile_scores, modify_tile, N_QS, thread_max,
+ row_reduce, tile_sums, TM, map_lse, TN, ZERO, NINF, CLIP, ONE_WORD, BQ, block_tile,
+ N_ALL, nt, shared_arrays, thread_place, N_S, N_O, start, start_rows, DROPOUT,
+ dropout_keys, tiles_seen, CAST, drop_stored, stage_values, store_tile, tile_product,
+ add_tile, scale_values, TO, DV, NAN) = unbound(40)
+
+
+log_add_exp = cuda.jit(device=True)(_scalars.log_add_exp)  # shared with the cpu backend
 
 
 def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
@@ -68,204 +87,194 @@ def build_diff(dtype, tiling, clip_bits=False, mods=None, dropout=False):
     weighs the values by the gate alone: its ``out`` is ``H V`` (dropout
     included), from which the backward forms ``dlam = -dout . (H V)``.
     """
-    f = micro_functions(np.dtype(dtype), tiling, mods)
-    nt, TM, TN, TO, N_S, N_O, BQ, BK = f.nt, f.TM, f.TN, f.TO, f.N_S, f.N_O, f.BQ, f.BK
-    N_ALL, N_QS, N_KS, DV = f.N_ALL, f.N_QS, f.N_KS, f.DV
-    dtype_fns = device_functions(np.dtype(dtype))
-    CAST, ZERO, NINF, NAN = dtype_fns.CAST, dtype_fns.ZERO, dtype_fns.NINF, dtype_fns.NAN
-    tiles_seen = dtype_fns.tiles_seen
-    ONE = CAST(1)
-    block_tile, shared_arrays, thread_place = f.block_tile, f.shared_arrays, f.thread_place
-    stage_transposed, stage_values, tile_scores = (
-        f.stage_transposed, f.stage_values, f.tile_scores)
-    modify_tile, thread_max, row_reduce = f.modify_tile, f.thread_max, f.row_reduce
-    tile_sums, store_tile, tile_product, add_tile = (
-        f.tile_sums, f.store_tile, f.tile_product, f.add_tile)
-    start, start_rows, map_lse = f.start, f.start_rows, f.map_lse
-    dropout_keys, drop_stored, scale_values = f.dropout_keys, f.drop_stored, f.scale_values
-    CLIP, DROPOUT = clip_bits, dropout
-    ONE_WORD = 32 % TN == 0  # a thread's keys share a clip word
+    micro = micro_functions(np.dtype(dtype), tiling, mods)
+    return core_kernel(diff_attention_kernel, micro, "diff", CLIP=clip_bits, DROPOUT=dropout,
+                       ONE_WORD=32 % tiling.tn == 0)  # a thread's keys share a clip word
 
-    @cuda.jit(device=True)
-    def pair_scores(Qt, KV, k1h, k2h, j0, nk, row0, key0, S1, S2, F, i0, Lq, Lk, diag, b, h,
-                    bias, has_bias, mask, has_mask, logks, has_ks, mods):
-        """Stage both components' key tiles at ``j0``; both modified logit micro-tiles
-        (``-inf`` outside the allowed set; ``F``: scratch for the unused factors).  Every
-        thread must call it; a barrier must follow before ``KV`` is staged again."""
-        stage_transposed(k1h, j0, nk, ONE, KV, BK)
-        stage_transposed(k2h, j0, nk, ONE, KV[N_KS:], BK)
-        cuda.syncthreads()
-        tile_scores(Qt, KV, row0, key0, S1)
-        modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                    has_mask, logks, has_ks, SOFTMAX, mods)
-        tile_scores(Qt[N_QS:], KV[N_KS:], row0, key0, S2)
-        modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
-                    has_mask, logks, has_ks, SOFTMAX, mods)
 
-    @cuda.jit(device=True)
-    def sweep_max(S, part, m, l, alpha, Pt, red, rows, t, row0, key0):
-        """Fold one stream's tile into its running ``(m, l)`` (every thread calls it)."""
-        thread_max(S, part)
-        row_reduce(red, rows, t, row0, key0, part, part, True)
-        tile_sums(S, S, m, l, alpha, part, SOFTMAX, Pt, row0, key0)
+@device
+def pair_scores(Qt, KV, k1h, k2h, j0, nk, row0, key0, S1, S2, F, i0, Lq, Lk, diag, b, h,
+                bias, has_bias, mask, has_mask, logks, has_ks, mods):
+    """Stage both components' key tiles at ``j0``; both modified logit micro-tiles
+    (``-inf`` outside the allowed set; ``F``: scratch for the unused factors).  Every
+    thread must call it; a barrier must follow before ``KV`` is staged again."""
+    stage_transposed(k1h, j0, nk, ONE, KV, BK)
+    stage_transposed(k2h, j0, nk, ONE, KV[N_KS:], BK)
+    cuda.syncthreads()
+    tile_scores(Qt, KV, row0, key0, S1)
+    modify_tile(S1, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                has_mask, logks, has_ks, SOFTMAX, mods)
+    tile_scores(Qt[N_QS:], KV[N_KS:], row0, key0, S2)
+    modify_tile(S2, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, has_bias, mask,
+                has_mask, logks, has_ks, SOFTMAX, mods)
 
-    @cuda.jit(device=True)
-    def stream_lse(m, l, part, red, rows, t, row0, key0):
-        """``m[r]`` becomes the row's LSE of a finished pass-1 sweep (``l``: partial sums)."""
-        row_reduce(red, rows, t, row0, key0, l, part, False)
+
+@device
+def sweep_max(S, part, m, l, alpha, Pt, red, rows, t, row0, key0):
+    """Fold one stream's tile into its running ``(m, l)`` (every thread calls it)."""
+    thread_max(S, part)
+    row_reduce(red, rows, t, row0, key0, part, part, True)
+    tile_sums(S, S, m, l, alpha, part, SOFTMAX, Pt, row0, key0)
+
+
+@device
+def stream_lse(m, l, part, red, rows, t, row0, key0):
+    """``m[r]`` becomes the row's LSE of a finished pass-1 sweep (``l``: partial sums)."""
+    row_reduce(red, rows, t, row0, key0, l, part, False)
+    for r in range(TM):
+        m[r] = map_lse(m[r], part[r])
+
+
+@device
+def add_sink(lse, sink):
+    """``lse = log(e^lse + e^sink)`` in place: ``exp(s - lse)`` then weighs as
+    ``e^s / (e^sink + sum e^s)``; an empty row's becomes the sink, NaN stays NaN."""
+    for r in range(TM):
+        lse[r] = log_add_exp(lse[r], sink)
+
+
+@device
+def normalise(S, lse):
+    """``S = exp(S - lse)``: one map's weights (an empty map, ``lse = -inf``, is 0)."""
+    for r in range(TM):
+        for c in range(TN):
+            S[r * TN + c] = ZERO if lse[r] == NINF else math.exp(S[r * TN + c] - lse[r])
+
+
+@device
+def combine(A1, A2, lamr, mode, Pt, row0, key0, clip, row_word, words, i0, j0, Lq):
+    """``Pt = (A1 - lam * A2)^T``, clipped at 0 in the rectified ``mode``, ``A1 - lam``
+    where it is above 0 and ``A1`` elsewhere in the Heaviside one (the clip build:
+    1 and 0, the gate ``H``); the clip build
+    also sets the bits of the weights above 0 (rows ``i0 + row0 + r``, keys ``j0 +
+    key0 + c``), which the threads sharing a word OR in: with ``TN`` dividing 32 a
+    thread's keys lie in one word (``key0`` is a multiple of ``TN``), else each bit is
+    set on its own."""
+    for r in range(TM):
+        bits = U32(0)
+        word = row_word + U32(r) * words
+        live = CLIP and i0 + row0 + r < Lq
+        for c in range(TN):
+            a1 = A1[r * TN + c]
+            w = a1 - lamr[r] * A2[r * TN + c]
+            if w > ZERO:
+                bits |= U32(1) << U32(c)
+                if live and not ONE_WORD:
+                    j = U32(j0 + key0 + c)
+                    cuda.atomic.or_(clip, word + (j >> U32(5)), U32(1) << (j & U32(31)))
+            if mode == HEAVISIDE and CLIP:  # the backward's build: the gate alone
+                w = ONE if w > ZERO else ZERO
+            elif mode == HEAVISIDE:  # H(0) = 0: keys neither map weighs keep 0
+                w = a1 - lamr[r] if w > ZERO else a1
+            elif mode == RECTIFIED and not w > ZERO:
+                w = ZERO
+            Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] = w
+        j = U32(j0 + key0)
+        if live and ONE_WORD and bits != U32(0):
+            cuda.atomic.or_(clip, word + (j >> U32(5)), bits << (j & U32(31)))
+
+
+@kernel
+def diff_attention_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks,
+                          has_ks, causal, mode, out, lses, clip, seed_lo, seed_hi, batch0,
+                          head0, threshold, keep, has_sinks, sinks, mods):
+    Lq, Lk = q.shape[2], k.shape[2]
+    b, h, g, i0 = block_tile(q.shape[1] // 2, k.shape[1] // 2, 0)
+    smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
+    Qt, KV, Pt, red, rows, flag = shared_arrays(smem)
+    t, row0, key0, col0 = thread_place()
+    S1 = cuda.local.array(N_S, nt)
+    S2 = cuda.local.array(N_S, nt)
+    F = cuda.local.array(N_S, nt)  # the factors: unused (softmax)
+    m1 = cuda.local.array(TM, nt)  # pass 2: the LSEs
+    l1 = cuda.local.array(TM, nt)  # pass 2: 1 (the first map's coefficient)
+    m2 = cuda.local.array(TM, nt)
+    l2 = cuda.local.array(TM, nt)  # pass 2: -lam (the second map's)
+    part = cuda.local.array(TM, nt)  # pass 2: lam
+    alpha = cuda.local.array(TM, nt)
+    O = cuda.local.array(N_O, nt)
+    T = cuda.local.array(N_O, nt)
+    start(m1, l1, O, flag)
+    start_rows(m2, l2)
+    keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
+    if DROPOUT:
+        dropout_keys(keys, seed_lo, seed_hi, batch0 + b, head0 + h, i0, row0)
+    nq = min(BQ, Lq - i0)
+    stage_transposed(q[b, 2 * h], i0, nq, scale, Qt, BQ)
+    stage_transposed(q[b, 2 * h + 1], i0, nq, scale, Qt[N_QS:], BQ)
+    diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
+    k1h = k[b, 2 * g]
+    k2h = k[b, 2 * g + 1]
+    vh = v[b, g]
+    # pass 1: both streams' running maxima and sums (no values): their LSEs
+    for tile in range(last):
+        pair_scores(Qt, KV, k1h, k2h, tile * BK, min(BK, Lk - tile * BK), row0, key0,
+                    S1, S2, F, i0, Lq, Lk, diag, b, h, bias, has_bias, mask, has_mask, logks,
+                    has_ks, mods)
+        sweep_max(S1, part, m1, l1, alpha, Pt, red, rows, t, row0, key0)
+        sweep_max(S2, part, m2, l2, alpha, Pt, red, rows, t, row0, key0)  # ends: barrier
+    stream_lse(m1, l1, part, red, rows, t, row0, key0)
+    stream_lse(m2, l2, part, red, rows, t, row0, key0)
+    if has_sinks:  # pass 2's maps: e^s / (e^sink + sum e^s)
+        add_sink(m1, CAST(sinks[b, 2 * h]))
+        add_sink(m2, CAST(sinks[b, 2 * h + 1]))
+    if key0 == 0:
         for r in range(TM):
-            m[r] = map_lse(m[r], part[r])
-
-    log_add_exp = cuda.jit(device=True)(_scalars.log_add_exp)  # shared with the cpu backend
-
-    @cuda.jit(device=True)
-    def add_sink(lse, sink):
-        """``lse = log(e^lse + e^sink)`` in place: ``exp(s - lse)`` then weighs as
-        ``e^s / (e^sink + sum e^s)``; an empty row's becomes the sink, NaN stays NaN."""
-        for r in range(TM):
-            lse[r] = log_add_exp(lse[r], sink)
-
-    @cuda.jit(device=True)
-    def normalise(S, lse):
-        """``S = exp(S - lse)``: one map's weights (an empty map, ``lse = -inf``, is 0)."""
-        for r in range(TM):
-            for c in range(TN):
-                S[r * TN + c] = ZERO if lse[r] == NINF else math.exp(S[r * TN + c] - lse[r])
-
-    @cuda.jit(device=True)
-    def combine(A1, A2, lamr, mode, Pt, row0, key0, clip, row_word, words, i0, j0, Lq):
-        """``Pt = (A1 - lam * A2)^T``, clipped at 0 in the rectified ``mode``, ``A1 - lam``
-        where it is above 0 and ``A1`` elsewhere in the Heaviside one (the clip build:
-        1 and 0, the gate ``H``); the clip build
-        also sets the bits of the weights above 0 (rows ``i0 + row0 + r``, keys ``j0 +
-        key0 + c``), which the threads sharing a word OR in: with ``TN`` dividing 32 a
-        thread's keys lie in one word (``key0`` is a multiple of ``TN``), else each bit is
-        set on its own."""
-        for r in range(TM):
-            bits = U32(0)
-            word = row_word + U32(r) * words
-            live = CLIP and i0 + row0 + r < Lq
-            for c in range(TN):
-                a1 = A1[r * TN + c]
-                w = a1 - lamr[r] * A2[r * TN + c]
-                if w > ZERO:
-                    bits |= U32(1) << U32(c)
-                    if live and not ONE_WORD:
-                        j = U32(j0 + key0 + c)
-                        cuda.atomic.or_(clip, word + (j >> U32(5)), U32(1) << (j & U32(31)))
-                if mode == HEAVISIDE and CLIP:  # the backward's build: the gate alone
-                    w = ONE if w > ZERO else ZERO
-                elif mode == HEAVISIDE:  # H(0) = 0: keys neither map weighs keep 0
-                    w = a1 - lamr[r] if w > ZERO else a1
-                elif mode == RECTIFIED and not w > ZERO:
-                    w = ZERO
-                Pt[(U32(key0) + U32(c)) * U32(BQ) + U32(row0) + U32(r)] = w
-            j = U32(j0 + key0)
-            if live and ONE_WORD and bits != U32(0):
-                cuda.atomic.or_(clip, word + (j >> U32(5)), bits << (j & U32(31)))
-
-    def diff_attention_kernel(q, k, v, lam, scale, bias, has_bias, mask, has_mask, logks,
-                              has_ks, causal, mode, out, lses, clip, seed_lo, seed_hi, batch0,
-                              head0, threshold, keep, has_sinks, sinks, mods):
-        Lq, Lk = q.shape[2], k.shape[2]
-        b, h, g, i0 = block_tile(q.shape[1] // 2, k.shape[1] // 2, 0)
-        smem = cuda.shared.array(N_ALL, nt, alignment=ALIGN)
-        Qt, KV, Pt, red, rows, flag = shared_arrays(smem)
-        t, row0, key0, col0 = thread_place()
-        S1 = cuda.local.array(N_S, nt)
-        S2 = cuda.local.array(N_S, nt)
-        F = cuda.local.array(N_S, nt)  # the factors: unused (softmax)
-        m1 = cuda.local.array(TM, nt)  # pass 2: the LSEs
-        l1 = cuda.local.array(TM, nt)  # pass 2: 1 (the first map's coefficient)
-        m2 = cuda.local.array(TM, nt)
-        l2 = cuda.local.array(TM, nt)  # pass 2: -lam (the second map's)
-        part = cuda.local.array(TM, nt)  # pass 2: lam
-        alpha = cuda.local.array(TM, nt)
-        O = cuda.local.array(N_O, nt)
-        T = cuda.local.array(N_O, nt)
-        start(m1, l1, O, flag)
-        start_rows(m2, l2)
-        keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
+            if i0 + row0 + r < Lq:
+                lses[b, h, 0, i0 + row0 + r] = m1[r]
+                lses[b, h, 1, i0 + row0 + r] = m2[r]
+    # the clip build: the flat index of the word of row i0 + row0 and key 0 (32-bit:
+    # the backward sends problems of 2**32 words or more to the two-stream kernels)
+    words = U32((Lk + 31) // 32)
+    row_word = U32((b * (q.shape[1] // 2) + h) * Lq + i0 + row0) * words
+    for r in range(TM):
+        part[r] = CAST(lam[b, h, min(i0 + row0 + r, Lq - 1)])
+        l1[r] = ONE
+        l2[r] = -part[r]
+    # pass 2: the combined weights of the two normalised maps, times the values
+    for tile in range(last):
+        j0 = tile * BK
+        nk = min(BK, Lk - j0)
+        pair_scores(Qt, KV, k1h, k2h, j0, nk, row0, key0, S1, S2, F, i0, Lq, Lk, diag, b,
+                    h, bias, has_bias, mask, has_mask, logks, has_ks, mods)
+        normalise(S1, m1)
+        normalise(S2, m2)
+        # Pt is free: a barrier ended
+        combine(S1, S2, part, mode, Pt, row0, key0, clip, row_word, words, i0, j0, Lq)
         if DROPOUT:
-            dropout_keys(keys, seed_lo, seed_hi, batch0 + b, head0 + h, i0, row0)
-        nq = min(BQ, Lq - i0)
-        stage_transposed(q[b, 2 * h], i0, nq, scale, Qt, BQ)
-        stage_transposed(q[b, 2 * h + 1], i0, nq, scale, Qt[N_QS:], BQ)
-        diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
-        k1h = k[b, 2 * g]
-        k2h = k[b, 2 * g + 1]
-        vh = v[b, g]
-        # pass 1: both streams' running maxima and sums (no values): their LSEs
-        for tile in range(last):
-            pair_scores(Qt, KV, k1h, k2h, tile * BK, min(BK, Lk - tile * BK), row0, key0,
-                        S1, S2, F, i0, Lq, Lk, diag, b, h, bias, has_bias, mask, has_mask, logks,
-                        has_ks, mods)
-            sweep_max(S1, part, m1, l1, alpha, Pt, red, rows, t, row0, key0)
-            sweep_max(S2, part, m2, l2, alpha, Pt, red, rows, t, row0, key0)  # ends: barrier
-        stream_lse(m1, l1, part, red, rows, t, row0, key0)
-        stream_lse(m2, l2, part, red, rows, t, row0, key0)
-        if has_sinks:  # pass 2's maps: e^s / (e^sink + sum e^s)
-            add_sink(m1, CAST(sinks[b, 2 * h]))
-            add_sink(m2, CAST(sinks[b, 2 * h + 1]))
-        if key0 == 0:
-            for r in range(TM):
-                if i0 + row0 + r < Lq:
-                    lses[b, h, 0, i0 + row0 + r] = m1[r]
-                    lses[b, h, 1, i0 + row0 + r] = m2[r]
-        # the clip build: the flat index of the word of row i0 + row0 and key 0 (32-bit:
-        # the backward sends problems of 2**32 words or more to the two-stream kernels)
-        words = U32((Lk + 31) // 32)
-        row_word = U32((b * (q.shape[1] // 2) + h) * Lq + i0 + row0) * words
-        for r in range(TM):
-            part[r] = CAST(lam[b, h, min(i0 + row0 + r, Lq - 1)])
-            l1[r] = ONE
-            l2[r] = -part[r]
-        # pass 2: the combined weights of the two normalised maps, times the values
-        for tile in range(last):
-            j0 = tile * BK
-            nk = min(BK, Lk - j0)
-            pair_scores(Qt, KV, k1h, k2h, j0, nk, row0, key0, S1, S2, F, i0, Lq, Lk, diag, b,
-                        h, bias, has_bias, mask, has_mask, logks, has_ks, mods)
-            normalise(S1, m1)
-            normalise(S2, m2)
-            # Pt is free: a barrier ended
-            combine(S1, S2, part, mode, Pt, row0, key0, clip, row_word, words, i0, j0, Lq)
+            drop_stored(Pt, row0, key0, j0, keys, threshold)
+        cuda.syncthreads()  # the key tiles are read: stage the values over them
+        if stage_values(vh, j0, nk, KV):
+            flag[0] = CAST(tile)
+        cuda.syncthreads()
+        guarded = flag[0] == CAST(tile)
+        if guarded and mode == DIFFERENCE:  # as two attention calls: A1 V - lam * (A2 V)
+            store_tile(S1, Pt, row0, key0)
             if DROPOUT:
                 drop_stored(Pt, row0, key0, j0, keys, threshold)
-            cuda.syncthreads()  # the key tiles are read: stage the values over them
-            if stage_values(vh, j0, nk, KV):
-                flag[0] = CAST(tile)
             cuda.syncthreads()
-            guarded = flag[0] == CAST(tile)
-            if guarded and mode == DIFFERENCE:  # as two attention calls: A1 V - lam * (A2 V)
-                store_tile(S1, Pt, row0, key0)
-                if DROPOUT:
-                    drop_stored(Pt, row0, key0, j0, keys, threshold)
-                cuda.syncthreads()
-                tile_product(Pt, KV, row0, col0, True, T)
-                add_tile(O, T, l1)
-                cuda.syncthreads()
-                store_tile(S2, Pt, row0, key0)
-                if DROPOUT:
-                    drop_stored(Pt, row0, key0, j0, keys, threshold)
-                cuda.syncthreads()
-                tile_product(Pt, KV, row0, col0, True, T)
-                add_tile(O, T, l2)
-            else:
-                tile_product(Pt, KV, row0, col0, guarded, T)
-                add_tile(O, T, l1)
+            tile_product(Pt, KV, row0, col0, True, T)
+            add_tile(O, T, l1)
             cuda.syncthreads()
-        if DROPOUT:
-            scale_values(O, keep)
-        for r in range(TM):
-            i = i0 + row0 + r
-            spoiled = m1[r] != m1[r] or m2[r] != m2[r]
-            if i < Lq:
-                for e in range(TO):
-                    if col0 + e < DV:
-                        out[b, h, i, col0 + e] = NAN if spoiled else O[r * TO + e]
-
-    return diff_attention_kernel
+            store_tile(S2, Pt, row0, key0)
+            if DROPOUT:
+                drop_stored(Pt, row0, key0, j0, keys, threshold)
+            cuda.syncthreads()
+            tile_product(Pt, KV, row0, col0, True, T)
+            add_tile(O, T, l2)
+        else:
+            tile_product(Pt, KV, row0, col0, guarded, T)
+            add_tile(O, T, l1)
+        cuda.syncthreads()
+    if DROPOUT:
+        scale_values(O, keep)
+    for r in range(TM):
+        i = i0 + row0 + r
+        spoiled = m1[r] != m1[r] or m2[r] != m2[r]
+        if i < Lq:
+            for e in range(TO):
+                if col0 + e < DV:
+                    out[b, h, i, col0 + e] = NAN if spoiled else O[r * TO + e]
 
 
 def diff_forward(problem, lam, mode, a=None, lses=None, clip=None):

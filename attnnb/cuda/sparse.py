@@ -18,9 +18,22 @@ from numba import cuda
 from .._core.codes import NORMALIZER_CODES
 from ._arrays import device_problem, finish, outputs
 from ._dropout import kernel_dropout
-from ._micro import kernel_label, micro_functions, own_build, ptx_cases, tiled_kernel, tiling_for
+from ._micro import (
+    core_kernel,
+    kernel_label,
+    micro_functions,
+    own_build,
+    ptx_cases,
+    tiled_kernel,
+    tiling_for,
+)
 from ._mods import device_mods
-from ._tiles import device_functions
+from ._tiles import kernel, unbound
+
+# the globals the templates read, bound per build
+(block_tile, begin_tile, TM, DROPOUT, dropout_keys, BQ, BK, stage_tile_mask, stage_transposed,
+ ONE, tile_scores, modify_tile, apply_tile_mask, online_tile, scale_values, finish_tile, CAST,
+ index) = unbound(18)
 
 
 def build_sparse(dtype, tiling, dropout=False, mods=None, own=None):
@@ -38,58 +51,50 @@ def build_sparse(dtype, tiling, dropout=False, mods=None, own=None):
     ``lse``, ``sinks`` and ``mods`` (as the dense kernel's: the mask function is
     intersected with the pattern).
     """
-    f = micro_functions(np.dtype(dtype), tiling, mods, own)
-    BQ, BK = f.BQ, f.BK
-    dtype_fns = device_functions(np.dtype(dtype))
-    ONE, CAST, index = dtype_fns.CAST(1), dtype_fns.CAST, dtype_fns.index
-    block_tile, begin_tile, stage_transposed = f.block_tile, f.begin_tile, f.stage_transposed
-    tile_scores, modify_tile = f.tile_scores, f.modify_tile
-    online_tile, finish_tile = f.online_tile, f.finish_tile
-    stage_tile_mask, apply_tile_mask = f.stage_tile_mask, f.apply_tile_mask
-    TM, DROPOUT = f.TM, dropout
-    dropout_keys, scale_values = f.dropout_keys, f.scale_values
+    micro = micro_functions(np.dtype(dtype), tiling, mods, own)
+    return core_kernel(sparse_attention_kernel, micro, "sparse", DROPOUT=dropout)
 
-    def sparse_attention_kernel(q, k, v, scale, bias, has_bias, mask, logks, has_ks,
-                                normalizer, p_heads, indptr, indices, tile_ptr, tile_idx,
-                                tile_full, seed_lo, seed_hi, batch0, head0, threshold, keep,
-                                out, lse, sinks, mods):
-        Lq, Lk = q.shape[2], k.shape[2]
-        b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
-        (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
-         T) = begin_tile(q[b, h], i0, scale)
-        keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
-        if DROPOUT:
-            dropout_keys(keys, seed_lo, seed_hi, batch0 + b, head0 + h, i0, row0)
-        ph = h if p_heads > 1 else 0
-        i = ph * Lq + min(i0 + t, Lq - 1)  # thread t < BQ: row t's CSR cursor (past Lq: clipped)
-        p = indptr[i]
-        tr = ph * ((Lq + BQ - 1) // BQ) + i0 // BQ  # block-layout row of this query tile
-        kh = k[b, g]
-        vh = v[b, g]
-        for s in range(tile_ptr[tr], tile_ptr[tr + 1]):
-            j0 = tile_idx[s] * BK
-            nk = min(BK, Lk - j0)
-            partial = not tile_full[s]
-            if partial:  # Pt is free: the last tile ended with a barrier
-                p = stage_tile_mask(Pt, t, i, p, j0, indptr, indices)
-            stage_transposed(kh, j0, nk, ONE, KV, BK)
-            cuda.syncthreads()
-            tile_scores(Qt, KV, row0, key0, S)
-            modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, Lk, b, h, bias, has_bias, mask,
-                        False, logks, has_ks, normalizer, mods)
-            if partial:  # after the score function, which may map -inf to a number
-                # (Pt is rewritten after online_tile's barrier)
-                apply_tile_mask(S, F, Pt, row0, key0)
-            online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, s, KV, Pt, red,
-                        rows, flag, t, row0, key0, col0, O, T, keys,
-                        threshold if DROPOUT else 0)
-        if DROPOUT:
-            scale_values(O, keep)
-        finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
-                    out[b, h], lse[b, h], CAST(sinks[index(b, sinks.shape[0]),
-                                                     index(h, sinks.shape[1])]))
 
-    return sparse_attention_kernel
+@kernel
+def sparse_attention_kernel(q, k, v, scale, bias, has_bias, mask, logks, has_ks,
+                            normalizer, p_heads, indptr, indices, tile_ptr, tile_idx,
+                            tile_full, seed_lo, seed_hi, batch0, head0, threshold, keep,
+                            out, lse, sinks, mods):
+    Lq, Lk = q.shape[2], k.shape[2]
+    b, h, g, i0 = block_tile(q.shape[1], k.shape[1], 0)
+    (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
+     T) = begin_tile(q[b, h], i0, scale)
+    keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
+    if DROPOUT:
+        dropout_keys(keys, seed_lo, seed_hi, batch0 + b, head0 + h, i0, row0)
+    ph = h if p_heads > 1 else 0
+    i = ph * Lq + min(i0 + t, Lq - 1)  # thread t < BQ: row t's CSR cursor (past Lq: clipped)
+    p = indptr[i]
+    tr = ph * ((Lq + BQ - 1) // BQ) + i0 // BQ  # block-layout row of this query tile
+    kh = k[b, g]
+    vh = v[b, g]
+    for s in range(tile_ptr[tr], tile_ptr[tr + 1]):
+        j0 = tile_idx[s] * BK
+        nk = min(BK, Lk - j0)
+        partial = not tile_full[s]
+        if partial:  # Pt is free: the last tile ended with a barrier
+            p = stage_tile_mask(Pt, t, i, p, j0, indptr, indices)
+        stage_transposed(kh, j0, nk, ONE, KV, BK)
+        cuda.syncthreads()
+        tile_scores(Qt, KV, row0, key0, S)
+        modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, Lk, b, h, bias, has_bias, mask,
+                    False, logks, has_ks, normalizer, mods)
+        if partial:  # after the score function, which may map -inf to a number
+            # (Pt is rewritten after online_tile's barrier)
+            apply_tile_mask(S, F, Pt, row0, key0)
+        online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, nk, s, KV, Pt, red,
+                    rows, flag, t, row0, key0, col0, O, T, keys,
+                    threshold if DROPOUT else 0)
+    if DROPOUT:
+        scale_values(O, keep)
+    finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
+                out[b, h], lse[b, h], CAST(sinks[index(b, sinks.shape[0]),
+                                                 index(h, sinks.shape[1])]))
 
 
 def sparse_attention(problem, pattern):

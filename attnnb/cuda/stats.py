@@ -27,11 +27,25 @@ from numba import cuda
 from .._core.codes import NORMALIZER_CODES, RELU_EXPM1
 from ._arrays import device_problem
 from ._dropout import column_word, kept, kernel_dropout
-from ._micro import I64, U32, kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._micro import (
+    I64,
+    U32,
+    core_kernel,
+    kernel_label,
+    micro_functions,
+    ptx_cases,
+    tiled_kernel,
+    tiling_for,
+)
 from ._mods import device_mods
-from ._tiles import device_functions
+from ._tiles import device, kernel, unbound
 
 SCRATCH_ELEMENTS = 1 << 24  # per launch, of the blocks' received rows
+
+
+# the globals the templates read, bound per build
+(TM, CAST, NINF, ZERO, DROPOUT, TN, key_allowed, ONE, block_tile, begin_tile, nt,
+ dropout_keys, tiles_seen, BQ, BK, key_tile_logits, store_tile, row_reduce) = unbound(18)
 
 
 def build_stats(dtype, tiling, dropout=False, mods=None):
@@ -45,117 +59,110 @@ def build_stats(dtype, tiling, dropout=False, mods=None):
     max, argmax, mass, zeros), ``received (B * Hq, tiles of the launch, Lk)`` (zeros
     on entry) and ``mods``.  Grid ``(B * Hq, query tiles of the launch)``.
     """
-    f = micro_functions(np.dtype(dtype), tiling, mods)
-    nt, TM, TN, BQ, BK = f.nt, f.TM, f.TN, f.BQ, f.BK
-    dtype_fns = device_functions(np.dtype(dtype))
-    CAST, ZERO, NINF = dtype_fns.CAST, dtype_fns.ZERO, dtype_fns.NINF
-    tiles_seen = dtype_fns.tiles_seen
-    ONE = CAST(1)
-    block_tile, begin_tile, key_tile_logits = f.block_tile, f.begin_tile, f.key_tile_logits
-    key_allowed = f.key_allowed
-    row_reduce, store_tile = f.row_reduce, f.store_tile
-    dropout_keys, DROPOUT = f.dropout_keys, dropout
+    micro = micro_functions(np.dtype(dtype), tiling, mods)
+    return core_kernel(stats_kernel, micro, "stats", DROPOUT=dropout)
 
-    @cuda.jit(device=True)
-    def reduce_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, mask, has_mask, mods, lse,
-                    ratio, normalizer, keys, threshold, keep, key_mask, ent, mass, zeros, top,
-                    arg):
-        """The thread's micro-tile of logits ``S`` (factors ``F``) becomes its weights, and
-        its rows' partial statistics take them in."""
+
+@device
+def reduce_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, mask, has_mask, mods, lse,
+                ratio, normalizer, keys, threshold, keep, key_mask, ent, mass, zeros, top,
+                arg):
+    """The thread's micro-tile of logits ``S`` (factors ``F``) becomes its weights, and
+    its rows' partial statistics take them in."""
+    for r in range(TM):
+        i = i0 + row0 + r
+        ii = min(i, Lq - 1)
+        shift = CAST(lse[b, h, ii])
+        live = i < Lq and shift == shift and shift != NINF
+        rr = CAST(ratio[b, h, ii])
+        log_scale = ZERO
+        if live:
+            log_scale = math.log(rr) - shift
+            if DROPOUT:
+                log_scale += math.log(keep)
+        for c in range(TN):
+            x = r * TN + c
+            j = j0 + key0 + c
+            w = ZERO
+            if live and j < Lk:
+                s = S[x]
+                w = rr * math.exp(s - shift)
+                if normalizer == RELU_EXPM1:
+                    w *= F[x]
+                    if F[x] > ZERO:
+                        s += math.log(F[x])
+                if DROPOUT:
+                    if kept(keys[r], column_word(I64(j)), threshold):
+                        w *= keep
+                    else:
+                        w = ZERO
+                if w > ZERO:
+                    ent[r] -= w * (s + log_scale)
+                if key_mask[j]:
+                    mass[r] += w
+                if w == ZERO and key_allowed(ii, j, Lk, diag, b, h, mask, has_mask, mods):
+                    zeros[r] += ONE
+                if w > top[r]:  # keys come in increasing order: the lowest holds it
+                    top[r] = w
+                    arg[r] = CAST(j)
+            S[x] = w
+
+
+@kernel
+def stats_kernel(q, k, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
+                 normalizer, lse, ratio, seed_lo, seed_hi, batch0, head0, threshold, keep,
+                 key_mask, qt0, per_row, received, mods):
+    Lq, Lk = q.shape[2], k.shape[2]
+    b, h, g, i0 = block_tile(q.shape[1], k.shape[1], qt0)
+    (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, ent, mass, zeros, top, O,
+     T) = begin_tile(q[b, h], i0, scale)
+    arg = cuda.local.array(TM, nt)
+    keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
+    for r in range(TM):  # (begin_tile's online state, taken for the statistics)
+        ent[r] = ZERO
+        mass[r] = ZERO
+        zeros[r] = ZERO
+        top[r] = ZERO
+        arg[r] = CAST(-1)
+    if DROPOUT:
+        dropout_keys(keys, seed_lo, seed_hi, batch0 + b, head0 + h, i0, row0)
+    diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
+    nq = min(BQ, Lq - i0)
+    kh = k[b, g]
+    out = received[cuda.blockIdx.x, cuda.blockIdx.y]
+    for tile in range(last):
+        j0 = tile * BK
+        nk = min(BK, Lk - j0)
+        key_tile_logits(kh, j0, nk, Qt, KV, S, F, i0, row0, key0, Lq, Lk, diag, b, h, bias,
+                        has_bias, mask, has_mask, logks, has_ks, normalizer, mods)
+        reduce_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, mask, has_mask, mods, lse,
+                    ratio, normalizer, keys, threshold if DROPOUT else 0, keep, key_mask,
+                    ent, mass, zeros, top, arg)
+        store_tile(S, Pt, row0, key0)
+        cuda.syncthreads()
+        for c in range(t, nk, cuda.blockDim.x):  # a key a thread, rows in order
+            acc = ZERO
+            for r in range(nq):
+                acc += Pt[U32(c) * U32(BQ) + U32(r)]
+            out[j0 + c] += acc
+        cuda.syncthreads()  # the key tile and Pt are read
+    row_reduce(red, rows, t, row0, key0, ent, ent, False)
+    row_reduce(red, rows, t, row0, key0, mass, mass, False)
+    row_reduce(red, rows, t, row0, key0, zeros, zeros, False)
+    best = cuda.local.array(TM, nt)
+    row_reduce(red, rows, t, row0, key0, top, best, True)
+    for r in range(TM):  # the lowest key holding the row's largest weight
+        arg[r] = -arg[r] if top[r] == best[r] and best[r] > ZERO else CAST(-Lk - 1)
+    row_reduce(red, rows, t, row0, key0, arg, arg, True)
+    if key0 == 0:
         for r in range(TM):
             i = i0 + row0 + r
-            ii = min(i, Lq - 1)
-            shift = CAST(lse[b, h, ii])
-            live = i < Lq and shift == shift and shift != NINF
-            rr = CAST(ratio[b, h, ii])
-            log_scale = ZERO
-            if live:
-                log_scale = math.log(rr) - shift
-                if DROPOUT:
-                    log_scale += math.log(keep)
-            for c in range(TN):
-                x = r * TN + c
-                j = j0 + key0 + c
-                w = ZERO
-                if live and j < Lk:
-                    s = S[x]
-                    w = rr * math.exp(s - shift)
-                    if normalizer == RELU_EXPM1:
-                        w *= F[x]
-                        if F[x] > ZERO:
-                            s += math.log(F[x])
-                    if DROPOUT:
-                        if kept(keys[r], column_word(I64(j)), threshold):
-                            w *= keep
-                        else:
-                            w = ZERO
-                    if w > ZERO:
-                        ent[r] -= w * (s + log_scale)
-                    if key_mask[j]:
-                        mass[r] += w
-                    if w == ZERO and key_allowed(ii, j, Lk, diag, b, h, mask, has_mask, mods):
-                        zeros[r] += ONE
-                    if w > top[r]:  # keys come in increasing order: the lowest holds it
-                        top[r] = w
-                        arg[r] = CAST(j)
-                S[x] = w
-
-    def stats_kernel(q, k, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                     normalizer, lse, ratio, seed_lo, seed_hi, batch0, head0, threshold, keep,
-                     key_mask, qt0, per_row, received, mods):
-        Lq, Lk = q.shape[2], k.shape[2]
-        b, h, g, i0 = block_tile(q.shape[1], k.shape[1], qt0)
-        (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, ent, mass, zeros, top, O,
-         T) = begin_tile(q[b, h], i0, scale)
-        arg = cuda.local.array(TM, nt)
-        keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
-        for r in range(TM):  # (begin_tile's online state, taken for the statistics)
-            ent[r] = ZERO
-            mass[r] = ZERO
-            zeros[r] = ZERO
-            top[r] = ZERO
-            arg[r] = CAST(-1)
-        if DROPOUT:
-            dropout_keys(keys, seed_lo, seed_hi, batch0 + b, head0 + h, i0, row0)
-        diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
-        nq = min(BQ, Lq - i0)
-        kh = k[b, g]
-        out = received[cuda.blockIdx.x, cuda.blockIdx.y]
-        for tile in range(last):
-            j0 = tile * BK
-            nk = min(BK, Lk - j0)
-            key_tile_logits(kh, j0, nk, Qt, KV, S, F, i0, row0, key0, Lq, Lk, diag, b, h, bias,
-                            has_bias, mask, has_mask, logks, has_ks, normalizer, mods)
-            reduce_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, mask, has_mask, mods, lse,
-                        ratio, normalizer, keys, threshold if DROPOUT else 0, keep, key_mask,
-                        ent, mass, zeros, top, arg)
-            store_tile(S, Pt, row0, key0)
-            cuda.syncthreads()
-            for c in range(t, nk, cuda.blockDim.x):  # a key a thread, rows in order
-                acc = ZERO
-                for r in range(nq):
-                    acc += Pt[U32(c) * U32(BQ) + U32(r)]
-                out[j0 + c] += acc
-            cuda.syncthreads()  # the key tile and Pt are read
-        row_reduce(red, rows, t, row0, key0, ent, ent, False)
-        row_reduce(red, rows, t, row0, key0, mass, mass, False)
-        row_reduce(red, rows, t, row0, key0, zeros, zeros, False)
-        best = cuda.local.array(TM, nt)
-        row_reduce(red, rows, t, row0, key0, top, best, True)
-        for r in range(TM):  # the lowest key holding the row's largest weight
-            arg[r] = -arg[r] if top[r] == best[r] and best[r] > ZERO else CAST(-Lk - 1)
-        row_reduce(red, rows, t, row0, key0, arg, arg, True)
-        if key0 == 0:
-            for r in range(TM):
-                i = i0 + row0 + r
-                if i < Lq:
-                    per_row[b, h, i, 0] = ent[r]
-                    per_row[b, h, i, 1] = best[r]
-                    per_row[b, h, i, 2] = -arg[r] if best[r] > ZERO else CAST(-1)
-                    per_row[b, h, i, 3] = mass[r]
-                    per_row[b, h, i, 4] = zeros[r]
-
-    return stats_kernel
+            if i < Lq:
+                per_row[b, h, i, 0] = ent[r]
+                per_row[b, h, i, 1] = best[r]
+                per_row[b, h, i, 2] = -arg[r] if best[r] > ZERO else CAST(-1)
+                per_row[b, h, i, 3] = mass[r]
+                per_row[b, h, i, 4] = zeros[r]
 
 
 def attention_stats(problem, key_mask):

@@ -36,9 +36,17 @@ from .._core import selection as _selection
 from .._core.codes import NORMALIZER_CODES, RELU_EXPM1, SIGMOID, SOFTMAX, SOFTPICK
 from ._arrays import device_problem, finish, outputs
 from ._dropout import kernel_dropout
-from ._micro import U32, kernel_label, micro_functions, ptx_cases, tiled_kernel, tiling_for
+from ._micro import (
+    U32,
+    core_kernel,
+    kernel_label,
+    micro_functions,
+    ptx_cases,
+    tiled_kernel,
+    tiling_for,
+)
 from ._mods import device_mods
-from ._tiles import device_functions
+from ._tiles import device, kernel, unbound
 
 SCRATCH_ELEMENTS = 1 << 24  # per launch: 64 MiB in float32
 
@@ -50,6 +58,18 @@ def topk_build(normalizer: str):
     logits themselves."""
     code = NORMALIZER_CODES[normalizer]
     return code if code in (RELU_EXPM1, SIGMOID, SOFTPICK) else None
+
+
+# the globals the templates read, bound per build
+(NINF, PINF, TM, TN, ZERO, block_tile, begin_tile, DROPOUT, dropout_keys, BQ, nt,
+ tiles_seen, BK, stage_transposed, ONE, tile_scores, modify_tile, ANEW,
+ key_tile_logits, online_tile, scale_values, CAST, index, finish_tile) = unbound(24)
+
+
+# the selection rules the cpu backend compiles too (attnnb/_core/selection.py)
+kth_smallest = cuda.jit(device=True)(_selection.kth_smallest)
+tie_cut = cuda.jit(device=True)(_selection.tie_cut)
+kept = cuda.jit(device=True)(_selection.kept)
 
 
 def build_topk(dtype, tiling, dropout=False, mods=None, own=None):
@@ -70,156 +90,145 @@ def build_topk(dtype, tiling, dropout=False, mods=None, own=None):
     ``sinks`` (sink logits, as the dense kernel's) and ``mods``
     (mask and score functions, as the dense kernel's: rows rank the modified logits).
     """
-    f = micro_functions(np.dtype(dtype), tiling, mods, own)
+    micro = micro_functions(np.dtype(dtype), tiling, mods, own)
     ranking = micro_functions(np.dtype(dtype), tiling, mods, None)  # pass 1's: softmax's
-    ANEW = own is not None  # pass 2 forms the logits again
-    nt, TM, TN, BQ, BK = f.nt, f.TM, f.TN, f.BQ, f.BK
-    dtype_fns = device_functions(np.dtype(dtype))
-    ONE, NINF, tiles_seen = dtype_fns.CAST(1), dtype_fns.NINF, dtype_fns.tiles_seen
-    CAST, index = dtype_fns.CAST, dtype_fns.index
-    PINF = np.dtype(dtype).type(np.inf)
-    block_tile, begin_tile, stage_transposed = f.block_tile, f.begin_tile, f.stage_transposed
-    tile_scores, modify_tile = f.tile_scores, ranking.modify_tile
-    key_tile_logits = f.key_tile_logits
-    ZERO = dtype_fns.ZERO
-    online_tile, finish_tile = f.online_tile, f.finish_tile
-    DROPOUT = dropout
-    dropout_keys, scale_values = f.dropout_keys, f.scale_values
+    return core_kernel(topk_attention_kernel, micro, "topk", DROPOUT=dropout,
+                       ANEW=own is not None,  # pass 2 forms the logits again
+                       PINF=np.dtype(dtype).type(np.inf), modify_tile=ranking.modify_tile)
 
-    # the selection rules the cpu backend compiles too (attnnb/_core/selection.py)
-    kth_smallest = cuda.jit(device=True)(_selection.kth_smallest)
-    tie_cut = cuda.jit(device=True)(_selection.tie_cut)
-    kept = cuda.jit(device=True)(_selection.kept)
 
-    @cuda.jit(device=True)
-    def row_threshold(row, n, top_k, buf):
-        """``(thr, cut)``: key ``j`` is kept when ``row[j] > thr``, or ``row[j] == thr``
-        and ``j <= cut``, or ``row[j]`` is NaN.
+@device
+def row_threshold(row, n, top_k, buf):
+    """``(thr, cut)``: key ``j`` is kept when ``row[j] > thr``, or ``row[j] == thr``
+    and ``j <= cut``, or ``row[j]`` is NaN.
 
-        Exactly ``top_k`` keys when more are allowed (ties to the lower
-        index); all allowed keys when at most ``top_k`` are (``-inf, -1``);
-        nothing for ``top_k = 0``; everything when the row holds a NaN (so
-        that it propagates).
-        """
-        cnt = 0
-        for j in range(n):
-            x = row[j]
-            if x != x:
-                return NINF, n
-            if x > NINF:
-                buf[cnt] = x
-                cnt += 1
-        if cnt <= top_k:
-            return NINF, -1
-        if top_k == 0:
-            return PINF, -1
-        thr = kth_smallest(buf, cnt, cnt - top_k)
-        return thr, tie_cut(row, n, top_k, thr)
+    Exactly ``top_k`` keys when more are allowed (ties to the lower
+    index); all allowed keys when at most ``top_k`` are (``-inf, -1``);
+    nothing for ``top_k = 0``; everything when the row holds a NaN (so
+    that it propagates).
+    """
+    cnt = 0
+    for j in range(n):
+        x = row[j]
+        if x != x:
+            return NINF, n
+        if x > NINF:
+            buf[cnt] = x
+            cnt += 1
+    if cnt <= top_k:
+        return NINF, -1
+    if top_k == 0:
+        return PINF, -1
+    thr = kth_smallest(buf, cnt, cnt - top_k)
+    return thr, tie_cut(row, n, top_k, thr)
 
-    @cuda.jit(device=True)
-    def kept_scores(Rows, row0, j, Lk, thr, cut, S):
-        """``S`` = the stored logits of the thread's micro-tile (keys from ``j``), ``-inf``
-        where not selected."""
-        for r in range(TM):
-            for c in range(TN):
-                s = NINF
-                if j + c < Lk:
-                    s = Rows[row0 + r, j + c]
-                    if not kept(s, j + c, thr[r], cut[r]):
-                        s = NINF
-                S[r * TN + c] = s
 
-    @cuda.jit(device=True)
-    def kept_logits(Rows, row0, j, Lk, thr, cut, S, F):
-        """``S = -inf``, ``F = 0`` where the stored ranking logits of the thread's
-        micro-tile (keys from ``j``) are not selected: ``S``, ``F`` another normalizer's
-        logits and factors, formed anew (softpick counts a ``-inf`` logit with a
-        factor)."""
-        for r in range(TM):
-            for c in range(TN):
-                if not (j + c < Lk and kept(Rows[row0 + r, j + c], j + c, thr[r], cut[r])):
-                    S[r * TN + c] = NINF
-                    F[r * TN + c] = ZERO
+@device
+def kept_scores(Rows, row0, j, Lk, thr, cut, S):
+    """``S`` = the stored logits of the thread's micro-tile (keys from ``j``), ``-inf``
+    where not selected."""
+    for r in range(TM):
+        for c in range(TN):
+            s = NINF
+            if j + c < Lk:
+                s = Rows[row0 + r, j + c]
+                if not kept(s, j + c, thr[r], cut[r]):
+                    s = NINF
+            S[r * TN + c] = s
 
-    @cuda.jit(device=True)
-    def store_selection(row, n, thr, cut, words, dst):
-        """``dst[w]``, ``w < words``: the kept keys of a row of ``n`` stored ranking logits,
-        one bit a key (keys from ``n`` on: not kept)."""
-        for w in range(words):
-            word = U32(0)
-            for e in range(32):
-                j = w * 32 + e
-                if j < n and kept(row[j], j, thr, cut):
-                    word |= U32(1) << U32(e)
-            dst[w] = word
 
-    def topk_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
-                              top_k, qt0, R, buf, seed_lo, seed_hi, batch0, head0, threshold,
-                              keep, out, lse, want_bits, bits, normalizer, sinks, mods):
-        Lq, Lk = q.shape[2], k.shape[2]
-        b, h, g, i0 = block_tile(q.shape[1], k.shape[1], qt0)
-        # F, the factors: unused by softmax (pass 1), pass 2's in an own build
-        (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
-         T) = begin_tile(q[b, h], i0, scale)
-        keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
-        if DROPOUT:
-            dropout_keys(keys, seed_lo, seed_hi, batch0 + b, head0 + h, i0, row0)
-        cuts = cuda.shared.array(BQ, numba.int64)
-        thr = cuda.local.array(TM, nt)
-        cut = cuda.local.array(TM, numba.int64)
-        diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
-        Rows = R[cuda.blockIdx.x, cuda.blockIdx.y * BQ:]  # this query tile's scratch rows
-        kh = k[b, g]
-        vh = v[b, g]
-        # pass 1: every allowed key's logit, stored
-        for tile in range(last):
-            j0 = tile * BK
-            stage_transposed(kh, j0, min(BK, Lk - j0), ONE, KV, BK)
-            cuda.syncthreads()
-            tile_scores(Qt, KV, row0, key0, S)
-            modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, False, mask,
-                        has_mask, logks, has_ks, SOFTMAX, mods)
-            for r in range(TM):
-                for c in range(TN):
-                    if j0 + key0 + c < Lk:
-                        Rows[row0 + r, j0 + key0 + c] = S[r * TN + c]
-            cuda.syncthreads()  # the key tile is read and the logits stored
-        # each row's threshold: one thread a row (rows past Lq: a copy of the last, unused)
-        if t < BQ:
-            x, y = row_threshold(Rows[t], min(Lk, last * BK), top_k,
-                                 buf[cuda.blockIdx.x, cuda.blockIdx.y * BQ + t])
-            rows[U32(t)] = x
-            cuts[t] = y
-            if want_bits and i0 + t < Lq:
-                store_selection(Rows[t], min(Lk, last * BK), x, y, bits.shape[3],
-                                bits[b, h, i0 + t])
+@device
+def kept_logits(Rows, row0, j, Lk, thr, cut, S, F):
+    """``S = -inf``, ``F = 0`` where the stored ranking logits of the thread's
+    micro-tile (keys from ``j``) are not selected: ``S``, ``F`` another normalizer's
+    logits and factors, formed anew (softpick counts a ``-inf`` logit with a
+    factor)."""
+    for r in range(TM):
+        for c in range(TN):
+            if not (j + c < Lk and kept(Rows[row0 + r, j + c], j + c, thr[r], cut[r])):
+                S[r * TN + c] = NINF
+                F[r * TN + c] = ZERO
+
+
+@device
+def store_selection(row, n, thr, cut, words, dst):
+    """``dst[w]``, ``w < words``: the kept keys of a row of ``n`` stored ranking logits,
+    one bit a key (keys from ``n`` on: not kept)."""
+    for w in range(words):
+        word = U32(0)
+        for e in range(32):
+            j = w * 32 + e
+            if j < n and kept(row[j], j, thr, cut):
+                word |= U32(1) << U32(e)
+        dst[w] = word
+
+
+@kernel
+def topk_attention_kernel(q, k, v, scale, bias, has_bias, mask, has_mask, logks, has_ks, causal,
+                          top_k, qt0, R, buf, seed_lo, seed_hi, batch0, head0, threshold,
+                          keep, out, lse, want_bits, bits, normalizer, sinks, mods):
+    Lq, Lk = q.shape[2], k.shape[2]
+    b, h, g, i0 = block_tile(q.shape[1], k.shape[1], qt0)
+    # F, the factors: unused by softmax (pass 1), pass 2's in an own build
+    (Qt, KV, Pt, red, rows, flag, t, row0, key0, col0, S, F, m, l, part, alpha, O,
+     T) = begin_tile(q[b, h], i0, scale)
+    keys = cuda.local.array(TM, np.int64)  # the dropout's row keys
+    if DROPOUT:
+        dropout_keys(keys, seed_lo, seed_hi, batch0 + b, head0 + h, i0, row0)
+    cuts = cuda.shared.array(BQ, numba.int64)
+    thr = cuda.local.array(TM, nt)
+    cut = cuda.local.array(TM, numba.int64)
+    diag, last = tiles_seen(i0, BQ, Lq, Lk, BK, causal)
+    Rows = R[cuda.blockIdx.x, cuda.blockIdx.y * BQ:]  # this query tile's scratch rows
+    kh = k[b, g]
+    vh = v[b, g]
+    # pass 1: every allowed key's logit, stored
+    for tile in range(last):
+        j0 = tile * BK
+        stage_transposed(kh, j0, min(BK, Lk - j0), ONE, KV, BK)
         cuda.syncthreads()
-        for r in range(TM):  # rows is rewritten only after the next barrier
-            thr[r] = rows[U32(row0) + U32(r)]
-            cut[r] = cuts[row0 + r]
-        # pass 2: the online softmax over the selected keys
-        for tile in range(last):
-            j0 = tile * BK
-            if ANEW:  # the normalizer's logits, masked by the selection
-                key_tile_logits(kh, j0, min(BK, Lk - j0), Qt, KV, S, F, i0, row0, key0, Lq,
-                                Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
-                                normalizer, mods)
-                kept_logits(Rows, row0, j0 + key0, Lk, thr, cut, S, F)
-                online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, min(BK, Lk - j0),
-                            tile, KV, Pt, red, rows, flag, t, row0, key0, col0, O, T, keys,
-                            threshold if DROPOUT else 0)
-            else:
-                kept_scores(Rows, row0, j0 + key0, Lk, thr, cut, S)
-                online_tile(S, S, part, m, l, alpha, SOFTMAX, vh, j0, min(BK, Lk - j0), tile,
-                            KV, Pt, red, rows, flag, t, row0, key0, col0, O, T, keys,
-                            threshold if DROPOUT else 0)
-        if DROPOUT:
-            scale_values(O, keep)
-        sink = CAST(sinks[index(b, sinks.shape[0]), index(h, sinks.shape[1])])
-        finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
-                    out[b, h], lse[b, h], sink)
-
-    return topk_attention_kernel
+        tile_scores(Qt, KV, row0, key0, S)
+        modify_tile(S, F, i0, row0, j0, key0, Lq, Lk, diag, b, h, bias, False, mask,
+                    has_mask, logks, has_ks, SOFTMAX, mods)
+        for r in range(TM):
+            for c in range(TN):
+                if j0 + key0 + c < Lk:
+                    Rows[row0 + r, j0 + key0 + c] = S[r * TN + c]
+        cuda.syncthreads()  # the key tile is read and the logits stored
+    # each row's threshold: one thread a row (rows past Lq: a copy of the last, unused)
+    if t < BQ:
+        x, y = row_threshold(Rows[t], min(Lk, last * BK), top_k,
+                             buf[cuda.blockIdx.x, cuda.blockIdx.y * BQ + t])
+        rows[U32(t)] = x
+        cuts[t] = y
+        if want_bits and i0 + t < Lq:
+            store_selection(Rows[t], min(Lk, last * BK), x, y, bits.shape[3],
+                            bits[b, h, i0 + t])
+    cuda.syncthreads()
+    for r in range(TM):  # rows is rewritten only after the next barrier
+        thr[r] = rows[U32(row0) + U32(r)]
+        cut[r] = cuts[row0 + r]
+    # pass 2: the online softmax over the selected keys
+    for tile in range(last):
+        j0 = tile * BK
+        if ANEW:  # the normalizer's logits, masked by the selection
+            key_tile_logits(kh, j0, min(BK, Lk - j0), Qt, KV, S, F, i0, row0, key0, Lq,
+                            Lk, diag, b, h, bias, has_bias, mask, has_mask, logks, has_ks,
+                            normalizer, mods)
+            kept_logits(Rows, row0, j0 + key0, Lk, thr, cut, S, F)
+            online_tile(S, F, part, m, l, alpha, normalizer, vh, j0, min(BK, Lk - j0),
+                        tile, KV, Pt, red, rows, flag, t, row0, key0, col0, O, T, keys,
+                        threshold if DROPOUT else 0)
+        else:
+            kept_scores(Rows, row0, j0 + key0, Lk, thr, cut, S)
+            online_tile(S, S, part, m, l, alpha, SOFTMAX, vh, j0, min(BK, Lk - j0), tile,
+                        KV, Pt, red, rows, flag, t, row0, key0, col0, O, T, keys,
+                        threshold if DROPOUT else 0)
+    if DROPOUT:
+        scale_values(O, keep)
+    sink = CAST(sinks[index(b, sinks.shape[0]), index(h, sinks.shape[1])])
+    finish_tile(red, rows, t, row0, key0, col0, i0, Lq, m, l, O, part, normalizer,
+                out[b, h], lse[b, h], sink)
 
 
 def topk_selection(problem, top_k, a=None, want_bits=False):
