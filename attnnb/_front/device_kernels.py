@@ -11,20 +11,30 @@ import functools
 import numpy as np
 from numba import cuda
 
+from .._core.specialise import specialise, template
+
 SHIFT_THREADS = 128  # threads per block
 
 
+CAST = None  # the compute dtype's scalar type, bound per dtype (build_shift)
+
+
+def shift_elements(x, offset, out):
+    """One thread an element: ``out = x + offset`` over flat arrays, ``x`` of any real
+    dtype converted to ``CAST`` (``offset``'s and ``out``'s)."""
+    e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if e < out.shape[0]:
+        out[e] = CAST(x[e]) + offset
+
+
+template(shift_elements, lambda fn: fn, py=shift_elements)  # copies: Python functions
+
+
 def build_shift(dtype):
-    """Kernel, one thread an element: ``out = x + offset`` over flat arrays, ``x`` of any
-    real dtype converted to ``dtype`` (``offset``'s and ``out``'s)."""
-    CAST = np.dtype(dtype).type
-
-    def shift_kernel(x, offset, out):
-        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if e < out.shape[0]:
-            out[e] = CAST(x[e]) + offset
-
-    return shift_kernel
+    """:func:`shift_elements` for ``dtype``, not compiled yet."""
+    dtype = np.dtype(dtype)
+    return specialise(shift_elements, {"CAST": dtype.type}, f"shift_{dtype.name}",
+                      required=["CAST"])
 
 
 @functools.cache

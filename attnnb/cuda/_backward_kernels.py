@@ -62,7 +62,7 @@ from ._backward_tiling import (
     round_up4,
 )
 from ._micro import ALIGN, U32, Tiling, kernel_label, micro_functions, tiled_kernel
-from ._tiles import cached_kernel, device, device_functions, kernel, unbound
+from ._tiles import cached_kernel, device, dtype_kernel, kernel, unbound
 
 ROW_THREADS = 128  # threads per block of the one-thread-per-element helper kernels
 
@@ -74,7 +74,7 @@ ROW_THREADS = 128  # threads per block of the one-thread-per-element helper kern
  mod_agrad, mod_views, block_tile, thread_place, stage_transposed, stage_dT, stage_keys,
  stage_q, stage_o, dq_product, dk_product, dv_product, store_tile, row_reduce,
  stage_tile_mask, slope_tile, pair_registers, load_rows, tile_gradients, row_zeros,
- dq_zeros, dk_zeros, dv_zeros) = unbound(70)
+ dq_zeros, dk_zeros, dv_zeros, NINF, sigmoid, index) = unbound(73)
 
 
 def _variant_constants(streams: int, variant: str) -> dict:
@@ -431,37 +431,35 @@ def build_row_terms(dtype):
     ``sigmoid`` (unnormalised: :mod:`attnnb.cuda._backward_pair`) ``r = e^lse``,
     ``delta = -dlse``.  Empty rows (``lse = -inf``) get 0 for both.
     """
-    base = device_functions(np.dtype(dtype))
-    CAST, ZERO, ONE, NINF, sigmoid = base.CAST, base.ZERO, base.CAST(1), base.NINF, base.sigmoid
-    index = base.index
+    return dtype_kernel(row_terms_kernel, dtype, "row_terms")
 
-    def row_terms_kernel(out, dout, lse, dlse, has_dlse, normalizer, sinks, row_terms):
-        B, H, Lq = lse.shape
-        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if e >= B * H * Lq:
-            return
-        b, h, i = row_of(e, H, Lq)
-        x = CAST(lse[b, h, i])
-        ratio = ZERO
-        delta = ZERO
-        if x != NINF and normalizer == SIGMOID:
-            ratio = math.exp(x)
-            if has_dlse:
-                delta = -CAST(dlse[b, h, i])
-        elif x != NINF:
-            ratio = ONE
-            if normalizer == SOFTMAX1 or normalizer == SOFTPICK:  # the head's sink logit
-                ratio = sigmoid(x - CAST(sinks[index(b, sinks.shape[0]),
-                                               index(h, sinks.shape[1])]), ONE)
-            for c in range(out.shape[3]):
-                delta += CAST(dout[b, h, i, c]) * CAST(out[b, h, i, c])
-            if has_dlse:
-                delta -= CAST(dlse[b, h, i]) / ratio
-        row_terms[b, h, 0, i] = x
-        row_terms[b, h, 1, i] = ratio
-        row_terms[b, h, 2, i] = delta
 
-    return row_terms_kernel
+@kernel
+def row_terms_kernel(out, dout, lse, dlse, has_dlse, normalizer, sinks, row_terms):
+    B, H, Lq = lse.shape
+    e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if e >= B * H * Lq:
+        return
+    b, h, i = row_of(e, H, Lq)
+    x = CAST(lse[b, h, i])
+    ratio = ZERO
+    delta = ZERO
+    if x != NINF and normalizer == SIGMOID:
+        ratio = math.exp(x)
+        if has_dlse:
+            delta = -CAST(dlse[b, h, i])
+    elif x != NINF:
+        ratio = ONE
+        if normalizer == SOFTMAX1 or normalizer == SOFTPICK:  # the head's sink logit
+            ratio = sigmoid(x - CAST(sinks[index(b, sinks.shape[0]),
+                                           index(h, sinks.shape[1])]), ONE)
+        for c in range(out.shape[3]):
+            delta += CAST(dout[b, h, i, c]) * CAST(out[b, h, i, c])
+        if has_dlse:
+            delta -= CAST(dlse[b, h, i]) / ratio
+    row_terms[b, h, 0, i] = x
+    row_terms[b, h, 1, i] = ratio
+    row_terms[b, h, 2, i] = delta
 
 
 def build_pair_rows(dtype):
@@ -470,84 +468,84 @@ def build_pair_rows(dtype):
     the row ratio is 1 for stream 0 and ``-lam`` for stream 1 (``dout`` weighs it by
     ``-lam``); row 2 is zeroed for the query-tile kernel's sums.  ``gated`` (the
     Heaviside mode's stream 0): row 3 is ``-lam``, the weight of its gate."""
-    base = device_functions(np.dtype(dtype))
-    ZERO, ONE = base.ZERO, base.CAST(1)
+    return dtype_kernel(pair_rows_kernel, dtype, "pair_rows")
 
-    def pair_rows_kernel(pair_terms, c, gated, stream_terms):
-        B, H, _, Lq = stream_terms.shape
-        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if e >= B * H * Lq:
-            return
-        b, h, i = row_of(e, H, Lq)
-        stream_terms[b, h, 0, i] = pair_terms[b, h, c, i]
-        stream_terms[b, h, 1, i] = ONE if c == 0 else -pair_terms[b, h, 4, i]
-        stream_terms[b, h, 2, i] = ZERO
-        if gated:
-            stream_terms[b, h, 3, i] = -pair_terms[b, h, 4, i]
 
-    return pair_rows_kernel
+@kernel
+def pair_rows_kernel(pair_terms, c, gated, stream_terms):
+    B, H, _, Lq = stream_terms.shape
+    e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if e >= B * H * Lq:
+        return
+    b, h, i = row_of(e, H, Lq)
+    stream_terms[b, h, 0, i] = pair_terms[b, h, c, i]
+    stream_terms[b, h, 1, i] = ONE if c == 0 else -pair_terms[b, h, 4, i]
+    stream_terms[b, h, 2, i] = ZERO
+    if gated:
+        stream_terms[b, h, 3, i] = -pair_terms[b, h, 4, i]
 
 
 def build_negated_row(dtype):
     """Kernel, one thread per element: ``y[b, h, i] = -x[b, h, r, i]`` (``dlam = -e``)."""
+    return dtype_kernel(negated_row_kernel, dtype, "negated_row")
 
-    def negated_row_kernel(x, r, y):
-        B, H, Lq = y.shape
-        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if e >= B * H * Lq:
-            return
-        b, h, i = row_of(e, H, Lq)
-        y[b, h, i] = -x[b, h, r, i]
 
-    return negated_row_kernel
+@kernel
+def negated_row_kernel(x, r, y):
+    B, H, Lq = y.shape
+    e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if e >= B * H * Lq:
+        return
+    b, h, i = row_of(e, H, Lq)
+    y[b, h, i] = -x[b, h, r, i]
 
 
 def build_negated_dot(dtype):
     """Kernel, one thread per row: ``y[b, h, i] = -(x[b, h, i] . dout[b, h, i])`` (the
     Heaviside mode's ``dlam = -dout . (H V)``, ``x`` the clip build's output)."""
-    ZERO = device_functions(np.dtype(dtype)).ZERO
+    return dtype_kernel(negated_dot_kernel, dtype, "negated_dot")
 
-    def negated_dot_kernel(x, dout, y):
-        B, H, Lq = y.shape
-        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if e >= B * H * Lq:
-            return
-        b, h, i = row_of(e, H, Lq)
-        acc = ZERO
-        for c in range(x.shape[3]):
-            acc += x[b, h, i, c] * dout[b, h, i, c]
-        y[b, h, i] = -acc
 
-    return negated_dot_kernel
+@kernel
+def negated_dot_kernel(x, dout, y):
+    B, H, Lq = y.shape
+    e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if e >= B * H * Lq:
+        return
+    b, h, i = row_of(e, H, Lq)
+    acc = ZERO
+    for c in range(x.shape[3]):
+        acc += x[b, h, i, c] * dout[b, h, i, c]
+    y[b, h, i] = -acc
 
 
 def build_sum_to(dtype):
     """Kernel, one thread per output element: ``y = x`` summed over the axes where ``y``
     has length 1 (4-D both), in index order (deterministic)."""
-    ZERO = device_functions(np.dtype(dtype)).ZERO
+    return dtype_kernel(sum_to_kernel, dtype, "sum_to")
 
-    def sum_to_kernel(x, y):
-        n0, n1, n2, n3 = y.shape
-        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if e >= n0 * n1 * n2 * n3:
-            return
-        a3 = e % n3
-        a2 = (e // n3) % n2
-        a1 = (e // (n2 * n3)) % n1
-        a0 = e // (n1 * n2 * n3)
-        r0 = x.shape[0] if n0 == 1 else 1
-        r1 = x.shape[1] if n1 == 1 else 1
-        r2 = x.shape[2] if n2 == 1 else 1
-        r3 = x.shape[3] if n3 == 1 else 1
-        acc = ZERO
-        for i0 in range(r0):
-            for i1 in range(r1):
-                for i2 in range(r2):
-                    for i3 in range(r3):
-                        acc += x[a0 + i0, a1 + i1, a2 + i2, a3 + i3]
-        y[a0, a1, a2, a3] = acc
 
-    return sum_to_kernel
+@kernel
+def sum_to_kernel(x, y):
+    n0, n1, n2, n3 = y.shape
+    e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if e >= n0 * n1 * n2 * n3:
+        return
+    a3 = e % n3
+    a2 = (e // n3) % n2
+    a1 = (e // (n2 * n3)) % n1
+    a0 = e // (n1 * n2 * n3)
+    r0 = x.shape[0] if n0 == 1 else 1
+    r1 = x.shape[1] if n1 == 1 else 1
+    r2 = x.shape[2] if n2 == 1 else 1
+    r3 = x.shape[3] if n3 == 1 else 1
+    acc = ZERO
+    for i0 in range(r0):
+        for i1 in range(r1):
+            for i2 in range(r2):
+                for i3 in range(r3):
+                    acc += x[a0 + i0, a1 + i1, a2 + i2, a3 + i3]
+    y[a0, a1, a2, a3] = acc
 
 
 def helper_kernel(name, build, dtype):

@@ -37,7 +37,7 @@ from numba import cuda
 
 from .._core import scalars as _scalars
 from .._core.codes import SIGMOID, SOFTMAX1, SOFTPICK
-from .._core.specialise import template
+from .._core.specialise import specialise, template
 
 SHARED_BYTES = 48 * 1024  # static shared memory per block on every CUDA GPU
 
@@ -149,98 +149,121 @@ def _python(fn):
     return fn
 
 
+# the dtype's constants the templates below read, bound per dtype (dtype_constants)
+CAST, ZERO, ONE, NINF, NAN, L_MIN, LOG_TINY, HALF = unbound(8)
+
+index = cuda.jit(device=True)(index_or_zero)
+tiles_seen = cuda.jit(device=True)(key_tiles_seen)
+sigmoid = cuda.jit(device=True)(_scalars.sigmoid)  # shared with the cpu backend
+
+
+def dtype_constants(dtype) -> dict:
+    """The constants of one compute dtype (float32 or float64), by name."""
+    dtype = np.dtype(dtype)
+    t = dtype.type
+    return dict(CAST=t, ZERO=t(0), ONE=t(1), NINF=t(-np.inf), NAN=t(np.nan),
+                L_MIN=t(4 / np.finfo(dtype).max),  # below this, 1 / l would overflow
+                LOG_TINY=t(np.log(np.finfo(dtype).tiny)),  # below this, e^m is subnormal
+                HALF=t(0.5), _tag=dtype.name)
+
+
 @cache
 def device_functions(dtype: np.dtype) -> SimpleNamespace:
-    """The shared device functions for one compute dtype (float32 or float64)."""
-    dtype = np.dtype(dtype)
-    CAST = dtype.type
-    ZERO = dtype.type(0)
-    ONE = dtype.type(1)
-    NINF = dtype.type(-np.inf)
-    NAN = dtype.type(np.nan)
-    L_MIN = dtype.type(4 / np.finfo(dtype).max)  # below this, 1 / l would overflow
-    LOG_TINY = dtype.type(np.log(np.finfo(dtype).tiny))  # below this, e^m is subnormal
-    HALF = dtype.type(0.5)
-    index = cuda.jit(device=True)(index_or_zero)
-    tiles_seen = cuda.jit(device=True)(key_tiles_seen)
-    sigmoid = cuda.jit(device=True)(_scalars.sigmoid)  # shared with the cpu backend
+    """The shared device functions for one compute dtype (float32 or float64), its
+    constants, and ``bindings`` (both by name, for the kernels built on them)."""
+    constants = dtype_constants(dtype)
+    built = {fn_name: specialise(fn, constants, constants["_tag"]) for fn_name, fn in (
+        ("load_rows", load_rows), ("row_logits", row_logits), ("map_lse", map_lse),
+        ("finish_value", finish_value))}
+    shared = dict(index=index, tiles_seen=tiles_seen, sigmoid=sigmoid)
+    return SimpleNamespace(**constants, **built, **shared,
+                           bindings={**constants, **built, **shared})
 
-    @cuda.jit(device=True)
-    def load_rows(src, j0, nk, dst):
-        """Block-cooperative ``dst[:nk] = src[j0:j0+nk]``, converted to the compute dtype.
 
-        Every thread of the block must call it (follow with ``syncthreads``).
-        """
-        width = dst.shape[1]
-        for e in range(cuda.threadIdx.x, nk * width, cuda.blockDim.x):
-            r = e // width
-            c = e - r * width
-            dst[r, c] = CAST(src[j0 + r, c])
+def dtype_kernel(fn, dtype, name: str, **constants):
+    """The Python function of the kernel template ``fn`` (:func:`kernel`) for one compute
+    dtype, with its own ``constants`` (numbers, in its tag with ``name``)."""
+    suffix = "_".join([name] + [f"{k}{int(v) if isinstance(v, bool) else v}"
+                                for k, v in sorted(constants.items())
+                                if isinstance(v, (bool, int))])
+    bindings = device_functions(np.dtype(dtype)).bindings
+    return specialise(fn, {**bindings, **constants}, f"{bindings['_tag']}_{suffix}")
 
-    @cuda.jit(device=True)
-    def row_logits(qr, Ks, nk, S):
-        """``S[c] = qr . Ks[c]`` for the ``nk`` keys of the shared tile."""
-        d = qr.shape[0]
-        for c in range(nk):
-            t = ZERO
-            for e in range(d):
-                t += qr[e] * Ks[c, e]
-            S[c] = t
 
-    @cuda.jit(device=True)
-    def map_lse(m, l):
-        """The LSE of a finished sweep: NaN rows NaN, empty rows ``-inf``."""
-        if m != m:
-            return NAN
-        if l == ZERO or m == NINF:
-            return NINF
-        return m + math.log(l)
+@device
+def load_rows(src, j0, nk, dst):
+    """Block-cooperative ``dst[:nk] = src[j0:j0+nk]``, converted to the compute dtype.
 
-    @cuda.jit(device=True)
-    def unshift(x, m):
-        """``x e^m`` with one rounding into the subnormals at most: where ``e^m`` itself
-        would be subnormal (``m`` below ``log(finfo.tiny)``) it is taken in two halves,
-        each a normal number while the result can be one."""
-        if m < LOG_TINY:
-            h = m * HALF
-            return (x * math.exp(h)) * math.exp(m - h)
-        return x * math.exp(m)
+    Every thread of the block must call it (follow with ``syncthreads``).
+    """
+    width = dst.shape[1]
+    for e in range(cuda.threadIdx.x, nk * width, cuda.blockDim.x):
+        r = e // width
+        c = e - r * width
+        dst[r, c] = CAST(src[j0 + r, c])
 
-    @cuda.jit(device=True)
-    def finish_value(x, m, l, lse, normalizer, sink):
-        """One output value ``x / Z`` of a finished row (``lse = map_lse(m, l)``).
 
-        Empty rows (no allowed key, or weights summing to zero) get zeros;
-        rows that met a NaN logit get NaN.  For ``softmax1``
-        ``Z = l + exp(sink - m)`` (the row's sink logit, 0 or learned, in units of
-        ``exp(m)``); the LSE excludes it.  ``softpick``'s ``Z = l + eps e^-m`` is the
-        same with the sink ``log eps``.  ``x / Z`` is taken as ``(x / l) *
-        sigmoid(lse - sink)``,
-        which neither overflows ``exp(-m)`` nor goes through a subnormal
-        ``exp(m)`` for very negative logits.  A sum ``l`` below
-        ``4 / finfo.max`` (where ``1 / l`` would overflow; the core's ``modify_value``
-        folds tiny ``relu_expm1`` factors into the logit, keeping sums away from it;
-        softpick's terms of tiny logits are tiny) is divided by directly.
-        ``sigmoid`` is not normalised: ``x e^m`` (:func:`unshift`).
-        """
-        if m != m:
-            return NAN
-        if l == ZERO or m == NINF:
-            return ZERO
-        if normalizer == SIGMOID:
-            return unshift(x, m)
-        y = x / l if l < L_MIN else x * (ONE / l)
-        if normalizer == SOFTMAX1 or normalizer == SOFTPICK:
-            # 1 / (l + e^(sink - m)) = sigmoid(lse - sink) / l, stably; x / l first:
-            # sigmoid(lse - sink) / l can be subnormal
-            y *= sigmoid(lse - sink, ONE)
-        return y
+@device
+def row_logits(qr, Ks, nk, S):
+    """``S[c] = qr . Ks[c]`` for the ``nk`` keys of the shared tile."""
+    d = qr.shape[0]
+    for c in range(nk):
+        t = ZERO
+        for e in range(d):
+            t += qr[e] * Ks[c, e]
+        S[c] = t
 
-    return SimpleNamespace(
-        CAST=CAST, ZERO=ZERO, NINF=NINF, NAN=NAN, index=index, tiles_seen=tiles_seen,
-        sigmoid=sigmoid,
-        load_rows=load_rows, row_logits=row_logits, map_lse=map_lse, finish_value=finish_value,
-    )
+
+@device
+def map_lse(m, l):
+    """The LSE of a finished sweep: NaN rows NaN, empty rows ``-inf``."""
+    if m != m:
+        return NAN
+    if l == ZERO or m == NINF:
+        return NINF
+    return m + math.log(l)
+
+
+@device
+def unshift(x, m):
+    """``x e^m`` with one rounding into the subnormals at most: where ``e^m`` itself
+    would be subnormal (``m`` below ``log(finfo.tiny)``) it is taken in two halves,
+    each a normal number while the result can be one."""
+    if m < LOG_TINY:
+        h = m * HALF
+        return (x * math.exp(h)) * math.exp(m - h)
+    return x * math.exp(m)
+
+
+@device
+def finish_value(x, m, l, lse, normalizer, sink):
+    """One output value ``x / Z`` of a finished row (``lse = map_lse(m, l)``).
+
+    Empty rows (no allowed key, or weights summing to zero) get zeros;
+    rows that met a NaN logit get NaN.  For ``softmax1``
+    ``Z = l + exp(sink - m)`` (the row's sink logit, 0 or learned, in units of
+    ``exp(m)``); the LSE excludes it.  ``softpick``'s ``Z = l + eps e^-m`` is the
+    same with the sink ``log eps``.  ``x / Z`` is taken as ``(x / l) *
+    sigmoid(lse - sink)``,
+    which neither overflows ``exp(-m)`` nor goes through a subnormal
+    ``exp(m)`` for very negative logits.  A sum ``l`` below
+    ``4 / finfo.max`` (where ``1 / l`` would overflow; the core's ``modify_value``
+    folds tiny ``relu_expm1`` factors into the logit, keeping sums away from it;
+    softpick's terms of tiny logits are tiny) is divided by directly.
+    ``sigmoid`` is not normalised: ``x e^m`` (:func:`unshift`).
+    """
+    if m != m:
+        return NAN
+    if l == ZERO or m == NINF:
+        return ZERO
+    if normalizer == SIGMOID:
+        return unshift(x, m)
+    y = x / l if l < L_MIN else x * (ONE / l)
+    if normalizer == SOFTMAX1 or normalizer == SOFTPICK:
+        # 1 / (l + e^(sink - m)) = sigmoid(lse - sink) / l, stably; x / l first:
+        # sigmoid(lse - sink) / l can be subnormal
+        y *= sigmoid(lse - sink, ONE)
+    return y
 
 
 _KERNELS: dict = {}

@@ -41,151 +41,161 @@ from .._core.tome_order import descending_order
 from .._front.checks import is_device_array
 from .._front.device import device_view
 from .._front.validate import compute_dtypes
-from ._tiles import TILE_Q, cached_kernel, device_functions, tiles_for
+from ._tiles import (
+    TILE_Q,
+    cached_kernel,
+    dtype_kernel,
+    kernel,
+    tiles_for,
+    unbound,
+)
 
 ROW_THREADS = 128  # threads over the channels of one token (merge, unmerge)
 
 
+# the globals the kernels' templates read, bound per build (dtype_kernel)
+CAST, ZERO, NINF, NAN, nt, C, TA, TB, load_rows, row_logits = unbound(10)
+
+
 def build_unit_rows(dtype):
     """Kernel: ``out[b, i] = metric[b, idx[i]] / ||.||`` and a NaN flag per row."""
-    f = device_functions(dtype)
-    CAST, ZERO = f.CAST, f.ZERO
+    return dtype_kernel(unit_rows_kernel, dtype, "unit_rows")
 
-    def unit_rows_kernel(metric, idx, out, nan_flags):
-        b = cuda.blockIdx.y
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if i >= idx.shape[1]:
-            return
-        src = metric[b, idx[0 if idx.shape[0] == 1 else b, i]]
-        acc = ZERO
-        for c in range(src.shape[0]):
-            x = CAST(src[c])
-            acc += x * x
-        norm = math.sqrt(acc)
-        nan = False
-        for c in range(src.shape[0]):
-            y = CAST(src[c]) / norm  # a zero row gives 0 / 0 = NaN, as the reference
-            out[b, i, c] = y
-            nan = nan or y != y
-        nan_flags[b, i] = nan
 
-    return unit_rows_kernel
+@kernel
+def unit_rows_kernel(metric, idx, out, nan_flags):
+    b = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i >= idx.shape[1]:
+        return
+    src = metric[b, idx[0 if idx.shape[0] == 1 else b, i]]
+    acc = ZERO
+    for c in range(src.shape[0]):
+        x = CAST(src[c])
+        acc += x * x
+    norm = math.sqrt(acc)
+    nan = False
+    for c in range(src.shape[0]):
+        y = CAST(src[c]) / norm  # a zero row gives 0 / 0 = NaN, as the reference
+        out[b, i, c] = y
+        nan = nan or y != y
+    nan_flags[b, i] = nan
 
 
 def build_match(dtype, c, ta, tb):
-    """Kernel: best B partner of every A token (first maximum; NaN wins; protected -inf)."""
-    f = device_functions(dtype)
-    nt = numba.from_dtype(np.dtype(dtype))
-    NINF, NAN = f.NINF, f.NAN
-    load_rows, row_logits = f.load_rows, f.row_logits
+    """Kernel: best B partner of every A token (first maximum; NaN wins; protected -inf);
+    ``c`` channels, ``ta`` A tokens a block, ``tb`` B tokens a shared tile."""
+    return dtype_kernel(match_kernel, dtype, "match", C=c, TA=ta, TB=tb,
+                        nt=numba.from_dtype(np.dtype(dtype)))
 
-    def match_kernel(ua, ub, a_nan, b_nan, class_token, distill_token, node_max, node_idx):
-        b = cuda.blockIdx.y
-        Ta, Tb = ua.shape[1], ub.shape[1]
-        i = cuda.blockIdx.x * ta + cuda.threadIdx.x
-        valid = i < Ta
-        ii = min(i, Ta - 1)
-        Bs = cuda.shared.array((tb, c), nt)
-        ar = cuda.local.array(c, nt)
-        S = cuda.local.array(tb, nt)
-        for e in range(c):
-            ar[e] = ua[b, ii, e]
-        skip_row = class_token and ii == 0  # the class token is never merged
-        start = 1 if distill_token else 0  # nor merged into the distillation token
-        best = NINF
-        best_j = 0
-        for j0 in range(0, Tb, tb):
-            nb = min(tb, Tb - j0)
-            load_rows(ub[b], j0, nb, Bs)
-            cuda.syncthreads()
-            if valid and not skip_row:
-                row_logits(ar, Bs, nb, S)
-                for jj in range(nb):
-                    if j0 + jj >= start and S[jj] > best:
-                        best = S[jj]
-                        best_j = j0 + jj
-            cuda.syncthreads()
-        if not valid:
-            return
-        if not skip_row:  # a NaN similarity wins its row, at its first column
-            if a_nan[b, i]:
-                best = NAN
-                best_j = start
-            else:
-                for j in range(start, Tb):
-                    if b_nan[b, j]:
-                        best = NAN
-                        best_j = j
-                        break
-        node_max[b, i] = best
-        node_idx[b, i] = best_j
 
-    return match_kernel
+@kernel
+def match_kernel(ua, ub, a_nan, b_nan, class_token, distill_token, node_max, node_idx):
+    b = cuda.blockIdx.y
+    Ta, Tb = ua.shape[1], ub.shape[1]
+    i = cuda.blockIdx.x * TA + cuda.threadIdx.x
+    valid = i < Ta
+    ii = min(i, Ta - 1)
+    Bs = cuda.shared.array((TB, C), nt)
+    ar = cuda.local.array(C, nt)
+    S = cuda.local.array(TB, nt)
+    for e in range(C):
+        ar[e] = ua[b, ii, e]
+    skip_row = class_token and ii == 0  # the class token is never merged
+    start = 1 if distill_token else 0  # nor merged into the distillation token
+    best = NINF
+    best_j = 0
+    for j0 in range(0, Tb, TB):
+        nb = min(TB, Tb - j0)
+        load_rows(ub[b], j0, nb, Bs)
+        cuda.syncthreads()
+        if valid and not skip_row:
+            row_logits(ar, Bs, nb, S)
+            for jj in range(nb):
+                if j0 + jj >= start and S[jj] > best:
+                    best = S[jj]
+                    best_j = j0 + jj
+        cuda.syncthreads()
+    if not valid:
+        return
+    if not skip_row:  # a NaN similarity wins its row, at its first column
+        if a_nan[b, i]:
+            best = NAN
+            best_j = start
+        else:
+            for j in range(start, Tb):
+                if b_nan[b, j]:
+                    best = NAN
+                    best_j = j
+                    break
+    node_max[b, i] = best
+    node_idx[b, i] = best_j
 
 
 def build_merge(dtype):
     """Kernel: ``out[b, o] = mean / sum / max`` of the members of output token ``o``."""
-    CAST = device_functions(dtype).CAST
+    return dtype_kernel(merge_kernel, dtype, "merge")
 
-    def merge_kernel(x, indptr, members, mode, out):
-        o = cuda.blockIdx.x
-        b = cuda.blockIdx.y
-        s = 0 if indptr.shape[0] == 1 else b
-        start = indptr[s, o]
-        stop = indptr[s, o + 1]
-        for c in range(cuda.threadIdx.x, x.shape[2], cuda.blockDim.x):
-            acc = CAST(x[b, members[s, start], c])
-            for p in range(start + 1, stop):
-                v = CAST(x[b, members[s, p], c])
-                if mode == MERGE_AMAX:
-                    if v > acc or v != v:
-                        acc = v
-                else:
-                    acc += v
-            if mode == MERGE_MEAN:
-                acc = acc / CAST(stop - start)
-            out[b, o, c] = acc
 
-    return merge_kernel
+@kernel
+def merge_kernel(x, indptr, members, mode, out):
+    o = cuda.blockIdx.x
+    b = cuda.blockIdx.y
+    s = 0 if indptr.shape[0] == 1 else b
+    start = indptr[s, o]
+    stop = indptr[s, o + 1]
+    for c in range(cuda.threadIdx.x, x.shape[2], cuda.blockDim.x):
+        acc = CAST(x[b, members[s, start], c])
+        for p in range(start + 1, stop):
+            v = CAST(x[b, members[s, p], c])
+            if mode == MERGE_AMAX:
+                if v > acc or v != v:
+                    acc = v
+            else:
+                acc += v
+        if mode == MERGE_MEAN:
+            acc = acc / CAST(stop - start)
+        out[b, o, c] = acc
 
 
 def build_merge_wavg(dtype):
     """Kernel: ``out[b, o] = sum(size x) / sum(size)`` over the members of output token
     ``o``, and ``size_out[b, o, 0] = sum(size)`` (thread 0 of the block)."""
-    CAST = device_functions(dtype).CAST
+    return dtype_kernel(merge_wavg_kernel, dtype, "merge_wavg")
 
-    def merge_wavg_kernel(x, size, indptr, members, out, size_out):
-        o = cuda.blockIdx.x
-        b = cuda.blockIdx.y
-        s = 0 if indptr.shape[0] == 1 else b
-        start = indptr[s, o]
-        stop = indptr[s, o + 1]
-        total = CAST(0)
+
+@kernel
+def merge_wavg_kernel(x, size, indptr, members, out, size_out):
+    o = cuda.blockIdx.x
+    b = cuda.blockIdx.y
+    s = 0 if indptr.shape[0] == 1 else b
+    start = indptr[s, o]
+    stop = indptr[s, o + 1]
+    total = CAST(0)
+    for p in range(start, stop):
+        total += CAST(size[b, members[s, p], 0])
+    if cuda.threadIdx.x == 0:
+        size_out[b, o, 0] = total
+    for c in range(cuda.threadIdx.x, x.shape[2], cuda.blockDim.x):
+        acc = CAST(0)
         for p in range(start, stop):
-            total += CAST(size[b, members[s, p], 0])
-        if cuda.threadIdx.x == 0:
-            size_out[b, o, 0] = total
-        for c in range(cuda.threadIdx.x, x.shape[2], cuda.blockDim.x):
-            acc = CAST(0)
-            for p in range(start, stop):
-                m = members[s, p]
-                acc += CAST(x[b, m, c]) * CAST(size[b, m, 0])
-            out[b, o, c] = acc / total
-
-    return merge_wavg_kernel
+            m = members[s, p]
+            acc += CAST(x[b, m, c]) * CAST(size[b, m, 0])
+        out[b, o, c] = acc / total
 
 
 def build_unmerge(dtype):
-    """Kernel: ``out[b, p] = x[b, slot[p]]``."""
-
-    def unmerge_kernel(x, slot, out):
-        p = cuda.blockIdx.x
-        b = cuda.blockIdx.y
-        src = slot[0 if slot.shape[0] == 1 else b, p]
-        for c in range(cuda.threadIdx.x, x.shape[2], cuda.blockDim.x):
-            out[b, p, c] = x[b, src, c]
-
+    """Kernel: ``out[b, p] = x[b, slot[p]]`` (the same for every dtype)."""
     return unmerge_kernel
+
+
+@kernel
+def unmerge_kernel(x, slot, out):
+    p = cuda.blockIdx.x
+    b = cuda.blockIdx.y
+    src = slot[0 if slot.shape[0] == 1 else b, p]
+    for c in range(cuda.threadIdx.x, x.shape[2], cuda.blockDim.x):
+        out[b, p, c] = x[b, src, c]
 
 
 def _kernel(name, build, dtype, *config):
