@@ -316,3 +316,34 @@ def test_an_array_subclass_read_by_name_is_refused():
     q, k, v = _qkv(3)
     with pytest.raises(TypeError, match=r"'MASKED_IDS'.*MaskedArray"):
         attnnb.attention(q, k, v, mask_mod=reads_a_masked_array)
+
+
+_BY_PATH = """
+import importlib.util, sys
+import numpy as np, attnnb
+from attnnb import mods
+spec = importlib.util.spec_from_file_location("loaded_by_path", sys.argv[1])
+user = importlib.util.module_from_spec(spec)  # not in sys.modules, as exec'd code is not
+spec.loader.exec_module(user)
+q = np.random.default_rng(0).standard_normal((1, 2, 9, 4))
+if sys.argv[2] == "other first":  # another function compiled first: Numba's ids move on
+    attnnb.attention(q, q, q, score_mod=mods.softcap(3.0), backend="cpu")
+out = attnnb.attention(q, q, q, score_mod=user.tilted, backend="cpu")
+print("sum", float(out.sum()))
+"""
+
+
+def test_a_function_from_a_module_loaded_by_path_loads_from_the_disk_cache(tmp_path):
+    """A kernel inlining a function whose module Python cannot import again (loaded by
+    path, not in ``sys.modules``) is loaded from the disk cache by a later process that
+    compiled other functions first (it failed naming the module ``<dynamic>``)."""
+    (tmp_path / "user.py").write_text("def tilted(s, b, h, i, j):\n    return s + 0.5 * h\n")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), ATTNNB_FIRST_TIER="0",
+               PYTHONPATH=os.getcwd())
+    sums = []
+    for order in ("alone", "other first"):
+        done = subprocess.run([sys.executable, "-c", _BY_PATH, str(tmp_path / "user.py"), order],
+                              env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        sums.append(done.stdout.split("sum")[-1])
+    assert sums[0] == sums[1]

@@ -141,7 +141,7 @@ def _leaf_call(callee: Callable, head: str, offset: int, n: int, before: range =
         own_grads = ", (" + "".join(f"grads[{offset + n_}], " for n_ in range(n)) + ")"
     params = head + (", grads" if grads else "") + ", args"
     source = f"def leaf({params}):\n    return callee({read}{head}{own_grads}{arrays})\n"
-    scope = {"callee": callee}
+    scope = {"callee": callee, "__name__": __name__}  # (an importable module: reads._importable)
     exec(source, scope)  # noqa: S102 - the text above, with integers only
     return scope["leaf"]
 
@@ -181,7 +181,7 @@ def _shifted(inner: Callable, head: str, offset: int):
     shifted = (head.replace("b, h, i, j", "b + o[0], h + o[1], i + o[2], j + o[3]"))
     source = (f"def at({head}, args):\n    o = args[{offset}]\n"
               f"    return inner({shifted}, args)\n")
-    scope = {"inner": inner}
+    scope = {"inner": inner, "__name__": __name__}
     exec(source, scope)  # noqa: S102 - the text above, with an integer only
     return scope["at"]
 
@@ -305,7 +305,7 @@ def grad_views(n: int, target: Target = CPU):
     found = _views.get(key)
     if found is None:
         body = "".join(f"mod_grads[{m}][slot], " for m in range(n))
-        scope: dict = {}
+        scope: dict = {"__name__": __name__}
         exec(f"def views(mod_grads, slot):\n    return ({body})\n", scope)  # noqa: S102
         found = _views[key] = target.decorate(scope["views"])
     return found

@@ -38,6 +38,7 @@ import functools
 import hashlib
 import inspect
 import linecache
+import sys
 import textwrap
 import threading
 import types
@@ -120,6 +121,17 @@ def _as_array(value: Any) -> np.ndarray | None:
     return None
 
 
+def _importable(fn: types.FunctionType) -> types.FunctionType:
+    """``fn`` (a copy) named after a module Python can import: Numba names a compiled
+    function's environment after its module and imports that module again when a cached
+    kernel that inlines the function is loaded in another process, so a function from a
+    module loaded by path (not in ``sys.modules``) or made by ``exec`` takes this
+    module's name (its code and what it reads are unchanged)."""
+    if sys.modules.get(fn.__module__) is None:
+        fn.__module__ = __name__
+    return fn
+
+
 class Node:
     """What one function reads at one moment (:func:`snapshot`).
 
@@ -160,7 +172,7 @@ class Node:
         helpers = {n: h.compiled(decorate) for n, h in self.helpers.items()}
         plain = (self._rebuilt(helpers) if self.slots
                  else self._rebound({**self.constants, **helpers}))
-        found = decorate(plain)
+        found = decorate(_importable(plain))
         with _lock:
             _built.setdefault(memo_key, found)
         return found
